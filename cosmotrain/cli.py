@@ -1,0 +1,164 @@
+"""The ``cosmotrain`` command line (Typer).
+
+Thin by design: parse arguments, load the config, call the library, and map errors to exit
+codes.  A :class:`~cosmotrain.errors.UserError` prints one line and exits 2 with no
+traceback; any other exception prints its traceback and aborts the whole MPI job, so a
+failure on one rank never leaves the others hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cosmotrain.errors import EXIT_USER_ERROR, UserError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Hybrid-parallel training of 3D CNNs (CosmoFlow, 3D ResNet) on large volumes.",
+)
+
+ConfigOption = Annotated[Optional[Path], typer.Option(
+    "--config", "-c", help="YAML config file (see configs/).")]
+SetOption = Annotated[Optional[list[str]], typer.Option(
+    "--set", "-s", help="Override a config key: --set train.batch_size=8 (repeatable).")]
+
+
+class Layout(str, Enum):
+    channels_last = "channels-last"
+    channels_first = "channels-first"
+
+
+class DType(str, Enum):
+    int16 = "int16"
+    float32 = "float32"
+
+
+@app.command()
+def info(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+    """Versions, MPI library, world size, rank -> host layout, GPUs, cupy / cuDNN."""
+    from cosmotrain.comm import world
+    from cosmotrain.info import gather_info
+    from cosmotrain.info_report import render_info
+
+    report = gather_info(world())
+    if report is None:
+        return
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        render_info(report)
+
+
+@app.command()
+def config(
+    config_file: ConfigOption = None,
+    overrides: SetOption = None,
+    ranks: Annotated[Optional[int], typer.Option(
+        help="Check the parallel section for this many ranks (default: this job's size).",
+        min=1)] = None,
+    reference: Annotated[bool, typer.Option(
+        "--reference", help="Print the reference of every config key and exit.")] = False,
+) -> None:
+    """Validate a config (with --set overrides) and print it fully resolved."""
+    from cosmotrain.config import dump_yaml, load_config, resolve_parallel
+    from cosmotrain.config.reference import reference_markdown
+
+    if reference:
+        print(reference_markdown())
+        return
+    cfg = load_config(config_file, overrides or [])
+    world_size = ranks if ranks is not None else _world_size()
+    layout = resolve_parallel(cfg, world_size)
+    if _rank() == 0:
+        print(f"# strategy {layout.describe()} on {world_size} rank(s)")
+        print(dump_yaml(cfg), end="")
+
+
+@app.command()
+def datagen(
+    out: Annotated[Path, typer.Option(help="Output directory of the dataset.")],
+    samples: Annotated[int, typer.Option(help="Number of samples (train + validation).")] = 64,
+    width: Annotated[int, typer.Option(help="Cube width W: samples are 4 x W^3.")] = 64,
+    seed: Annotated[int, typer.Option(help="Seed: same seed, same data, at any rank count.")] = 1,
+    layout: Annotated[Layout, typer.Option(
+        help="channels-last [W,W,W,4] (original) or channels-first [4,W,W,W] (LBANN).")]
+    = Layout.channels_last,
+    dtype: Annotated[DType, typer.Option(help="int16 particle counts or float32.")]
+    = DType.int16,
+    val_fraction: Annotated[float, typer.Option(
+        help="Fraction of the samples held out for validation.")] = 0.125,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing dataset in --out.")]
+    = False,
+) -> None:
+    """Write a synthetic CosmoFlow dataset (HDF5, one file per sample) with learnable labels."""
+    from cosmotrain.comm import world
+    from cosmotrain.console import progress
+    from cosmotrain.data.datagen import generate_dataset
+
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mine = len(range(rank, samples, size)) if samples > 0 else 0
+    with progress(mine, f"datagen (rank 0 of {size})", rank) as update:
+        manifest = generate_dataset(out, samples, width, seed, layout=layout.value,
+                                    dtype=dtype.value, val_fraction=val_fraction,
+                                    overwrite=overwrite, comm=comm, progress=update)
+    if rank == 0:
+        counts = ", ".join(f"{split}: {manifest['splits'][split]['count']}"
+                           for split in manifest["splits"])
+        print(f"wrote {samples} samples of 4 x {width}^3 ({counts}) to {out}")
+
+
+def _world_size() -> int:
+    from cosmotrain.comm import world
+
+    return world().Get_size()
+
+
+def _rank() -> int:
+    from cosmotrain.comm import world
+
+    return world().Get_rank()
+
+
+def report_user_error(err: UserError) -> None:
+    """Print the one-line message; a rank-local error then aborts the whole job."""
+    from cosmotrain.comm import abort_job
+
+    collective = getattr(err, "collective", True)
+    if not collective or _rank_if_initialised() == 0:
+        print(f"cosmotrain: error: {err}", file=sys.stderr, flush=True)
+    if not collective:
+        abort_job(EXIT_USER_ERROR)
+
+
+def _rank_if_initialised() -> int:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return 0
+    return MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else 0
+
+
+def main() -> None:
+    """Console-script entry point with the error-to-exit-code mapping."""
+    from cosmotrain.comm import abort_job
+
+    try:
+        app()
+    except UserError as err:
+        report_user_error(err)
+        sys.exit(EXIT_USER_ERROR)
+    except Exception:  # noqa: BLE001 - a bug: show it, and never leave other ranks hanging
+        traceback.print_exc()
+        sys.stderr.flush()
+        abort_job(1)
+        sys.exit(1)

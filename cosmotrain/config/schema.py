@@ -1,0 +1,114 @@
+"""The configuration schema: one dataclass per YAML section.
+
+Every key is declared once, here, with its type, default, allowed values or range and a
+one-line description.  The loader (``load.py``) validates YAML and ``--set`` overrides
+against these declarations, so error messages can always name the key path and the fix,
+and the README's config reference is generated from the same source
+(``cosmotrain config --reference``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+AUTO = "auto"
+
+
+def spec(default: Any, doc: str, *, choices: tuple[Any, ...] | None = None,
+         minimum: float | None = None, maximum: float | None = None,
+         exclusive_max: bool = False, nullable: bool = False, auto: bool = False) -> Any:
+    """Declare one config key: its default and the rules the loader enforces."""
+    meta = {"doc": doc, "choices": choices, "minimum": minimum, "maximum": maximum,
+            "exclusive_max": exclusive_max, "nullable": nullable, "auto": auto}
+    return field(default=default, metadata=meta)
+
+
+MODEL_NAMES = ("cosmoflow", "cosmoflow-mlperf", "resnet3d", "tiny")
+
+
+@dataclass
+class ModelConfig:
+    name: str = spec("cosmoflow", "network to train", choices=MODEL_NAMES)
+    width: int = spec(128, "input cube width W (the input is channels x W^3)", minimum=4)
+    channels: int = spec(4, "input channels (CosmoFlow: 4 redshift snapshots)", minimum=1)
+    outputs: int = spec(4, "regression targets (CosmoFlow: 4 cosmological parameters)", minimum=1)
+    dropout: float = spec(0.0, "dropout probability before each linear layer",
+                          minimum=0.0, maximum=1.0, exclusive_max=True)
+    batchnorm: bool = spec(False, "batch normalisation after each convolution")
+    leaky_slope: float | None = spec(None, "LeakyReLU negative slope; null = the model's own "
+                                     "(cosmoflow 0.01 as in the paper, cosmoflow-mlperf 0.3, "
+                                     "tiny 0.01; resnet3d uses ReLU)",
+                                     minimum=0.0, maximum=1.0, nullable=True)
+    block: str = spec("basic", "resnet3d residual block type", choices=("basic", "bottleneck"))
+    depth: int = spec(18, "resnet3d depth", choices=(10, 18, 34, 50, 101))
+    base_channels: int = spec(16, "resnet3d channels of the first stage", minimum=1)
+
+
+@dataclass
+class SyntheticConfig:
+    samples: int = spec(64, "samples generated when data.source is synthetic", minimum=2)
+    seed: int = spec(1, "seed of the synthetic universes", minimum=0)
+    val_fraction: float = spec(0.125, "fraction of synthetic samples held out for validation",
+                               minimum=0.0, maximum=1.0, exclusive_max=True)
+
+
+@dataclass
+class DataConfig:
+    source: str = spec("files", "where samples come from: a dataset directory (files) or the "
+                       "built-in generator (synthetic, written under output.dir/data)",
+                       choices=("files", "synthetic"))
+    path: str | None = spec(None, "dataset directory (with manifest.json) when source is files",
+                            nullable=True)
+    reader: str = spec("preload", "preload (dataset held in the job's memory) or direct "
+                       "(each rank reads its sub-volume every step)",
+                       choices=("preload", "direct"))
+    transform: str = spec("log1p", "input transform: log(1+x), divide by the mean, or none",
+                          choices=("log1p", "mean", "none"))
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+
+@dataclass
+class ParallelConfig:
+    sample: int | str = spec(AUTO, "sample groups (data parallelism); auto takes the ranks "
+                             "left over by the other dimensions", minimum=1, auto=True)
+    channel: int = spec(1, "ways input channels of convolutions are split", minimum=1)
+    filter: int = spec(1, "ways filters (output channels) of convolutions are split", minimum=1)
+    depth: int = spec(1, "ways the depth (D) dimension is split", minimum=1)
+    height: int = spec(1, "ways the height (H) dimension is split", minimum=1)
+    width: int = spec(1, "ways the width (W) dimension is split", minimum=1)
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = spec(4, "global mini-batch size (split over the sample groups)", minimum=1)
+    epochs: int = spec(1, "passes over the training set", minimum=1)
+    max_steps: int | None = spec(None, "stop after this many steps (overrides epochs when "
+                                 "reached first)", minimum=1, nullable=True)
+    seed: int = spec(0, "seed of initialisation, data order and dropout", minimum=0)
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = spec("adam", "optimizer", choices=("adam", "sgd"))
+    lr: float = spec(1e-3, "learning rate", minimum=0.0)
+    momentum: float = spec(0.9, "SGD momentum", minimum=0.0, maximum=1.0, exclusive_max=True)
+    weight_decay: float = spec(0.0, "L2 weight decay", minimum=0.0)
+    beta1: float = spec(0.9, "Adam beta1", minimum=0.0, maximum=1.0, exclusive_max=True)
+    beta2: float = spec(0.999, "Adam beta2", minimum=0.0, maximum=1.0, exclusive_max=True)
+    eps: float = spec(1e-8, "Adam epsilon", minimum=0.0)
+
+
+@dataclass
+class OutputConfig:
+    dir: str = spec("runs/default", "output directory (resolved config, metrics, checkpoints)")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)

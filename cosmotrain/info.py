@@ -1,0 +1,96 @@
+"""``cosmotrain info``: versions, MPI library, rank -> host layout and GPU availability.
+
+Collected on every rank (hostnames and visible GPUs differ per node) and gathered to
+rank 0, so the report shows the job's real layout under ``mpiexec`` or ``srun``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import shutil
+import socket
+import subprocess
+from typing import Any
+
+import cosmotrain
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of cosmotrain, Python and the core dependencies."""
+    versions = {"cosmotrain": cosmotrain.__version__, "python": platform.python_version()}
+    for name in ("numpy", "mpi4py", "h5py", "typer", "rich", "yaml"):
+        versions[name] = _module_version(name)
+    return versions
+
+
+def _module_version(name: str) -> str:
+    distribution = {"yaml": "PyYAML"}.get(name, name)
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def mpi_library() -> str:
+    """First line of the MPI library's version string (e.g. ``MPICH Version: 4.2``)."""
+    from mpi4py import MPI
+
+    return MPI.Get_library_version().strip().splitlines()[0].strip()
+
+
+def visible_gpus() -> list[str]:
+    """GPUs this process can see, from ``nvidia-smi -L`` (empty when there is none)."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.startswith("GPU")]
+
+
+def gpu_libraries() -> dict[str, str]:
+    """Availability of cupy (and its device count) and of the cuDNN frontend."""
+    return {"cupy": _cupy_status(), "cudnn": _cudnn_status()}
+
+
+def _cupy_status() -> str:
+    try:
+        import cupy  # type: ignore[import-not-found]
+
+        count = cupy.cuda.runtime.getDeviceCount()
+        return f"{cupy.__version__} ({count} device(s))"
+    except ImportError:
+        return "not installed"
+    except Exception as err:  # noqa: BLE001 - a broken CUDA install must not crash info
+        return f"installed, unusable: {str(err).splitlines()[0]}"
+
+
+def _cudnn_status() -> str:
+    try:
+        import cudnn  # type: ignore[import-not-found]
+
+        return f"frontend {getattr(cudnn, '__version__', '?')}, backend {cudnn.backend_version()}"
+    except ImportError:
+        return "not installed"
+    except Exception as err:  # noqa: BLE001
+        return f"installed, unusable: {str(err).splitlines()[0]}"
+
+
+def rank_record(rank: int) -> dict[str, Any]:
+    """What one rank reports about itself."""
+    return {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "gpus": len(visible_gpus())}
+
+
+def gather_info(comm: Any) -> dict[str, Any] | None:
+    """The full report on rank 0 (None on the other ranks)."""
+    records = comm.gather(rank_record(comm.Get_rank()), root=0)
+    if comm.Get_rank() != 0:
+        return None
+    return {"versions": package_versions(), "mpi_library": mpi_library(),
+            "world_size": comm.Get_size(), "ranks": records, "gpus": visible_gpus(),
+            "gpu_libraries": gpu_libraries()}

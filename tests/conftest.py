@@ -1,0 +1,50 @@
+"""Shared test helpers: run the CLI in-process and find the environment's mpiexec."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def mpiexec() -> str:
+    """The mpiexec beside this Python (the mpich wheel) or on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if found is None:
+        pytest.skip("mpiexec not found: pip install -e '.[test]' installs the mpich wheel")
+    return found
+
+
+def subprocess_env() -> dict[str, str]:
+    """Environment for child processes: the venv's bin first, one BLAS thread per rank."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    return env
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+        ) -> Callable[..., tuple[int, str, str]]:
+    """``cli("config", "--set", "x=1") -> (exit code, stdout, stderr)``, in-process."""
+    from cosmotrain.cli import main
+
+    def run(*args: str) -> tuple[int, str, str]:
+        monkeypatch.setattr(sys, "argv", ["cosmotrain", *args])
+        code = 0
+        try:
+            main()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
