@@ -1,0 +1,82 @@
+"""ProcessGrid: a Cartesian communicator over (sample, channel, filter, depth, height, width).
+
+Ranks are laid out row-major with ``sample`` slowest, so the spatial blocks of one sample
+(and its channel/filter groups) are consecutive ranks: with block placement by the
+launcher they share a node, and the halo traffic stays on it.  Every sub-communicator a
+layer may need is created up front, collectively, so no rank can ever wait in a ``Sub``
+that another rank skipped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from cosmotrain.config.parallel import ParallelLayout
+
+AXES = ("sample", "channel", "filter", "depth", "height", "width")
+SPATIAL = ("depth", "height", "width")
+# Groups of axes with a sub-communicator each: ranks that differ only along these axes.
+GROUPS = {
+    "spatial": SPATIAL,  # the blocks of one sample (same sample, channel, filter)
+    "data": ("sample",) + SPATIAL,  # replicas of an unsplit parameter's block
+    "channel_filter": ("channel", "filter"),  # the weight blocks of one layer
+    "world": AXES,
+}
+
+
+class ProcessGrid:
+    """The job's ranks as a 6-D Cartesian grid, with its sub-communicators."""
+
+    def __init__(self, comm: Any, layout: ParallelLayout) -> None:
+        self.shape = (layout.sample, layout.channel, layout.filter, *layout.spatial)
+        if comm.Get_size() != math.prod(self.shape):
+            raise ValueError(f"the grid {layout.describe()} needs {math.prod(self.shape)} "
+                             f"ranks, the communicator has {comm.Get_size()}")
+        self.layout = layout
+        self.cart = comm.Create_cart(list(self.shape), periods=[False] * len(AXES),
+                                     reorder=False)
+        self.rank = self.cart.Get_rank()
+        self.coords = tuple(self.cart.Get_coords(self.rank))
+        self.axis_comms = {axis: self._sub((axis,)) for axis in AXES}
+        self.group_comms = {name: self._sub(axes) for name, axes in GROUPS.items()}
+
+    def _sub(self, axes: Sequence[str]) -> Any:
+        return self.cart.Sub([axis in axes for axis in AXES])
+
+    def coord(self, axis: str) -> int:
+        return self.coords[AXES.index(axis)]
+
+    def ways(self, axis: str) -> int:
+        return self.shape[AXES.index(axis)]
+
+    @property
+    def spatial_coords(self) -> tuple[int, int, int]:
+        return tuple(self.coord(axis) for axis in SPATIAL)  # type: ignore[return-value]
+
+    @property
+    def spatial_shape(self) -> tuple[int, int, int]:
+        return tuple(self.ways(axis) for axis in SPATIAL)  # type: ignore[return-value]
+
+    def spatial_neighbour(self, offset: Sequence[int]) -> int | None:
+        """Rank (in ``cart``) at ``offset`` in (depth, height, width), None off the grid."""
+        coords = list(self.coords)
+        for axis, step in zip(SPATIAL, offset):
+            i = AXES.index(axis)
+            coords[i] += step
+            if not 0 <= coords[i] < self.shape[i]:
+                return None
+        return self.cart.Get_cart_rank(coords)
+
+    def spatial_offsets(self) -> Iterator[tuple[int, int, int]]:
+        """The 26 neighbour offsets in {-1, 0, 1}^3 minus the origin (fixed order)."""
+        for offset in itertools.product((-1, 0, 1), repeat=3):
+            if any(offset):
+                yield offset  # type: ignore[misc]
+
+    def free(self) -> None:
+        """Release the communicators (collective)."""
+        for comm in [*self.axis_comms.values(), *self.group_comms.values(), self.cart]:
+            comm.Free()
