@@ -1,0 +1,73 @@
+"""Batch normalisation split at its reductions.
+
+Forward and backward each need per-channel sums over (N, D, H, W).  A distributed layer
+computes the local sums with :func:`bn_local_sums` / :func:`bn_backward_local_sums`,
+allreduces them over the ranks sharing a sample (and optionally the samples), and then
+applies :func:`bn_normalize` / :func:`bn_backward_apply` with the global statistics.  On
+one process the reduction is the identity.  Sums are accumulated in float64, so the
+statistics do not depend on how the volume is partitioned beyond float32 rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cosmotrain.backend import array_module
+
+_AXES = (0, 2, 3, 4)
+
+
+def _per_channel(v: Any, ndim: int) -> Any:
+    return v.reshape((1, -1) + (1,) * (ndim - 2))
+
+
+def bn_local_sums(x: Any) -> Any:
+    """Per-channel [sum, sum of squares, count] of a local block, float64, shape (3, C)."""
+    xp = array_module(x)
+    count = x.size // x.shape[1]
+    sums = x.sum(axis=_AXES, dtype=xp.float64)
+    squares = xp.einsum("ncdhw,ncdhw->c", x, x, dtype=xp.float64)
+    return xp.stack([sums, squares, xp.full_like(sums, count)])
+
+
+def bn_statistics(sums: Any) -> tuple[Any, Any]:
+    """Mean and biased variance from globally reduced :func:`bn_local_sums`."""
+    total, squares, count = sums
+    mean = total / count
+    var = squares / count - mean * mean
+    return mean, var.clip(min=0.0)
+
+
+def bn_normalize(x: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float
+                 ) -> tuple[Any, Any, Any]:
+    """Return (y, xhat, inv_std): y = gamma * xhat + beta, xhat = (x - mean) * inv_std."""
+    xp = array_module(x)
+    inv_std = (1.0 / xp.sqrt(var + eps)).astype(x.dtype)
+    xhat = x - _per_channel(mean.astype(x.dtype), x.ndim)
+    xhat *= _per_channel(inv_std, x.ndim)
+    y = xhat * _per_channel(gamma, x.ndim)
+    y += _per_channel(beta, x.ndim)
+    return y, xhat, inv_std
+
+
+def bn_backward_local_sums(dy: Any, xhat: Any) -> Any:
+    """Per-channel [sum(dy), sum(dy * xhat)] of a local block, float64, shape (2, C).
+
+    They are also dbeta and dgamma (before their reduction over the ranks)."""
+    xp = array_module(dy)
+    sum_dy = dy.sum(axis=_AXES, dtype=xp.float64)
+    sum_dy_xhat = xp.einsum("ncdhw,ncdhw->c", dy, xhat, dtype=xp.float64)
+    return xp.stack([sum_dy, sum_dy_xhat])
+
+
+def bn_backward_apply(dy: Any, xhat: Any, gamma: Any, inv_std: Any, sums: Any, count: float
+                      ) -> Any:
+    """dx = gamma * inv_std * (dy - mean(dy) - xhat * mean(dy * xhat)), global means."""
+    mean_dy = (sums[0] / count).astype(dy.dtype)
+    mean_dy_xhat = (sums[1] / count).astype(dy.dtype)
+    dx = xhat * _per_channel(mean_dy_xhat, dy.ndim)
+    dx += _per_channel(mean_dy, dy.ndim)
+    xp = array_module(dy)
+    xp.subtract(dy, dx, out=dx)
+    dx *= _per_channel(gamma * inv_std, dy.ndim)
+    return dx

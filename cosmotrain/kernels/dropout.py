@@ -1,0 +1,72 @@
+"""Dropout masks that are a pure function of (seed, step, layer, global element index).
+
+The mask of an element depends on its position in the *global* tensor, never on which
+rank holds it, so every partitioning of the batch or the volume draws the same mask (the
+invariant of DESIGN.md).  The generator is a counter-based hash (the splitmix64
+finaliser) evaluated on the global linear index: no state, no sequence to keep in step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from cosmotrain.backend import array_module
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(z: Any) -> Any:
+    """splitmix64 finaliser on uint64 arrays (wrapping arithmetic)."""
+    z = z ^ (z >> np.uint64(30))
+    z = z * np.uint64(0xBF58476D1CE4E5B9)
+    z = z ^ (z >> np.uint64(27))
+    z = z * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def stream_key(seed: int, step: int, salt: int) -> np.uint64:
+    """A 64-bit key for one (seed, step, layer) stream."""
+    with np.errstate(over="ignore"):
+        key = np.uint64(seed & (2**64 - 1))
+        for word in (step, salt):
+            key = _mix(np.asarray(key + _GOLDEN * np.uint64(word + 1)))[()]
+    return np.uint64(key)
+
+
+def global_linear_index(local_shape: Sequence[int], offset: Sequence[int],
+                        global_shape: Sequence[int], xp: Any = np) -> Any:
+    """Row-major index in the global tensor of every element of a local block."""
+    index = xp.zeros((1,) * len(local_shape), dtype=xp.uint64)
+    for axis, (n, start, total) in enumerate(zip(local_shape, offset, global_shape)):
+        shape = [1] * len(local_shape)
+        shape[axis] = n
+        coord = xp.arange(start, start + n, dtype=xp.uint64).reshape(shape)
+        index = index * xp.uint64(total) + coord
+    return index
+
+
+def dropout_keep_mask(local_shape: Sequence[int], offset: Sequence[int],
+                      global_shape: Sequence[int], p: float, seed: int, step: int, salt: int,
+                      xp: Any = np) -> Any:
+    """Boolean mask (True = keep) for a local block at ``offset`` of ``global_shape``."""
+    index = global_linear_index(local_shape, offset, global_shape, xp)
+    key = stream_key(seed, step, salt)
+    with np.errstate(over="ignore"):
+        bits = _mix(index * _GOLDEN + key)
+    uniform = (bits >> np.uint64(11)).astype(xp.float64) * (1.0 / 2**53)
+    return uniform >= p
+
+
+def dropout_forward(x: Any, keep: Any, p: float) -> Any:
+    """Inverted dropout: kept elements scaled by 1 / (1 - p)."""
+    xp = array_module(x)
+    scale = x.dtype.type(1.0 / (1.0 - p))
+    return xp.where(keep, x * scale, x.dtype.type(0))
+
+
+def dropout_backward(dy: Any, keep: Any, p: float) -> Any:
+    """The same mask and scale applied to the gradient."""
+    return dropout_forward(dy, keep, p)

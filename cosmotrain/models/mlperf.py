@@ -1,0 +1,48 @@
+"""The MLPerf HPC CosmoFlow reference network (REFERENCE.md, ``cosmoflow-mlperf``).
+
+Five [conv k3 'same' (32, 64, 128, 256, 512 filters, with bias) -> LeakyReLU(0.3) ->
+max-pool 2] blocks, flatten (32,768 at 128^3) -> fc1 128 -> LeakyReLU -> dropout -> fc2 64
+-> LeakyReLU -> dropout -> fc3 4 -> 1.2 * tanh.  8,907,556 parameters at W = 128.
+Keras defaults: Glorot-uniform weights, zero biases.
+"""
+
+from __future__ import annotations
+
+from cosmotrain.nn import factory
+from cosmotrain.nn.containers import Sequential
+from cosmotrain.nn.init import Initializer, constant, glorot_uniform
+from cosmotrain.nn.layers import (Dropout, Flatten, LeakyReLU, Pool3d, ScaledTanh,
+                                  symmetric_padding)
+from cosmotrain.nn.module import Layer
+
+CONV_CHANNELS = (32, 64, 128, 256, 512)
+DEFAULT_SLOPE = 0.3
+
+
+def build_mlperf(width: int, channels: int = 4, outputs: int = 4, dropout: float = 0.0,
+                 batchnorm: bool = False, slope: float = DEFAULT_SLOPE) -> Sequential:
+    layers: list[Layer] = []
+    cin = channels
+    for i, cout in enumerate(CONV_CHANNELS, start=1):
+        layers.append(factory.conv(f"conv{i}", cin, cout, 3, 1, 1, bias=not batchnorm))
+        if batchnorm:
+            layers.append(factory.batchnorm(f"bn{i}", cout))
+        layers.append(LeakyReLU(name=f"act{i}", slope=slope))
+        layers.append(Pool3d(name=f"pool{i}", mode="max", kernel=(2, 2, 2), stride=(2, 2, 2),
+                             padding=symmetric_padding(0)))
+        cin = cout
+    flat = Sequential(items=list(layers)).output_shape((1, channels, width, width, width))
+    features = flat[1] * flat[2] * flat[3] * flat[4]
+    head: list[Layer] = [Flatten(name="flatten")]
+    for i, (fin, fout) in enumerate([(features, 128), (128, 64)], start=1):
+        head += [factory.linear(f"fc{i}", fin, fout), LeakyReLU(name=f"act_fc{i}", slope=slope)]
+        if dropout > 0:
+            head.append(Dropout(name=f"drop{i}", p=dropout))
+    head += [factory.linear("fc3", 64, outputs), ScaledTanh(name="out", scale=1.2)]
+    return Sequential(name="", items=layers + head, needs_input_grad=False)
+
+
+def mlperf_init(name: str) -> Initializer:
+    if name.startswith("bn"):
+        return constant(1.0) if name.endswith("weight") else constant(0.0)
+    return glorot_uniform if name.endswith("weight") else constant(0.0)

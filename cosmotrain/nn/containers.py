@@ -1,0 +1,97 @@
+"""Composition: a sequence of layers and a residual block."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from cosmotrain.nn.module import Context, Layer
+
+
+@dataclass
+class Sequential(Layer):
+    """Layers applied in order; backward runs them in reverse.
+
+    Each layer's gradients are reported to ``ctx.on_grad_ready`` as soon as its backward
+    returns, which is what lets gradient reductions overlap the rest of backward.
+    """
+
+    items: list[Layer] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._propagate_input_grad()
+
+    def _propagate_input_grad(self) -> None:
+        if self.items:
+            self.items[0].needs_input_grad = self.needs_input_grad
+
+    def children(self) -> list[Layer]:
+        return list(self.items)
+
+    def forward(self, x: Any, ctx: Context) -> Any:
+        self._propagate_input_grad()
+        for layer in self.items:
+            x = layer.forward(x, ctx)
+        return x
+
+    def backward(self, dy: Any, ctx: Context) -> Any:
+        for layer in reversed(self.items):
+            dy = layer.backward(dy, ctx)
+            if ctx.on_grad_ready is not None and layer.params:
+                ctx.on_grad_ready(layer)
+        return dy
+
+    def output_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        for layer in self.items:
+            shape = layer.output_shape(shape)
+        return shape
+
+    def __getitem__(self, name: str) -> Layer:
+        for layer in self.items:
+            if layer.name == name:
+                return layer
+        raise KeyError(name)
+
+
+@dataclass
+class Residual(Layer):
+    """``post(body(x) + shortcut(x))``, torchvision-style names.
+
+    The body's layers are named directly under the block (``layer1.0.conv1.weight``) and
+    the projection shortcut, when there is one, is ``downsample`` (``layer1.0.downsample.0
+    .weight``), exactly as in torchvision's ResNet blocks.
+    """
+
+    body: Sequential = field(default_factory=Sequential)
+    shortcut: Sequential | None = None
+    post: Layer | None = None
+
+    def children(self) -> list[Layer]:
+        found: list[Layer] = [self.body]
+        if self.shortcut is not None:
+            found.append(self.shortcut)
+        if self.post is not None:
+            found.append(self.post)
+        return found
+
+    def forward(self, x: Any, ctx: Context) -> Any:
+        self.body.needs_input_grad = True
+        y = self.body.forward(x, ctx)
+        y += self.shortcut.forward(x, ctx) if self.shortcut is not None else x
+        return self.post.forward(y, ctx) if self.post is not None else y
+
+    def backward(self, dy: Any, ctx: Context) -> Any:
+        if self.post is not None:
+            dy = self.post.backward(dy, ctx)
+        if self.shortcut is not None:
+            dx_short = self.shortcut.backward(dy, ctx)
+        else:
+            dx_short = dy.copy() if self.needs_input_grad else None
+        dx = self.body.backward(dy, ctx)
+        if not self.needs_input_grad:
+            return None
+        dx += dx_short
+        return dx
+
+    def output_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return self.body.output_shape(shape)

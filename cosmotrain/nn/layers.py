@@ -1,0 +1,298 @@
+"""Single-process layers: thin wrappers that call the device kernels.
+
+The distributed layers of the tensor layer subclass these and change only what differs:
+the padding a convolution sees (halos replace it on split sides), where statistics and
+losses are reduced, and how a block is placed in the global tensor.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from cosmotrain.kernels import conv3d, pool3d
+from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
+from cosmotrain.kernels.batchnorm import (bn_backward_apply, bn_backward_local_sums,
+                                          bn_local_sums, bn_normalize, bn_statistics)
+from cosmotrain.kernels.dropout import dropout_backward, dropout_forward, dropout_keep_mask
+from cosmotrain.kernels.linear import (linear_backward_data, linear_backward_weight,
+                                       linear_forward)
+from cosmotrain.backend import array_module
+from cosmotrain.nn.module import Context, Layer, Parameter
+
+Triple = tuple[int, int, int]
+Padding = tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
+
+
+def triple(value: int | Triple) -> Triple:
+    return (value,) * 3 if isinstance(value, int) else tuple(value)  # type: ignore[return-value]
+
+
+def symmetric_padding(value: int | Triple) -> Padding:
+    d, h, w = triple(value)
+    return ((d, d), (h, h), (w, w))
+
+
+def window_output(size: int, kernel: int, stride: int, pad: tuple[int, int]) -> int:
+    """Output extent of a sliding window (convolution or pooling) along one dimension."""
+    return (size + pad[0] + pad[1] - kernel) // stride + 1
+
+
+@dataclass
+class Conv3d(Layer):
+    """3D cross-correlation, weight F x C x kD x kH x kW (PyTorch layout), optional bias."""
+
+    in_channels: int = 1
+    out_channels: int = 1
+    kernel: Triple = (3, 3, 3)
+    stride: Triple = (1, 1, 1)
+    padding: Padding = ((1, 1), (1, 1), (1, 1))
+    bias: bool = False
+
+    def forward(self, x: Any, ctx: Context) -> Any:
+        self._x = x
+        y = conv3d.conv3d_forward(x, self.params["weight"].data, self.stride,
+                                  self.conv_padding(x))
+        if self.bias:
+            y += self.params["bias"].data.reshape(1, -1, 1, 1, 1)
+        return y
+
+    def conv_padding(self, x: Any) -> Padding:
+        """Zero padding applied around ``x`` (the distributed layer swaps halos in)."""
+        return self.padding
+
+    def backward(self, dy: Any, ctx: Context) -> Any:
+        x, self._x = self._x, None
+        padding = self.conv_padding(x)
+        weight = self.params["weight"]
+        weight.accumulate(conv3d.conv3d_backward_filter(x, dy, weight.shape, self.stride,
+                                                        padding))
+        if self.bias:
+            self.params["bias"].accumulate(dy.sum(axis=(0, 2, 3, 4)))
+        if not self.needs_input_grad:
+            return None
+        return conv3d.conv3d_backward_data(dy, weight.data, x.shape, self.stride, padding)
+
+    def output_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        spatial = tuple(window_output(s, k, st, p) for s, k, st, p in
+                        zip(shape[2:], self.kernel, self.stride, self.padding))
+        return (shape[0], self.out_channels) + spatial
+
+
+@dataclass
+class Pool3d(Layer):
+    """Average (zero padding counted in the divisor) or max pooling."""
+
+    mode: str = "avg"
+    kernel: Triple = (3, 3, 3)
+    stride: Triple = (2, 2, 2)
+    padding: Padding = ((1, 1), (1, 1), (1, 1))
+
+    def pool_padding(self, x: Any) -> Padding:
+        return self.padding
+
+    def forward(self, x: Any, ctx: Context) -> Any:
+        padding = self.pool_padding(x)
+        self._x_shape, self._padding = x.shape, padding
+        if self.mode == "avg":
+            return pool3d.avg_pool3d_forward(x, self.kernel, self.stride, padding)
+        y, self._argmax = pool3d.max_pool3d_forward(x, self.kernel, self.stride, padding)
+        return y
+
+    def backward(self, dy: Any, ctx: Context) -> Any:
+        if not self.needs_input_grad:
+            return None
+        if self.mode == "avg":
+            return pool3d.avg_pool3d_backward(dy, self._x_shape, self.kernel, self.stride,
+                                              self._padding)
+        argmax, self._argmax = self._argmax, None
+        return pool3d.max_pool3d_backward(dy, argmax, self._x_shape, self.kernel,
+                                          self.stride, self._padding)
+
+    def output_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        spatial = tuple(window_output(s, k, st, p) for s, k, st, p in
+                        zip(shape[2:], self.kernel, self.stride, self.padding))
+        return shape[:2] + spatial
+
+
+@dataclass
+class LeakyReLU(Layer):
+    """In-place LeakyReLU (``slope=0`` is ReLU); keeps only its output for backward."""
+
+    slope: float = 0.01
+
+    def forward(self, x: Any, ctx: Context) -> Any:
+        self._y = leaky_relu_forward(x, self.slope, inplace=True)
+        return self._y
+
+    def backward(self, dy: Any, ctx: Context) -> Any:
+        y, self._y = self._y, None
+        return leaky_relu_backward(dy, y, self.slope, inplace=True)
+
+
+@dataclass
+class BatchNorm3d(Layer):
+    """Batch norm over (N, D, H, W) per channel; running statistics for evaluation.
+
+    ``reduce_sums`` is where the distributed layer allreduces the per-channel sums over
+    the ranks that share a sample (and optionally the samples); here it is the identity.
+    """
+
+    channels: int = 1
+    eps: float = 1e-5
+    momentum: float = 0.1
+
+    def reduce_sums(self, sums: Any) -> Any:
+        return sums
+
+    def forward(self, x: Any, ctx: Context) -> Any:
+        if not ctx.training:
+            y, _, _ = bn_normalize(x, self.buffers["running_mean"],
+                                   self.buffers["running_var"], self.params["weight"].data,
+                                   self.params["bias"].data, self.eps)
+            return y
+        sums = self.reduce_sums(bn_local_sums(x))
+        mean, var = bn_statistics(sums)
+        self._count = float(sums[2][0])
+        self._update_running(mean, var)
+        y, self._xhat, self._inv_std = bn_normalize(x, mean, var, self.params["weight"].data,
+                                                    self.params["bias"].data, self.eps)
+        return y
+
+    def _update_running(self, mean: Any, var: Any) -> None:
+        """PyTorch's rule: unbiased variance, exponential average with ``momentum``."""
+        unbiased = var * (self._count / max(self._count - 1.0, 1.0))
+        m = self.momentum
+        dtype = self.buffers["running_mean"].dtype
+        self.buffers["running_mean"] = ((1 - m) * self.buffers["running_mean"]
+                                        + m * mean).astype(dtype)
+        self.buffers["running_var"] = ((1 - m) * self.buffers["running_var"]
+                                       + m * unbiased).astype(dtype)
+        self.buffers["num_batches_tracked"] = self.buffers["num_batches_tracked"] + 1
+
+    def backward(self, dy: Any, ctx: Context) -> Any:
+        xhat, self._xhat = self._xhat, None
+        sums = self.reduce_sums(bn_backward_local_sums(dy, xhat))
+        gamma = self.params["weight"]
+        self.params["bias"].accumulate(sums[0].astype(dy.dtype))
+        gamma.accumulate(sums[1].astype(dy.dtype))
+        if not self.needs_input_grad:
+            return None
+        return bn_backward_apply(dy, xhat, gamma.data, self._inv_std, sums, self._count)
+
+
+@dataclass
+class Dropout(Layer):
+    """Inverted dropout whose mask depends only on (seed, step, layer, global index)."""
+
+    p: float = 0.5
+
+    def _salt(self) -> int:
+        return zlib.crc32(self.name.encode())
+
+    def block_geometry(self, x: Any, ctx: Context) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(offset, global shape) of the local block: local samples in the global batch."""
+        batch = ctx.global_batch if ctx.global_batch is not None else x.shape[0]
+        return (ctx.sample_offset,) + (0,) * (x.ndim - 1), (batch,) + x.shape[1:]
+
+    def forward(self, x: Any, ctx: Context) -> Any:
+        if not ctx.training or self.p == 0.0:
+            self._keep = None
+            return x
+        offset, global_shape = self.block_geometry(x, ctx)
+        self._keep = dropout_keep_mask(x.shape, offset, global_shape, self.p, ctx.seed,
+                                       ctx.step, self._salt(), array_module(x))
+        return dropout_forward(x, self._keep, self.p)
+
+    def backward(self, dy: Any, ctx: Context) -> Any:
+        keep, self._keep = self._keep, None
+        return dy if keep is None else dropout_backward(dy, keep, self.p)
+
+
+@dataclass
+class Flatten(Layer):
+    """(N, C, D, H, W) -> (N, C*D*H*W) in C, D, H, W order (PyTorch's flatten)."""
+
+    def forward(self, x: Any, ctx: Context) -> Any:
+        self._shape = x.shape
+        return x.reshape(x.shape[0], -1)
+
+    def backward(self, dy: Any, ctx: Context) -> Any:
+        return dy.reshape(self._shape)
+
+    def output_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        size = 1
+        for s in shape[1:]:
+            size *= s
+        return (shape[0], size)
+
+
+@dataclass
+class Linear(Layer):
+    """y = x W^T + b with W (out, in), PyTorch layout."""
+
+    in_features: int = 1
+    out_features: int = 1
+
+    def forward(self, x: Any, ctx: Context) -> Any:
+        self._x = x
+        bias = self.params.get("bias")
+        return linear_forward(x, self.params["weight"].data, bias.data if bias else None)
+
+    def backward(self, dy: Any, ctx: Context) -> Any:
+        x, self._x = self._x, None
+        dw, db = linear_backward_weight(x, dy)
+        self.params["weight"].accumulate(dw)
+        if "bias" in self.params:
+            self.params["bias"].accumulate(db)
+        if not self.needs_input_grad:
+            return None
+        return linear_backward_data(dy, self.params["weight"].data)
+
+    def output_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (shape[0], self.out_features)
+
+
+@dataclass
+class ScaledTanh(Layer):
+    """``scale * tanh(x)``: the MLPerf CosmoFlow output layer (scale 1.2)."""
+
+    scale: float = 1.2
+    _t: Any = field(default=None, repr=False)
+
+    def forward(self, x: Any, ctx: Context) -> Any:
+        self._t = array_module(x).tanh(x)
+        return self._t * x.dtype.type(self.scale)
+
+    def backward(self, dy: Any, ctx: Context) -> Any:
+        t, self._t = self._t, None
+        return dy * (1 - t * t) * dy.dtype.type(self.scale)
+
+
+@dataclass
+class GlobalAvgPool(Layer):
+    """Mean over (D, H, W): (N, C, D, H, W) -> (N, C, 1, 1, 1).
+
+    ``reduce_sums`` is where a spatially distributed layer sums over its spatial group.
+    """
+
+    def reduce_sums(self, sums: Any) -> Any:
+        return sums
+
+    def global_volume(self, x: Any) -> int:
+        return x.shape[2] * x.shape[3] * x.shape[4]
+
+    def forward(self, x: Any, ctx: Context) -> Any:
+        self._x_shape = x.shape
+        self._volume = self.global_volume(x)
+        sums = self.reduce_sums(x.sum(axis=(2, 3, 4), keepdims=True))
+        return sums / x.dtype.type(self._volume)
+
+    def backward(self, dy: Any, ctx: Context) -> Any:
+        xp = array_module(dy)
+        scaled = dy / dy.dtype.type(self._volume)
+        return xp.broadcast_to(scaled, self._x_shape).copy()
+
+    def output_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return shape[:2] + (1, 1, 1)

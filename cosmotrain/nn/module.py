@@ -1,0 +1,98 @@
+"""The building blocks of the network engine: parameters, the layer protocol, the context.
+
+Layers have explicit ``forward`` and ``backward`` methods (no autograd tape): a layer keeps
+exactly what its backward needs, frees it after backward, and computes the input gradient
+only when asked (``needs_input_grad``), so the first convolution never pays for a dgrad.
+Parameter names follow PyTorch's ``state_dict`` keys (``conv1.weight``,
+``layer1.0.bn1.bias``), so weights move between cosmotrain and an equivalent ``torch.nn``
+model unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Parameter:
+    """A trainable array with its gradient (``grad`` is None until backward sets it)."""
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+        self.grad: Any = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    def accumulate(self, grad: Any) -> None:
+        """Set or add ``grad`` (a parameter used twice accumulates both contributions)."""
+        if self.grad is None:
+            self.grad = grad
+        else:
+            self.grad += grad
+
+
+@dataclass
+class Context:
+    """Per-step information a layer may need beyond its input.
+
+    ``sample_offset`` / ``global_batch`` place the local samples in the global mini-batch
+    so that dropout masks do not depend on the rank layout.  ``on_grad_ready`` is called
+    with each layer as soon as its parameter gradients are final; the distributed trainer
+    uses it to start gradient reductions while backward continues.
+    """
+
+    training: bool = True
+    step: int = 0
+    seed: int = 0
+    sample_offset: int = 0
+    global_batch: int | None = None
+    on_grad_ready: Callable[[Layer], None] | None = None
+
+
+@dataclass
+class Layer:
+    """Base class: subclasses implement ``forward``/``backward`` and declare ``params``."""
+
+    name: str = ""
+    params: dict[str, Parameter] = field(default_factory=dict)
+    buffers: dict[str, Any] = field(default_factory=dict)
+    needs_input_grad: bool = True
+
+    def forward(self, x: Any, ctx: Context) -> Any:
+        raise NotImplementedError
+
+    def backward(self, dy: Any, ctx: Context) -> Any:
+        raise NotImplementedError
+
+    def children(self) -> list[Layer]:
+        """Sub-layers (containers override); leaves have none."""
+        return []
+
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+        """``(dotted name, parameter)`` in a stable order, PyTorch-style names."""
+        base = f"{prefix}{self.name}." if self.name else prefix
+        for key, param in self.params.items():
+            yield base + key, param
+        for child in self.children():
+            yield from child.named_parameters(base)
+
+    def named_buffers(self, prefix: str = "") -> Iterator[tuple[str, Layer, str]]:
+        """``(dotted name, owning layer, key)`` of non-trainable state (BN running stats)."""
+        base = f"{prefix}{self.name}." if self.name else prefix
+        for key in self.buffers:
+            yield base + key, self, key
+        for child in self.children():
+            yield from child.named_buffers(base)
+
+    def layers(self) -> Iterator[Layer]:
+        """This layer and every layer below it, depth first."""
+        yield self
+        for child in self.children():
+            yield from child.layers()
+
+    def output_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Shape of the output for an input of ``shape`` (element-wise layers keep it)."""
+        return shape

@@ -1,0 +1,57 @@
+"""Per-layer wall-clock timing of forward and backward (benchmarks, trainer metrics).
+
+Wraps the leaf layers' ``forward``/``backward`` of a model instance in timers; the model
+itself is unchanged and :meth:`LayerTimer.remove` restores it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+from cosmotrain.nn.module import Layer
+
+
+class LayerTimer:
+    """Accumulates seconds per (layer name, phase) while installed on a model."""
+
+    def __init__(self, model: Layer) -> None:
+        self.seconds: dict[tuple[str, str], float] = defaultdict(float)
+        self._wrapped: list[Layer] = []
+        for prefix, layer in _named_leaves(model):
+            self._wrap(prefix, layer)
+
+    def _wrap(self, name: str, layer: Layer) -> None:
+        for phase in ("forward", "backward"):
+            original = getattr(layer, phase)
+            setattr(layer, phase, self._timed(name, phase, original))
+        self._wrapped.append(layer)
+
+    def _timed(self, name: str, phase: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any) -> Any:
+            start = time.perf_counter()
+            result = call(*args)
+            self.seconds[(name, phase)] += time.perf_counter() - start
+            return result
+
+        return timed
+
+    def remove(self) -> None:
+        for layer in self._wrapped:
+            for phase in ("forward", "backward"):
+                layer.__dict__.pop(phase, None)
+        self._wrapped.clear()
+
+    def reset(self) -> None:
+        self.seconds.clear()
+
+
+def _named_leaves(layer: Layer, prefix: str = "") -> list[tuple[str, Layer]]:
+    name = f"{prefix}{layer.name}" if layer.name else prefix.rstrip(".")
+    children = layer.children()
+    if not children:
+        return [(name, layer)]
+    base = f"{name}." if name else ""
+    return [leaf for child in children for leaf in _named_leaves(child, base)]

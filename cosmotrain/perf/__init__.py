@@ -1,0 +1,1 @@
+"""Performance model: FLOP and memory arithmetic (the planner builds on it)."""

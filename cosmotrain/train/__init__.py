@@ -1,0 +1,1 @@
+"""Training: optimizers (and, with the trainer issue, schedules, the loop, checkpoints)."""

@@ -1,0 +1,97 @@
+"""SGD with momentum and Adam, numerically identical to ``torch.optim``.
+
+State is kept per parameter *name*, so a checkpoint stores it under the same keys as the
+parameters and a distributed run can keep only the state of the blocks it owns.  Weight
+decay is L2 (added to the gradient), as in ``torch.optim.SGD`` / ``torch.optim.Adam``.
+Updates are in place and in the parameter's dtype (float32).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cosmotrain.backend import array_module
+from cosmotrain.config.schema import OptimizerConfig
+from cosmotrain.nn.module import Parameter
+
+NamedParams = Iterable[tuple[str, Parameter]]
+
+
+@dataclass
+class Optimizer:
+    lr: float
+    weight_decay: float = 0.0
+    state: dict[str, dict[str, Any]] = field(default_factory=dict)
+    steps: int = 0
+
+    def step(self, params: NamedParams, lr: float | None = None) -> None:
+        """Apply one update to every parameter that has a gradient."""
+        self.steps += 1
+        rate = self.lr if lr is None else lr
+        for name, param in params:
+            if param.grad is None:
+                continue
+            grad = param.grad
+            if self.weight_decay:
+                grad = grad + param.data * param.data.dtype.type(self.weight_decay)
+            self.update(name, param, grad, rate)
+
+    def update(self, name: str, param: Parameter, grad: Any, lr: float) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def zero_grad(params: NamedParams) -> None:
+        for _, param in params:
+            param.grad = None
+
+
+@dataclass
+class SGD(Optimizer):
+    momentum: float = 0.9
+
+    def update(self, name: str, param: Parameter, grad: Any, lr: float) -> None:
+        if self.momentum:
+            slot = self.state.setdefault(name, {})
+            if "momentum_buffer" not in slot:
+                slot["momentum_buffer"] = grad.copy()
+            else:
+                buf = slot["momentum_buffer"]
+                buf *= buf.dtype.type(self.momentum)
+                buf += grad
+            grad = slot["momentum_buffer"]
+        param.data -= grad * param.data.dtype.type(lr)
+
+
+@dataclass
+class Adam(Optimizer):
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+    def update(self, name: str, param: Parameter, grad: Any, lr: float) -> None:
+        xp = array_module(param.data)
+        slot = self.state.setdefault(name, {"step": 0, "exp_avg": xp.zeros_like(param.data),
+                                            "exp_avg_sq": xp.zeros_like(param.data)})
+        slot["step"] += 1
+        t = slot["step"]
+        dtype = param.data.dtype.type
+        m, v = slot["exp_avg"], slot["exp_avg_sq"]
+        m *= dtype(self.beta1)
+        m += grad * dtype(1 - self.beta1)
+        v *= dtype(self.beta2)
+        v += grad * grad * dtype(1 - self.beta2)
+        step_size = lr / (1 - self.beta1 ** t)
+        denom = xp.sqrt(v) / dtype(math.sqrt(1 - self.beta2 ** t))
+        denom += dtype(self.eps)
+        param.data -= (m / denom) * dtype(step_size)
+
+
+def build_optimizer(cfg: OptimizerConfig) -> Optimizer:
+    """The optimizer named by ``cfg.name`` with its hyper-parameters."""
+    if cfg.name == "sgd":
+        return SGD(lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum)
+    return Adam(lr=cfg.lr, weight_decay=cfg.weight_decay, beta1=cfg.beta1, beta2=cfg.beta2,
+                eps=cfg.eps)

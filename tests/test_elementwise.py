@@ -1,0 +1,112 @@
+"""Element-wise kernels: activation, batch norm (split at its reductions), dropout,
+linear and losses, against direct formulas and finite differences."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
+from cosmotrain.kernels.batchnorm import (bn_backward_apply, bn_backward_local_sums,
+                                          bn_local_sums, bn_normalize, bn_statistics)
+from cosmotrain.kernels.dropout import dropout_keep_mask, global_linear_index
+from cosmotrain.kernels.linear import (linear_backward_data, linear_backward_weight,
+                                       linear_forward)
+from cosmotrain.kernels.loss import mae_backward, mae_sum, mse_backward, mse_sum
+
+
+def numeric_grad(f, x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """Central differences of a scalar function of a float64 array."""
+    grad = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        old = x[i]
+        x[i] = old + eps
+        up = f(x)
+        x[i] = old - eps
+        down = f(x)
+        x[i] = old
+        grad[i] = (up - down) / (2 * eps)
+    return grad
+
+
+def test_leaky_relu_forward_backward() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 3, 4)).astype(np.float32)
+    y = leaky_relu_forward(x.copy(), 0.1)
+    assert np.array_equal(y, np.where(x > 0, x, 0.1 * x))
+    dy = rng.normal(size=x.shape).astype(np.float32)
+    dx = leaky_relu_backward(dy.copy(), y, 0.1)
+    assert np.array_equal(dx, np.where(x > 0, dy, np.float32(0.1) * dy))
+
+
+def test_batchnorm_statistics_match_numpy_and_split_blocks() -> None:
+    rng = np.random.default_rng(1)
+    x = rng.normal(2.0, 3.0, size=(2, 3, 4, 5, 6)).astype(np.float32)
+    mean, var = bn_statistics(bn_local_sums(x))
+    assert np.allclose(mean, x.mean(axis=(0, 2, 3, 4)), rtol=1e-6)
+    assert np.allclose(var, x.var(axis=(0, 2, 3, 4)), rtol=1e-5)
+    halves = bn_local_sums(x[:, :, :2]) + bn_local_sums(x[:, :, 2:])
+    assert np.allclose(halves, bn_local_sums(x), rtol=1e-12)
+
+
+def _bn_loss(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, r: np.ndarray) -> float:
+    mean, var = bn_statistics(bn_local_sums(x))
+    y, _, _ = bn_normalize(x, mean, var, gamma, beta, 1e-5)
+    return float((y * r).sum())
+
+
+def test_batchnorm_backward_finite_differences() -> None:
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(2, 3, 3, 2, 2))
+    gamma, beta = rng.normal(size=3), rng.normal(size=3)
+    r = rng.normal(size=x.shape)
+    mean, var = bn_statistics(bn_local_sums(x))
+    _, xhat, inv_std = bn_normalize(x, mean, var, gamma, beta, 1e-5)
+    sums = bn_backward_local_sums(r, xhat)
+    dx = bn_backward_apply(r, xhat, gamma, inv_std, sums, x.size // 3)
+    assert np.allclose(dx, numeric_grad(lambda v: _bn_loss(v, gamma, beta, r), x), atol=1e-6)
+    dgamma = numeric_grad(lambda g: _bn_loss(x, g, beta, r), gamma.copy())
+    dbeta = numeric_grad(lambda b: _bn_loss(x, gamma, b, r), beta.copy())
+    assert np.allclose(sums[1], dgamma, atol=1e-6) and np.allclose(sums[0], dbeta, atol=1e-6)
+
+
+def test_dropout_mask_is_partition_invariant() -> None:
+    shape = (4, 3, 6, 5, 7)
+    full = dropout_keep_mask(shape, (0,) * 5, shape, 0.3, seed=5, step=2, salt=9)
+    block = dropout_keep_mask((2, 3, 3, 5, 4), (2, 0, 3, 0, 3), shape, 0.3, 5, 2, 9)
+    assert np.array_equal(block, full[2:4, :, 3:6, :, 3:7])
+    assert abs(full.mean() - 0.7) < 0.03
+    again = dropout_keep_mask(shape, (0,) * 5, shape, 0.3, seed=5, step=2, salt=9)
+    assert np.array_equal(again, full)
+    for other in ({"seed": 6, "step": 2, "salt": 9}, {"seed": 5, "step": 3, "salt": 9},
+                  {"seed": 5, "step": 2, "salt": 10}):
+        assert not np.array_equal(dropout_keep_mask(shape, (0,) * 5, shape, 0.3, **other),
+                                  full)
+
+
+def test_global_linear_index() -> None:
+    index = global_linear_index((2, 3), (1, 2), (4, 7))
+    assert np.array_equal(index, np.arange(28).reshape(4, 7)[1:3, 2:5])
+
+
+def test_linear_finite_differences() -> None:
+    rng = np.random.default_rng(3)
+    x, w, b = rng.normal(size=(3, 5)), rng.normal(size=(4, 5)), rng.normal(size=4)
+    r = rng.normal(size=(3, 4))
+    assert np.allclose(linear_forward(x, w, b), x @ w.T + b)
+    dw, db = linear_backward_weight(x, r)
+    assert np.allclose(dw, numeric_grad(lambda v: (linear_forward(x, v, b) * r).sum(), w))
+    assert np.allclose(db, r.sum(axis=0))
+    dx = linear_backward_data(r, w)
+    assert np.allclose(dx, numeric_grad(lambda v: (linear_forward(v, w, b) * r).sum(), x))
+
+
+@pytest.mark.parametrize("kind", ["mse", "mae"])
+def test_losses_use_the_global_count(kind: str) -> None:
+    rng = np.random.default_rng(4)
+    pred, target = rng.normal(size=(3, 4)), rng.normal(size=(3, 4))
+    total, backward = (mse_sum, mse_backward) if kind == "mse" else (mae_sum, mae_backward)
+    expected = ((pred - target) ** 2).sum() if kind == "mse" else abs(pred - target).sum()
+    assert total(pred, target) == pytest.approx(expected)
+    grad = backward(pred, target, total_count=24)
+    assert np.allclose(grad, numeric_grad(lambda p: total(p, target) / 24, pred.copy()))
