@@ -116,8 +116,11 @@ def _torch_layer_hooks(twin):
     seconds: dict[tuple[str, str], float] = defaultdict(float)
     starts: dict[tuple[str, str], float] = {}
     hooks = []
+    from torch_mirror import CountPadAvgPool
+
     for name, module in twin.named_modules():
-        if list(module.children()):
+        inside_pool = name.endswith((".native", ".unpadded"))
+        if inside_pool or (list(module.children()) and not isinstance(module, CountPadAvgPool)):
             continue
 
         def pre(phase, key=name):

@@ -1,4 +1,11 @@
-"""Pooling against direct loops (forward) and exact adjoints / finite differences."""
+"""Pooling against direct loops (forward), exact adjoints and finite differences (backward).
+
+Average pooling is linear: its backward is checked by a dot test on whole tensors and by
+central differences on random entries.  Max pooling is piecewise linear: away from ties
+central differences of ``sum(maxpool(x) * r)`` are exact, so the routed gradient is
+compared with them.  Cases cover stride 1 and 2+, odd and even kernels, asymmetric padding
+and several channel blocks on two workers; PyTorch is a second oracle when installed.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +14,32 @@ from itertools import product
 import numpy as np
 import pytest
 
+from cosmotrain.kernels import _parallel
+from cosmotrain.kernels import pool3d
 from cosmotrain.kernels.pool3d import (avg_pool3d_backward, avg_pool3d_forward,
                                        max_pool3d_backward, max_pool3d_forward)
 
 CASES = [  # kernel, stride, padding ((lo, hi) per dim), spatial shape
-    ((3, 3, 3), (2, 2, 2), ((1, 1),) * 3, (7, 6, 5)),
-    ((2, 2, 2), (2, 2, 2), ((0, 0),) * 3, (6, 5, 4)),
+    ((3, 3, 3), (2, 2, 2), ((1, 1),) * 3, (7, 6, 5)),            # CosmoFlow's k3 s2 p1
+    ((2, 2, 2), (2, 2, 2), ((0, 0),) * 3, (6, 5, 4)),            # MLPerf's k2 s2
+    ((3, 3, 3), (1, 1, 1), ((1, 1),) * 3, (4, 5, 6)),            # stride 1
     ((3, 2, 1), (1, 2, 1), ((1, 0), (0, 1), (0, 0)), (5, 6, 3)),
     ((3, 3, 3), (2, 1, 3), ((2, 1), (1, 2), (0, 1)), (4, 5, 7)),
+    ((4, 2, 5), (3, 1, 2), ((1, 2), (1, 0), (4, 0)), (9, 4, 8)),
+    ((1, 1, 1), (2, 3, 1), ((0, 0),) * 3, (5, 7, 4)),
 ]
+IDS = [f"case{i}" for i in range(len(CASES))]
+
+
+@pytest.fixture(params=["whole", "planes-2w"])
+def blocks(request, monkeypatch):
+    """Whole small volumes in one block, or plane by plane, one channel per block, 2 workers."""
+    if request.param == "planes-2w":
+        monkeypatch.setattr(pool3d, "WHOLE_BYTES", 0)
+        monkeypatch.setattr(pool3d, "BLOCK_BYTES", 1)
+        _parallel.set_num_workers(2)
+    yield request.param
+    _parallel.set_num_workers(None)
 
 
 def reference(x: np.ndarray, kernel, stride, padding, mode: str) -> np.ndarray:
@@ -33,37 +57,108 @@ def reference(x: np.ndarray, kernel, stride, padding, mode: str) -> np.ndarray:
     return y
 
 
-@pytest.mark.parametrize("kernel, stride, padding, shape", CASES)
-def test_avg_pool_forward_and_adjoint(kernel, stride, padding, shape) -> None:
+def _central(loss, x: np.ndarray, index, eps: float) -> float:
+    up, down = x.copy(), x.copy()
+    up[index] += eps
+    down[index] -= eps
+    return (loss(up) - loss(down)) / (2 * eps)
+
+
+@pytest.mark.parametrize("kernel, stride, padding, shape", CASES, ids=IDS)
+def test_avg_pool_forward_and_gradient(kernel, stride, padding, shape, blocks) -> None:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2, 3) + shape)
     y = avg_pool3d_forward(x, kernel, stride, padding)
-    assert np.allclose(y, reference(x, kernel, stride, padding, "avg"))
+    np.testing.assert_allclose(y, reference(x, kernel, stride, padding, "avg"), rtol=1e-12,
+                               atol=1e-14)
     r = rng.normal(size=y.shape)
     dx = avg_pool3d_backward(r, x.shape, kernel, stride, padding)
     assert dx.shape == x.shape
     assert (y * r).sum() == pytest.approx((x * dx).sum(), rel=1e-12)  # linear: exact adjoint
+    loss = lambda v: float((reference(v, kernel, stride, padding, "avg") * r).sum())  # noqa: E731
+    for flat in rng.choice(x.size, 5, replace=False):
+        index = np.unravel_index(flat, x.shape)
+        assert dx[index] == pytest.approx(_central(loss, x, index, 1e-3), abs=1e-9)
 
 
-@pytest.mark.parametrize("kernel, stride, padding, shape", CASES)
-def test_max_pool_forward_and_gradient(kernel, stride, padding, shape) -> None:
+@pytest.mark.parametrize("kernel, stride, padding, shape", CASES, ids=IDS)
+def test_max_pool_forward_and_gradient(kernel, stride, padding, shape, blocks) -> None:
     rng = np.random.default_rng(1)
     x = rng.permutation(np.prod((2, 3) + shape)).reshape((2, 3) + shape) * 0.01  # no ties
     y, argmax = max_pool3d_forward(x, kernel, stride, padding)
     assert np.array_equal(y, reference(x, kernel, stride, padding, "max"))
+    assert argmax.dtype == np.int8 and argmax.shape == y.shape
+    assert argmax.min() >= 0 and argmax.max() < np.prod(kernel)
     r = rng.normal(size=y.shape)
     dx = max_pool3d_backward(r, argmax, x.shape, kernel, stride, padding)
     eps = 1e-4  # piecewise linear: central differences are exact away from ties
-    for index in list(np.ndindex(x.shape))[::7]:
-        bumped = [x.copy(), x.copy()]
-        bumped[0][index] += eps
-        bumped[1][index] -= eps
-        up, down = (float((reference(b, kernel, stride, padding, "max") * r).sum())
-                    for b in bumped)
-        assert dx[index] == pytest.approx((up - down) / (2 * eps), abs=1e-8)
+    loss = lambda v: float((reference(v, kernel, stride, padding, "max") * r).sum())  # noqa: E731
+    for index in list(np.ndindex(x.shape))[::5]:
+        assert dx[index] == pytest.approx(_central(loss, x, index, eps), abs=1e-8)
 
 
-def test_float32_stays_float32() -> None:
-    x = np.ones((1, 2, 4, 4, 4), dtype=np.float32)
-    assert avg_pool3d_forward(x, 3, 2, 1).dtype == np.float32
+def test_max_pool_ties_pick_first_offset_and_nan_propagates() -> None:
+    x = np.zeros((1, 1, 4, 4, 4))
+    y, argmax = max_pool3d_forward(x, 2, 2, 0)
+    assert np.all(y == 0) and np.all(argmax == 0)  # first offset of each window, like torch
+    y, argmax = max_pool3d_forward(x, 3, 1, 1)     # padding (-inf) never wins
+    assert np.all(y == 0)
+    assert argmax[0, 0, 0, 0, 0] == (1 * 3 + 1) * 3 + 1 and argmax[0, 0, 1, 1, 1] == 0
+    x[0, 0, 1, 2, 3] = np.nan
+    y, _ = max_pool3d_forward(x, 2, 2, 0)
+    assert np.isnan(y[0, 0, 0, 1, 1]) and np.isnan(y).sum() == 1
+
+
+def test_large_window_uses_int16_offsets() -> None:
+    x = np.random.default_rng(2).normal(size=(1, 2, 6, 6, 6))
+    y, argmax = max_pool3d_forward(x, 6, 1, 0)
+    assert argmax.dtype == np.int16
+    assert y[0, 1, 0, 0, 0] == x[0, 1].max()
+    assert x[0, 1].flat[argmax[0, 1, 0, 0, 0]] == x[0, 1].max()
+
+
+def test_float32_stays_float32_cosmoflow_pool() -> None:
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(1, 4, 20, 18, 32)).astype(np.float32)
+    y = avg_pool3d_forward(x, 3, 2, 1)
+    assert y.dtype == np.float32 and y.shape == (1, 4, 10, 9, 16)
+    np.testing.assert_allclose(y, avg_pool3d_forward(x.astype(np.float64), 3, 2, 1), rtol=1e-5,
+                               atol=1e-6)
+    dx = avg_pool3d_backward(y, x.shape, 3, 2, 1)
+    assert dx.dtype == np.float32
     assert max_pool3d_forward(x, 2, 2, 0)[0].dtype == np.float32
+
+
+def test_shape_errors() -> None:
+    x_shape = (1, 2, 6, 6, 6)
+    with pytest.raises(ValueError, match="dy shape"):
+        avg_pool3d_backward(np.zeros((1, 2, 3, 3, 2)), x_shape, 3, 2, 1)
+    with pytest.raises(ValueError, match="smaller than the kernel"):
+        avg_pool3d_forward(np.zeros((1, 2, 2, 6, 6)), 3, 2, 0)
+    with pytest.raises(ValueError, match="argmax shape"):
+        max_pool3d_backward(np.zeros((1, 2, 3, 3, 3)), np.zeros((1, 2, 3, 3), np.int8),
+                            x_shape, 2, 2, 0)
+
+
+@pytest.mark.parametrize("kernel, stride, pad", [(3, 2, 1), (2, 2, 0), (3, 1, 1)])
+def test_against_torch(kernel, stride, pad) -> None:
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(2, 3, 9, 10, 12)).astype(np.float32)
+    x[:, :, ::2] = 0.0  # ties, like ReLU outputs
+    xt = torch.from_numpy(x).requires_grad_()
+    r = None
+    for mode in ("avg", "max"):
+        if mode == "avg":
+            yt = torch.nn.functional.avg_pool3d(xt, kernel, stride, pad, count_include_pad=True)
+            y = avg_pool3d_forward(x, kernel, stride, pad)
+        else:
+            yt = torch.nn.functional.max_pool3d(xt, kernel, stride, pad)
+            y, argmax = max_pool3d_forward(x, kernel, stride, pad)
+        r = rng.normal(size=tuple(yt.shape)).astype(np.float32)
+        xt.grad = None
+        yt.backward(torch.from_numpy(r))
+        dx = (avg_pool3d_backward(r, x.shape, kernel, stride, pad) if mode == "avg"
+              else max_pool3d_backward(r, argmax, x.shape, kernel, stride, pad))
+        np.testing.assert_allclose(y, yt.detach().numpy(), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(dx, xt.grad.numpy(), rtol=1e-5, atol=1e-6)

@@ -1,19 +1,20 @@
 """Run independent chunks of a kernel on several cores, one single-threaded BLAS each.
 
-Why: the convolution kernels alternate a memory-bound copy (im2col / col2im, numpy,
-releases the GIL but uses one core) with a small GEMM (BLAS).  Letting BLAS thread each
-small GEMM leaves the copies serial and makes the BLAS threads spin while we copy.
-Measured on the 2-core reference box (conv 4->16 on 128^3, forward): 79 ms with a serial
-copy + 2-thread BLAS, 64 ms with 2 Python workers each running copy + 1-thread BLAS on
-its own chunks.  So while a kernel runs, OpenBLAS is switched to one thread and a thread
-pool of as many workers as BLAS had threads processes the chunks; afterwards the BLAS
-thread count is restored.
+Why: the convolution kernels alternate memory-bound copies (padding, im2col, shifted
+adds: numpy, which releases the GIL but uses one core) with small GEMMs.  Letting BLAS
+thread each small GEMM leaves the copies serial and makes the BLAS threads spin while we
+copy.  Measured on the 2-core reference box (conv 4->16 on 128^3, forward): 79 ms with
+serial copies + 2-thread BLAS, 64 ms with 2 Python workers each running copies +
+1-thread BLAS on their own chunks.  So while a kernel runs, OpenBLAS is switched to one
+thread and a pool of as many workers as BLAS had threads processes the chunks; the BLAS
+thread count is restored afterwards.
 
 The BLAS thread count is changed through the OpenBLAS C API found in the process
-(``*openblas_set_num_threads*``), as threadpoolctl does.  When no OpenBLAS is found (MKL,
-Accelerate, non-Linux), everything runs in the calling thread and BLAS threads itself:
-correct, just without the parallel copies.  :func:`set_num_workers` overrides the count
-(e.g. the backend sets 1 when several MPI ranks share a node).
+(``*openblas_set_num_threads*``, as threadpoolctl does).  Without OpenBLAS (MKL,
+Accelerate, non-Linux) chunks run in the calling thread and BLAS threads itself: correct,
+just without parallel copies.  With one BLAS thread (``OPENBLAS_NUM_THREADS=1``, several
+MPI ranks per node) there is one worker.  :func:`set_num_workers` overrides the count.
+The pool is rebuilt after ``fork`` (mpi-pytest's forking mode), whose child has no threads.
 """
 
 from __future__ import annotations
@@ -29,9 +30,6 @@ import numpy as np
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-_PREFIXES = ("scipy_openblas_", "openblas_")
-_SUFFIXES = ("64_", "")
 
 
 class _OpenBLAS:
@@ -54,7 +52,7 @@ def _find_openblas() -> Optional[_OpenBLAS]:
             lib = ctypes.CDLL(path)
         except OSError:
             continue
-        for prefix, suffix in itertools.product(_PREFIXES, _SUFFIXES):
+        for prefix, suffix in itertools.product(("scipy_openblas_", "openblas_"), ("64_", "")):
             get = getattr(lib, f"{prefix}get_num_threads{suffix}", None)
             set_ = getattr(lib, f"{prefix}set_num_threads{suffix}", None)
             if get is not None and set_ is not None:
@@ -65,28 +63,51 @@ def _find_openblas() -> Optional[_OpenBLAS]:
     return None
 
 
-_lock = threading.Lock()
-_state = {"probed": False, "blas": None, "workers": None, "active": 0, "saved": 1}
-_executor: Optional[ThreadPoolExecutor] = None
+class _State:
+    """Process-wide pool and BLAS bookkeeping (reset in a forked child)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.probed = False
+        self.blas: Optional[_OpenBLAS] = None
+        self.workers: Optional[int] = None  # set_num_workers override
+        self.active = 0                     # kernels running with BLAS at one thread
+        self.saved = 1                      # BLAS thread count to restore
+        self.executor: Optional[ThreadPoolExecutor] = None
+
+
+_state = _State()
+
+
+def _after_fork_in_child() -> None:
+    global _state
+    old, _state = _state, _State()
+    _state.probed, _state.blas, _state.workers = old.probed, old.blas, old.workers
+    if old.active and old.blas is not None:  # forked in the middle of a kernel
+        old.blas.set(old.saved)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _blas() -> Optional[_OpenBLAS]:
-    with _lock:
-        if not _state["probed"]:
-            _state["probed"] = True
-            _state["blas"] = _find_openblas()
-        return _state["blas"]
+    with _state.lock:
+        if not _state.probed:
+            _state.probed = True
+            _state.blas = _find_openblas()
+        return _state.blas
 
 
 def num_workers() -> int:
     """Workers used for chunked kernels: set explicitly, else OpenBLAS's thread count."""
-    if _state["workers"] is not None:
-        return _state["workers"]
+    if _state.workers is not None:
+        return _state.workers
     blas = _blas()
     if blas is None:
         return 1
-    with _lock:
-        count = blas.get() if _state["active"] == 0 else _state["saved"]
+    with _state.lock:
+        count = blas.get() if _state.active == 0 else _state.saved
     return max(1, int(count))
 
 
@@ -94,38 +115,40 @@ def set_num_workers(count: Optional[int]) -> None:
     """Fix the worker count (``None``: follow OpenBLAS's thread count again)."""
     if count is not None and count < 1:
         raise ValueError(f"worker count must be >= 1, got {count}")
-    _state["workers"] = count
+    _state.workers = count
 
 
 def _enter_single_blas(blas: _OpenBLAS) -> None:
-    with _lock:
-        if _state["active"] == 0:
-            _state["saved"] = blas.get()
+    with _state.lock:
+        if _state.active == 0:
+            _state.saved = blas.get()
             blas.set(1)
-        _state["active"] += 1
+        _state.active += 1
 
 
 def _leave_single_blas(blas: _OpenBLAS) -> None:
-    with _lock:
-        _state["active"] -= 1
-        if _state["active"] == 0:
-            blas.set(_state["saved"])
+    with _state.lock:
+        _state.active -= 1
+        if _state.active == 0:
+            blas.set(_state.saved)
 
 
 def _pool(count: int) -> ThreadPoolExecutor:
-    global _executor
-    with _lock:
-        if _executor is None or _executor._max_workers < count:  # noqa: SLF001
-            _executor = ThreadPoolExecutor(max_workers=count, thread_name_prefix="cosmotrain-kernel")
-        return _executor
+    with _state.lock:
+        old = _state.executor
+        if old is None or old._max_workers < count:  # noqa: SLF001
+            _state.executor = ThreadPoolExecutor(count, thread_name_prefix="cosmotrain-kernel")
+            if old is not None:
+                old.shutdown(wait=False)
+        return _state.executor
 
 
 def map_chunks(work: Callable[[T], R], chunks: Sequence[T]) -> List[R]:
     """Apply ``work(chunk)`` to every chunk; results in chunk order.
 
-    Workers take chunks dynamically; use :func:`scratch` for per-thread buffers.  Chunks must be
-    independent (disjoint outputs).  With one worker (or no controllable BLAS) this is a
-    plain loop in the calling thread, BLAS keeps its own threads.
+    Workers take chunks dynamically; use :func:`scratch` for per-thread buffers.  Chunks
+    must be independent (disjoint outputs).  With one worker (or no controllable BLAS)
+    this is a plain loop in the calling thread and BLAS keeps its own threads.
     """
     count = min(num_workers(), len(chunks))
     blas = _blas()
@@ -152,7 +175,7 @@ def map_chunks(work: Callable[[T], R], chunks: Sequence[T]) -> List[R]:
 _local = threading.local()
 
 
-def scratch(name: str, shape: Sequence[int], dtype) -> "np.ndarray":
+def scratch(name: str, shape: Sequence[int], dtype) -> np.ndarray:
     """A reusable uninitialised buffer private to the calling thread.
 
     Kernels call this once per chunk; the memory is kept between calls (per thread and

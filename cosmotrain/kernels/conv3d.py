@@ -2,39 +2,41 @@
 
 Conventions: NCDHW float arrays (float32 in training; float64 accepted, the tests use
 it), weights ``(F, C, kD, kH, kW)`` as in PyTorch (cross-correlation), stride a triple,
-padding one ``(lo, hi)`` pair per spatial dimension of zeros (asymmetric: a block that
+padding one ``(lo, hi)`` pair of zeros per spatial dimension (asymmetric: a block that
 already carries halos is called with 0 on those sides, see :mod:`.geometry`).  Output
-``Do = (D + lo + hi - kD) // sD + 1``.  Input and output stay NCDHW.
+``Do = (D + lo + hi - kD) // sD + 1``.
 
-Algorithm: chunked GEMM lowering.  Each sample's output is cut into runs of whole depth
-planes (chunks, about ``CHUNK_BYTES`` of buffers); per chunk the zero-padded input slab
-and the column matrix are built in per-thread scratch buffers, one GEMM (``np.matmul``
-with ``out=``) computes the chunk, and for split lowerings (:mod:`.lowering`) ``kW`` (or
-``kH*kW``) shifted adds finish it straight into the output.  Chunks run on a pool of
-workers with one single-threaded BLAS each (:mod:`._parallel`).  Results do not depend
-on the scheduling (chunks own disjoint outputs; filter-gradient partials are summed in
-chunk order).
+Algorithm: chunked GEMM lowering (:mod:`.lowering`).  Each sample's output depth planes
+are cut into chunks (about 8 per sample, see :func:`_chunks`) that run on a pool of
+workers with one single-threaded BLAS each (:mod:`._parallel`).  A chunk copies its input
+planes with their zero padding into a per-thread slab, then for each group of planes
+(about ``CHUNK_BYTES`` of buffers) builds the column matrix, runs one ``np.matmul`` into
+a preallocated buffer and, for split lowerings, finishes with ``kW`` (or ``kH*kW``)
+shifted adds straight into the output.  Results do not depend on the scheduling: chunks
+own disjoint outputs and filter-gradient partials are summed in chunk order.
 
-* forward:  y = W @ cols, split over W when the stride in W is 1.
-* wgrad:    dW = dy_shifted @ cols^T, same lowering as forward.
-* dgrad:    unit stride: dx is the convolution of dy padded by ``k-1-lo`` / ``k-1-hi``
-  with the flipped, transposed kernel, lowered with H and W split (a gather: no zero
-  fill, no read-modify-write of dx).  Other strides: ``cols = W^T @ dy`` and col2im
-  (:mod:`.conv3d_dgrad`).
+* forward:  ``y = W @ cols``, W split (``kW`` shifted adds) when its stride is 1;
+* wgrad:    ``dW = dy_shifted @ cols^T`` with the forward's lowering;
+* dgrad:    unit stride: dx is the convolution of dy (padded by ``k-1-lo``, ``k-1-hi``)
+  with the flipped, transposed kernel, lowered with H and W split: a gather, with no
+  column copies, zero fill or read-modify-write of dx.  Other strides scatter with
+  col2im (:mod:`.conv3d_dgrad`).
 
-Layout decision (issue: "NCDHW or channels-last: choose by measurement").  Measured with
-``benchmarks/bench_conv_layout.py`` (forward, W=128 CosmoFlow layers, 2-core Zen5, OpenBLAS
-0.3.31 which selects its Haswell/AVX2 kernels here), same chunking and threads:
+Layout decision ("NCDHW or channels-last: choose by measurement").  Measured with
+``benchmarks/bench_conv_layout.py``: forward of the W=128 CosmoFlow layers, 2-core Zen5,
+OpenBLAS 0.3.31 (which runs its Haswell/AVX2 kernels on this CPU), same chunking and
+worker pool, best of 7:
 
-    layer           NCDHW    channels-last    (OPENBLAS_CORETYPE=SkylakeX: NCDHW / CL)
-    conv1 4->16     78 ms    116 ms  (1.48x)  75 / 97 ms
-    conv2 16->32    51 ms     56 ms  (1.11x)  46 / 39 ms
-    conv3 32->64    20 ms     20 ms  (1.01x)  16 / 13 ms
+    layer           NCDHW (this module)   channels-last im2col   CL / NCDHW
+    conv1 4->16     {c1n} ms               {c1c} ms                {c1r}
+    conv2 16->32    {c2n} ms               {c2c} ms                {c2r}
+    conv3 32->64    {c3n} ms               {c3c} ms                {c3r}
 
-Channels-last copies runs of ``kW*C`` floats (12 for conv1) instead of ``Wo`` floats and
-needs transposes in and out, which loses on the thin, memory-bound layers that hold 78% of
-the FLOPs; only with AVX-512 GEMM kernels does its GEMM shape win on conv2/conv3.  So the
-kernels stay NCDHW internally.
+Channels-last copies runs of ``kW*C`` floats (12 for conv1) instead of rows of ``Wo``
+floats, and needs transposes in and out; on the thin, memory-bound layers that hold 78%
+of the FLOPs that loses.  Its GEMM shape (n x K @ K x F) only pays with OpenBLAS's AVX-512
+kernels (``OPENBLAS_CORETYPE=SkylakeX``: conv2 {sk2n} / {sk2c} ms, conv3 {sk3n} / {sk3c} ms,
+conv1 {sk1n} / {sk1c} ms NCDHW / CL).  The kernels therefore stay NCDHW.
 """
 
 from __future__ import annotations
@@ -45,12 +47,15 @@ import numpy as np
 
 from . import _parallel
 from .conv3d_dgrad import backward_data_scatter
-from .geometry import PaddingLike
-from .im2col import ConvGeometry, plan_chunks, planes_view
-from .lowering import Lowering
+from .geometry import ConvGeometry, PaddingLike, plan_chunks
+from .lowering import Lowering, planes_view
 
-# Budget for one chunk's buffers (bytes); timings are flat from 0.5 to 8 MiB here.
+# Buffers of one GEMM's column matrix and output (bytes); flat from 0.5 to 8 MiB here.
 CHUNK_BYTES = 4 << 20
+# Padded input slab of one chunk (bytes): larger slabs copy fewer shared planes twice.
+SLAB_BYTES = 16 << 20
+# Fewest GEMM columns per chunk; below this one BLAS-threaded GEMM beats parallel chunks.
+MIN_COLUMNS = 4096
 # A split lowering extends the GEMM grid by k-1; allowed while that is <= 1/16 of it.
 MAX_SPLIT_WASTE = 1 / 16
 
@@ -83,44 +88,45 @@ def choose_lowering(geo: ConvGeometry, max_shift: int) -> Lowering:
     return Lowering(geo, 0)
 
 
-def _chunks(low: Lowering, itemsize: int, extra_rows: int = 0):
-    """Chunks of output planes whose buffers fit ``CHUNK_BYTES``.
-
-    Depth-major (shift 2) chunks hold a slab of ``planes + kD - 1`` input planes and
-    compute one plane at a time, so only the slab grows with the chunk.
-    """
+def _chunks(low: Lowering, itemsize: int):
+    """Chunks of output planes: about 8 per sample, each with at least ``MIN_COLUMNS``
+    GEMM columns (smaller GEMMs do better as one BLAS-threaded call), and at most
+    ``SLAB_BYTES`` of padded input slab."""
     geo = low.geo
-    if low.shift == 2:
-        per_plane = geo.channels * low.columns_per_plane * itemsize
-        budget = CHUNK_BYTES - low.outputs * low.columns_per_plane * itemsize
-        return plan_chunks(geo.batch, geo.out[0], per_plane, max(budget, per_plane))
-    per_plane = (low.rows + extra_rows) * low.columns_per_plane * itemsize
-    return plan_chunks(geo.batch, geo.out[0], per_plane, CHUNK_BYTES)
+    slab_plane = geo.channels * int(np.prod(geo.slab_shape(1)[2:])) * geo.stride[0] * itemsize
+    cap = max(1, SLAB_BYTES // slab_plane - geo.kernel[0])
+    planes = max(-(-geo.out[0] // 8), -(-MIN_COLUMNS // low.columns_per_plane))
+    return plan_chunks(geo.batch, geo.out[0], min(cap, planes))
+
+
+def _columns(low: Lowering, src: np.ndarray, chunk):
+    """``(g0, g1, column matrix)`` for the groups of planes of one chunk, in order.
+
+    A group is lowered by one GEMM; its buffers (columns, and GEMM output or shifted
+    gradient for split lowerings) take about ``CHUNK_BYTES``.
+    """
+    n, z0, z1 = chunk
+    slab = low.slab(src[n], z0, z1)
+    per_plane = (low.rows + (low.outputs if low.shift else 0)) * low.columns_per_plane
+    size = 1 if low.shift == 2 else max(1, CHUNK_BYTES // (per_plane * src.itemsize))
+    for g0 in range(z0, z1, size):
+        g1 = min(z1, g0 + size)
+        yield g0, g1, low.columns(slab, g0 - z0, g1 - g0)
 
 
 def _run_lowered(src: np.ndarray, wmat: np.ndarray, low: Lowering, y: np.ndarray) -> np.ndarray:
     """``y = conv(src)`` for the lowering ``low`` and its weight matrix ``wmat``."""
-    kd, plane = low.geo.kernel[0], low.columns_per_plane
-
     def work(chunk):
-        n, z0, z1 = chunk
-        if low.shift == 2:
-            slab = low.depth_major_slab(src[n], z0, z1).reshape(-1, plane)
-            t = _parallel.scratch("gemm_out", (low.outputs, plane), src.dtype)
-            for i in range(z1 - z0):
-                np.matmul(wmat, slab[i * low.geo.channels:(i + kd) * low.geo.channels], out=t)
-                low.sum_shifts(t, y[n, :, z0 + i:z0 + i + 1])
-            return
-        cols = low.columns(src[n], z0, z1)
-        if low.shift == 0:
-            np.matmul(wmat, cols, out=planes_view(y[n], z0, z1))
-            return
-        t = _parallel.scratch("gemm_out", (low.outputs, cols.shape[1]), src.dtype)
-        np.matmul(wmat, cols, out=t)
-        low.sum_shifts(t, y[n, :, z0:z1])
+        n = chunk[0]
+        for g0, g1, cols in _columns(low, src, chunk):
+            if low.shift == 0:
+                np.matmul(wmat, cols, out=planes_view(y[n], g0, g1))
+                continue
+            t = _parallel.scratch("gemm_out", (low.outputs, cols.shape[1]), src.dtype)
+            np.matmul(wmat, cols, out=t)
+            low.sum_shifts(t, y[n, :, g0:g1])
 
-    extra = 0 if low.shift == 0 else low.outputs
-    _parallel.map_chunks(work, _chunks(low, src.itemsize, extra_rows=extra))
+    _parallel.map_chunks(work, _chunks(low, src.itemsize))
     return y
 
 
@@ -149,14 +155,15 @@ def conv3d_backward_filter(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int]
     low = choose_lowering(geo, max_shift=1)
 
     def work(chunk):
-        n, z0, z1 = chunk
-        cols = low.columns(x[n], z0, z1)
-        if low.shift == 0:
-            return np.matmul(planes_view(dy[n], z0, z1), cols.T)
-        return np.matmul(low.spread_shifts(dy[n, :, z0:z1]), cols.T)
+        n, total = chunk[0], None
+        for g0, g1, cols in _columns(low, x, chunk):
+            grad = (planes_view(dy[n], g0, g1) if low.shift == 0
+                    else low.spread_shifts(dy[n, :, g0:g1]))
+            part = np.matmul(grad, cols.T)
+            total = part if total is None else np.add(total, part, out=total)
+        return total
 
-    extra = 0 if low.shift == 0 else low.outputs
-    partials = _parallel.map_chunks(work, _chunks(low, x.itemsize, extra_rows=extra))
+    partials = _parallel.map_chunks(work, _chunks(low, x.itemsize))
     g = partials[0]
     for part in partials[1:]:
         g += part

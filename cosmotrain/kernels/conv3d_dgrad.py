@@ -14,7 +14,27 @@ from __future__ import annotations
 import numpy as np
 
 from . import _parallel
-from .im2col import ConvGeometry, col2im_add, plan_chunks, planes_view
+from .geometry import ConvGeometry, plan_chunks
+from .lowering import planes_view
+
+
+def col2im_add(cols: np.ndarray, dxp_n: np.ndarray, geo: ConvGeometry, d0: int, d1: int) -> None:
+    """Add the column matrix of output planes d0:d1 into the padded gradient ``dxp_n``.
+
+    One strided add per kernel offset (the offsets' target views overlap each other, so
+    they cannot be fused into one ufunc call).
+    """
+    (stD, stH, stW), (_, ho, wo) = geo.stride, geo.out
+    s = d1 - d0
+    cols7 = cols.reshape((geo.channels,) + geo.kernel + (s, ho, wo))
+    for a in range(geo.kernel[0]):
+        za = d0 * stD + a
+        for b in range(geo.kernel[1]):
+            for e in range(geo.kernel[2]):
+                dst = dxp_n[:, za:za + (s - 1) * stD + 1:stD,
+                            b:b + (ho - 1) * stH + 1:stH,
+                            e:e + (wo - 1) * stW + 1:stW]
+                np.add(dst, cols7[:, a, b, e], out=dst)
 
 
 def backward_data_scatter(dy: np.ndarray, w: np.ndarray, geo: ConvGeometry,
@@ -32,7 +52,7 @@ def backward_data_scatter(dy: np.ndarray, w: np.ndarray, geo: ConvGeometry,
 
     # Chunk i+1 separates chunks i and i+2 in the input when it has >= kD/sD - 1 planes.
     k, s = geo.kernel[0], geo.stride[0]
-    chunks = plan_chunks(geo.batch, geo.out[0], geo.rows * geo.plane * dy.itemsize, budget,
+    chunks = plan_chunks(geo.batch, geo.out[0], budget // (geo.rows * geo.plane * dy.itemsize),
                          min_planes=max(1, -(-k // s) - 1))
     for phase in (0, 1):
         _parallel.map_chunks(work, [c for i, c in enumerate(chunks) if i % 2 == phase])

@@ -14,25 +14,55 @@ shape (48 x 36: 103 vs 88 GFLOP/s per core with OpenBLAS's Haswell kernels) and 
 fewer copies, for ``kW`` contiguous adds.  Measured on 2 cores, forward 128^3 4->16:
 58 vs 71 ms; 64^3 16->32: 44 vs 57 ms.  With H and W split (used for the data gradient,
 whose output has few channels) the column matrix of one output plane is ``kD``
-consecutive planes of a depth-major ``(depth, C, H', W')`` slab: no copy at all.
+consecutive planes of the depth-major ``(depth, C, H', W')`` slab: no copy at all.
 
 Shifted dimensions need unit stride, and the extension wastes ``(k - 1) / size`` of the
-GEMM, so small outputs use plain im2col.  Columns are filled straight from the unpadded
-input, one box copy per kernel offset with the padding zeroed (:func:`.im2col.fill_slab`);
-strided convolutions go through a padded slab and one strided window copy.
+GEMM, so small outputs use plain im2col.  Every chunk first copies its input planes, with
+their zero padding, into a depth-major slab (one copy per input plane); column matrices
+are strided window views of it, copied once into scratch.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Sequence, Tuple
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from . import _parallel
-from .im2col import ConvGeometry, fill_slab
+from .geometry import ConvGeometry
+
+
+def fill_slab(slab: np.ndarray, src: np.ndarray, origin: Sequence[int]) -> np.ndarray:
+    """Copy ``src`` (C, D, H, W) into ``slab`` (C, d, h, w) as a zero-padded window.
+
+    ``slab[:, i, j, k] = src[:, origin[0] + i, origin[1] + j, origin[2] + k]`` where that
+    index is inside ``src``, else 0.  Origins may be negative (the padding side).  Only
+    the border of the slab is zeroed, not the whole buffer.
+    """
+    box = []
+    for o, n, m in zip(origin, src.shape[1:], slab.shape[1:]):
+        lo, hi = min(max(-o, 0), m), max(min(n - o, m), 0)
+        box.append((lo, max(lo, hi)))
+    view = slab
+    for axis, (lo, hi) in enumerate(box, start=1):
+        index = [slice(None)] * 4
+        index[axis] = slice(0, lo)
+        view[tuple(index)] = 0
+        index[axis] = slice(hi, None)
+        view[tuple(index)] = 0
+        index[axis] = slice(lo, hi)
+        view = view[tuple(index)]
+    src_index = tuple(slice(o + lo, o + hi) for o, (lo, hi) in zip(origin, box))
+    view[...] = src[(slice(None),) + src_index]
+    return slab
+
+
+def planes_view(a_n: np.ndarray, d0: int, d1: int) -> np.ndarray:
+    """``(channels, (d1-d0)*plane)`` view of depth planes d0:d1 of one sample (no copy)."""
+    plane = a_n.shape[2] * a_n.shape[3]
+    return a_n.reshape(a_n.shape[0], -1)[:, d0 * plane:d1 * plane]
 
 
 @dataclass(frozen=True)
@@ -93,39 +123,37 @@ class Lowering:
             return g.reshape(f, c, kd, kh, kw)
         return g.reshape(f, kw, c, kd, kh).transpose(0, 2, 3, 4, 1)
 
-    def origin(self, z0: int) -> Tuple[int, int, int]:
-        """Input index of padded position (z0*sD, 0, 0)."""
-        (dl, _), (hl, _), (wl, _) = self.geo.padding
-        return (z0 * self.geo.stride[0] - dl, -hl, -wl)
+    def slab(self, src_n: np.ndarray, z0: int, z1: int) -> np.ndarray:
+        """Zero-padded depth-major slab ``(depth, C, H', W')`` read by output planes z0:z1.
 
-    def columns(self, src_n: np.ndarray, z0: int, z1: int) -> np.ndarray:
-        """Column matrix (rows x (z1-z0)*columns_per_plane) in this thread's scratch."""
-        planes = z1 - z0
-        shape = (self.geo.channels,) + self.gemm_kernel + (planes,) + self.grid
-        cols = _parallel.scratch("cols", shape, src_n.dtype)
-        o = self.origin(z0)
-        if self.geo.stride == (1, 1, 1):
-            for a, b, e in itertools.product(*map(range, self.gemm_kernel)):
-                fill_slab(cols[:, a, b, e], src_n, (o[0] + a, o[1] + b, o[2] + e))
-        else:
-            slab = _parallel.scratch("slab", self.geo.slab_shape(planes), src_n.dtype)
-            fill_slab(slab, src_n, o)
-            sc, sd, sh, sw = slab.strides
-            st_d, st_h, st_w = self.geo.stride
-            np.copyto(cols, as_strided(slab, shape, (sc, sd, sh, sw, sd * st_d, sh * st_h,
-                                                     sw * st_w), writeable=False))
-        return cols.reshape(self.rows, -1)
-
-    def depth_major_slab(self, src_n: np.ndarray, z0: int, z1: int) -> np.ndarray:
-        """Padded ``(z1 - z0 + kD - 1, C, H', W')`` slab for ``shift == 2``.
-
-        Plane ``i`` of the chunk has the column matrix ``slab[i:i + kD]`` (rows ``(a, c)``),
-        a contiguous block: each input plane is copied once, not ``kD`` times.
+        Filled once per chunk (each input plane copied once, not ``kD`` times); the column
+        matrix of H-and-W-split output plane ``i`` is then the contiguous block
+        ``slab[i:i + kD]``, rows ``(a, c)``.
         """
-        shape = (z1 - z0 + self.geo.kernel[0] - 1, self.geo.channels) + self.grid
-        slab = _parallel.scratch("slab", shape, src_n.dtype)
-        fill_slab(slab.transpose(1, 0, 2, 3), src_n, self.origin(z0))
+        (dl, _), (hl, _), (wl, _) = self.geo.padding
+        _, depth, hs, ws = self.geo.slab_shape(z1 - z0)
+        slab = _parallel.scratch("slab", (depth, self.geo.channels, hs, ws), src_n.dtype)
+        fill_slab(slab.transpose(1, 0, 2, 3), src_n, (z0 * self.geo.stride[0] - dl, -hl, -wl))
         return slab
+
+    def columns(self, slab: np.ndarray, first: int, planes: int) -> np.ndarray:
+        """Column matrix (rows x planes*columns_per_plane) of ``planes`` output planes.
+
+        ``first`` is the first plane's index within the chunk of ``slab``.  A view of the
+        slab for the H-and-W split (one plane), else one strided copy into scratch.
+        """
+        sd = self.geo.stride[0]
+        if self.shift == 2:
+            assert planes == 1, "H-and-W split lowers one plane at a time"
+            return slab[first * sd:first * sd + self.geo.kernel[0]].reshape(self.rows, -1)
+        s_d, s_c, s_h, s_w = slab.strides
+        st_d, st_h, st_w = self.geo.stride
+        shape = (self.geo.channels,) + self.gemm_kernel + (planes,) + self.grid
+        view = as_strided(slab[first * sd:], shape,
+                          (s_c, s_d, s_h, s_w, s_d * st_d, s_h * st_h, s_w * st_w), writeable=False)
+        cols = _parallel.scratch("cols", shape, slab.dtype)
+        np.copyto(cols, view)
+        return cols.reshape(self.rows, -1)
 
     def sum_shifts(self, t: np.ndarray, dst: np.ndarray) -> None:
         """``dst[o, z, h, w] = sum_{b, e} t[(o, b, e), z, h + b, w + e]`` (dst: one chunk)."""

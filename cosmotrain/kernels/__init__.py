@@ -1,0 +1,22 @@
+"""Local compute kernels: the per-device operations that the distributed layers call.
+
+A kernel works on one rank's local block and knows nothing about MPI, halos or the
+process grid.  Each operation is a module of plain functions on C-contiguous NCDHW
+arrays, named the same on every device, so that a device implementation (this package:
+CPU, numpy + BLAS; a cupy one later) can be swapped without touching the layers:
+
+* :mod:`.conv3d`: ``conv3d_forward(x, w, stride, padding)``,
+  ``conv3d_backward_data(dy, w, x_shape, stride, padding)``,
+  ``conv3d_backward_filter(x, dy, w_shape, stride, padding)``;
+* :mod:`.pool3d`: ``avg_pool3d_forward / avg_pool3d_backward`` and
+  ``max_pool3d_forward -> (y, argmax) / max_pool3d_backward``;
+* element-wise kernels (activation, batch norm, dropout, linear, loss) in their modules.
+
+Shared conventions (:mod:`.geometry`): ``stride`` and ``kernel`` are triples (or ints);
+``padding`` is one ``(lo, hi)`` pair of zero padding per spatial dimension, asymmetric
+because a block that already carries halos is called with 0 on those sides and the true
+padding only on global boundaries.  Output size ``(n + lo + hi - k) // s + 1``.  Shape
+mismatches raise ``ValueError``.  The CPU kernels accept float32 (training) and float64
+(tests), run their chunks on a small worker pool (:mod:`._parallel`) and never import
+torch.
+"""
