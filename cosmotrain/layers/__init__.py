@@ -1,0 +1,1 @@
+"""Distributed layers: the single-process layers of ``nn`` on :class:`DistTensor` blocks."""
