@@ -48,3 +48,29 @@ def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
         return code, out, err
 
     return run
+
+
+def abort_on_error(test: Callable[..., None]) -> Callable[..., None]:
+    """Run an MPI test body so that an exception on one rank ends the whole job.
+
+    Without this, a rank that raises leaves the others waiting forever in a collective;
+    with it, the traceback is printed and ``MPI_Abort`` makes mpiexec (and so the forked
+    test) fail at once.
+    """
+    import functools
+    import traceback
+
+    @functools.wraps(test)
+    def wrapper(*args: object, **kwargs: object) -> None:
+        from mpi4py import MPI
+
+        try:
+            test(*args, **kwargs)
+        except BaseException:
+            if MPI.COMM_WORLD.Get_size() == 1:
+                raise
+            traceback.print_exc()
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(1)
+
+    return wrapper

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import abort_on_error
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.parallel import ParallelLayout
@@ -59,6 +60,7 @@ def one_case(world, layout: ParallelLayout, spec) -> bool:
 
 
 @pytest.mark.parallel(nprocs=4)
+@abort_on_error
 def test_spatial_conv_matches_serial() -> None:
     from mpi4py import MPI
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import abort_on_error
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.parallel import ParallelLayout
@@ -12,6 +13,7 @@ from cosmotrain.tensor.distribution import Distribution
 
 
 @pytest.mark.parallel(nprocs=4)
+@abort_on_error
 def test_scatter_gather_round_trip() -> None:
     from mpi4py import MPI
 

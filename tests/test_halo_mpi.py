@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import abort_on_error
 
 from cosmotrain.config.parallel import ParallelLayout
 from cosmotrain.comm.grid import ProcessGrid
@@ -83,6 +84,7 @@ def block_shape(owned_shape, exchange: HaloExchange) -> tuple[int, ...]:
 
 
 @pytest.mark.parallel(nprocs=8)
+@abort_on_error
 def test_halo_exchange_on_several_grids() -> None:
     from mpi4py import MPI
 
