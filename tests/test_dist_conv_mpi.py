@@ -1,4 +1,4 @@
-"""The spatially partitioned convolution equals the single-process one (4 ranks).
+"""Spatially partitioned convolution and pooling equal the single-process layers (4 ranks).
 
 For several grids and convolution shapes (stride 2, even kernels, asymmetric padding,
 uneven blocks): each rank's output block, input-gradient block, and the weight gradient
@@ -14,7 +14,9 @@ from conftest import abort_on_error
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.parallel import ParallelLayout
 from cosmotrain.layers.conv import spatial_conv
+from cosmotrain.layers.pool import spatial_pool
 from cosmotrain.nn import factory
+from cosmotrain.nn.layers import Pool3d, symmetric_padding
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.tensor.distribution import Distribution
@@ -59,13 +61,44 @@ def one_case(world, layout: ParallelLayout, spec) -> bool:
     return bool(ok)
 
 
+POOLS = [  # mode, kernel, stride, padding, global spatial shape
+    ("avg", 3, 2, 1, (9, 8, 12)),
+    ("max", 3, 2, 1, (10, 7, 8)),
+    ("max", 2, 2, 0, (8, 10, 9)),
+    ("avg", 3, 1, 1, (7, 9, 8)),
+]
+
+
+def one_pool_case(world, layout: ParallelLayout, spec) -> bool:
+    mode, k, s, p, spatial = spec
+    grid = ProcessGrid(world, layout)
+    serial = Pool3d(name="p", mode=mode, kernel=(k,) * 3, stride=(s,) * 3,
+                    padding=symmetric_padding(p))
+    rng = np.random.default_rng(5)
+    x = rng.permutation(2 * 3 * int(np.prod(spatial))).reshape((2, 3) + spatial) / 7.0
+    y = serial.forward(x, Context())
+    dy = rng.normal(size=y.shape)
+    dx = serial.backward(dy, Context())
+    dist = Distribution(x.shape, (layout.sample, 1, *layout.spatial))
+    coord = (grid.coord("sample"), 0, *grid.spatial_coords)
+    pool = spatial_pool(serial, grid)
+    y_block = pool.forward(DistTensor.scatter(x, dist, coord), Context())
+    ok = np.allclose(y_block.data, y[y_block.dist.block(coord)], atol=1e-12)
+    dx_block = pool.backward(DistTensor.scatter(dy, y_block.dist, coord), Context())
+    ok &= np.allclose(dx_block.data, dx[dist.block(coord)], atol=1e-12)
+    grid.free()
+    return bool(ok)
+
+
 @pytest.mark.parallel(nprocs=4)
 @abort_on_error
-def test_spatial_conv_matches_serial() -> None:
+def test_spatial_conv_and_pool_match_serial() -> None:
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
     results = {(layout.describe(), i): one_case(world, layout, spec)
                for layout in LAYOUTS for i, spec in enumerate(CONVS)}
+    results.update({(layout.describe(), "pool", i): one_pool_case(world, layout, spec)
+                    for layout in LAYOUTS for i, spec in enumerate(POOLS)})
     failed = [key for key, ok in results.items() if not ok]
     assert world.allreduce(not failed, op=MPI.LAND), f"rank {world.rank} failed: {failed}"

@@ -1,0 +1,73 @@
+"""Spatially partitioned pooling: the same halo geometry as the convolution.
+
+Average pooling counts the zero padding of the global boundary (the kernel pads only
+there); max pooling pads with -inf.  Forward keeps only the extended block's shape (and
+max pooling's argmax), not the halo buffer: backward needs nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.kernels import pool3d
+from cosmotrain.layers.window import (WindowGeometry, finish_halo_grads, gather_halos,
+                                      scatter_halo_grads, window_geometry)
+from cosmotrain.nn.layers import Pool3d
+from cosmotrain.nn.module import Context
+from cosmotrain.tensor.dist_tensor import DistTensor
+
+
+@dataclass
+class SpatialPool3d(Pool3d):
+    """A :class:`Pool3d` whose input and output are :class:`DistTensor` blocks."""
+
+    grid: ProcessGrid | None = None
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def geometry(self, x: DistTensor) -> WindowGeometry:
+        if x.dist not in self._cache:
+            self._cache[x.dist] = window_geometry(self.grid, x, self.kernel, self.stride,
+                                                  self.padding,
+                                                  self.output_shape(x.dist.global_shape))
+        return self._cache[x.dist]
+
+    def forward(self, x: DistTensor, ctx: Context) -> DistTensor:  # type: ignore[override]
+        geo = self.geometry(x)
+        buffer = gather_halos(x, geo)
+        extended = buffer[geo.extended]
+        self._saved, self._argmax = (x, buffer.shape, extended.shape), None
+        if not geo.has_output:
+            y = np.zeros(geo.out_dist.local_shape(x.coord), x.data.dtype)
+        elif self.mode == "avg":
+            y = pool3d.avg_pool3d_forward(extended, self.kernel, self.stride, geo.padding)
+        else:
+            y, self._argmax = pool3d.max_pool3d_forward(extended, self.kernel, self.stride,
+                                                        geo.padding)
+        return DistTensor(y, geo.out_dist, x.coord)
+
+    def backward(self, dy: DistTensor, ctx: Context) -> DistTensor | None:  # type: ignore[override]
+        (x, buffer_shape, extended_shape), self._saved = self._saved, None
+        argmax, self._argmax = self._argmax, None
+        if not self.needs_input_grad:
+            return None
+        geo = self.geometry(x)
+        dext = None
+        if geo.has_output and self.mode == "avg":
+            dext = pool3d.avg_pool3d_backward(dy.data, extended_shape, self.kernel,
+                                              self.stride, geo.padding)
+        elif geo.has_output:
+            dext = pool3d.max_pool3d_backward(dy.data, argmax, extended_shape, self.kernel,
+                                              self.stride, geo.padding)
+        like = np.empty(buffer_shape, dtype=dy.data.dtype)
+        grad, pending = scatter_halo_grads(dext, like, geo)
+        return finish_halo_grads(grad, pending, x, geo)
+
+
+def spatial_pool(layer: Pool3d, grid: ProcessGrid) -> SpatialPool3d:
+    """The distributed twin of a :class:`Pool3d`."""
+    return SpatialPool3d(name=layer.name, mode=layer.mode, kernel=layer.kernel,
+                         stride=layer.stride, padding=layer.padding,
+                         needs_input_grad=layer.needs_input_grad, grid=grid)
