@@ -37,18 +37,22 @@ CASES = [
 ]
 IDS = [f"case{i}" for i in range(len(CASES))]
 
-# (split waste allowed, chunk budget in bytes, workers): plain/split, many/one chunk, 1/2 threads
+# (split waste allowed, chunks per sample, GEMM buffer bytes, workers): plain or split
+# lowerings; one plane per chunk and per GEMM, or whole samples in one GEMM; 1 or 2 threads
 POLICIES = {
-    "plain-chunked-2w": (0.0, 1, 2),
-    "split-chunked-2w": (10.0, 1, 2),
-    "split-whole-1w": (10.0, 1 << 30, 1),
+    "plain-planes-2w": (0.0, 1 << 10, 1, 2),
+    "split-planes-2w": (10.0, 1 << 10, 1, 2),
+    "split-whole-1w": (10.0, 1, 1 << 30, 1),
+    "plain-whole-2w": (0.0, 1, 1 << 30, 2),
 }
 
 
 @pytest.fixture(params=list(POLICIES))
 def policy(request, monkeypatch):
-    waste, budget, workers = POLICIES[request.param]
+    waste, chunks, budget, workers = POLICIES[request.param]
     monkeypatch.setattr(conv, "MAX_SPLIT_WASTE", waste)
+    monkeypatch.setattr(conv, "CHUNKS_PER_SAMPLE", chunks)
+    monkeypatch.setattr(conv, "MIN_COLUMNS", 1)
     monkeypatch.setattr(conv, "CHUNK_BYTES", budget)
     _parallel.set_num_workers(workers)
     yield request.param

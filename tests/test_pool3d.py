@@ -135,6 +135,8 @@ def test_shape_errors() -> None:
         avg_pool3d_backward(np.zeros((1, 2, 3, 3, 2)), x_shape, 3, 2, 1)
     with pytest.raises(ValueError, match="smaller than the kernel"):
         avg_pool3d_forward(np.zeros((1, 2, 2, 6, 6)), 3, 2, 0)
+    with pytest.raises(ValueError, match="smaller than the kernel"):
+        max_pool3d_forward(np.zeros(x_shape), 2, 2, ((0, 2), (0, 0), (0, 0)))
     with pytest.raises(ValueError, match="argmax shape"):
         max_pool3d_backward(np.zeros((1, 2, 3, 3, 3)), np.zeros((1, 2, 3, 3), np.int8),
                             x_shape, 2, 2, 0)

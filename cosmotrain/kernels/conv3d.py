@@ -19,24 +19,29 @@ own disjoint outputs and filter-gradient partials are summed in chunk order.
 * wgrad:    ``dW = dy_shifted @ cols^T`` with the forward's lowering;
 * dgrad:    unit stride: dx is the convolution of dy (padded by ``k-1-lo``, ``k-1-hi``)
   with the flipped, transposed kernel, lowered with H and W split: a gather, with no
-  column copies, zero fill or read-modify-write of dx.  Other strides scatter with
-  col2im (:mod:`.conv3d_dgrad`).
+  column copies, zero fill or read-modify-write of dx (conv 4->16 at 128^3: 62 ms,
+  against 137 ms for GEMM + col2im).  Other strides scatter with col2im
+  (:mod:`.conv3d_dgrad`).
 
 Layout decision ("NCDHW or channels-last: choose by measurement").  Measured with
-``benchmarks/bench_conv_layout.py``: forward of the W=128 CosmoFlow layers, 2-core Zen5,
-OpenBLAS 0.3.31 (which runs its Haswell/AVX2 kernels on this CPU), same chunking and
-worker pool, best of 7:
+``benchmarks/bench_conv_layout.py`` (forward, W=128 CosmoFlow layers, batch 1, 2-core
+Zen5, numpy 2.4 / OpenBLAS 0.3.31, same chunking and worker pool, best of 3 x 7 runs):
+this module against a channels-last prototype (slabs transposed to (d, h, w, C), column
+matrix (n, 27*C) copied in runs of kW*C floats, GEMM (n, K) @ (K, F), result transposed
+back into NCDHW).
 
-    layer           NCDHW (this module)   channels-last im2col   CL / NCDHW
-    conv1 4->16     {c1n} ms               {c1c} ms                {c1r}
-    conv2 16->32    {c2n} ms               {c2c} ms                {c2r}
-    conv3 32->64    {c3n} ms               {c3c} ms                {c3r}
+    layer           OpenBLAS default (Haswell kernels)   OPENBLAS_CORETYPE=SkylakeX
+                    NCDHW     channels-last              NCDHW     channels-last
+    conv1 4->16      62 ms    121 ms  (1.95x)             49 ms    107 ms  (2.2x)
+    conv2 16->32     46 ms     66 ms  (1.44x)             31 ms     45 ms  (1.5x)
+    conv3 32->64     21 ms     21 ms  (1.04x)             12 ms     14 ms  (1.15x)
 
-Channels-last copies runs of ``kW*C`` floats (12 for conv1) instead of rows of ``Wo``
-floats, and needs transposes in and out; on the thin, memory-bound layers that hold 78%
-of the FLOPs that loses.  Its GEMM shape (n x K @ K x F) only pays with OpenBLAS's AVX-512
-kernels (``OPENBLAS_CORETYPE=SkylakeX``: conv2 {sk2n} / {sk2c} ms, conv3 {sk3n} / {sk3c} ms,
-conv1 {sk1n} / {sk1c} ms NCDHW / CL).  The kernels therefore stay NCDHW.
+Channels-last loses on the thin, memory-bound layers that hold 78% of the FLOPs: its
+copies move runs of 12 floats (conv1) instead of rows of 128 and it needs transposes in
+and out (the prototype also lacks the W split, whose GEMM shape is better; see
+:mod:`.lowering`).  The kernels stay NCDHW.
+(OpenBLAS picks its AVX2 "Haswell" kernels on this Zen5; ``OPENBLAS_CORETYPE=SkylakeX``,
+set before numpy is imported, makes every layer 1.3-1.7x faster.)
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ from .conv3d_dgrad import backward_data_scatter
 from .geometry import ConvGeometry, PaddingLike, plan_chunks
 from .lowering import Lowering, planes_view
 
+# Chunks (units of work for the worker pool) per sample: enough to balance two workers.
+CHUNKS_PER_SAMPLE = 8
 # Buffers of one GEMM's column matrix and output (bytes); flat from 0.5 to 8 MiB here.
 CHUNK_BYTES = 4 << 20
 # Padded input slab of one chunk (bytes): larger slabs copy fewer shared planes twice.
@@ -89,13 +96,13 @@ def choose_lowering(geo: ConvGeometry, max_shift: int) -> Lowering:
 
 
 def _chunks(low: Lowering, itemsize: int):
-    """Chunks of output planes: about 8 per sample, each with at least ``MIN_COLUMNS``
-    GEMM columns (smaller GEMMs do better as one BLAS-threaded call), and at most
-    ``SLAB_BYTES`` of padded input slab."""
+    """Chunks of output planes: about ``CHUNKS_PER_SAMPLE`` per sample, each with at least
+    ``MIN_COLUMNS`` GEMM columns (smaller GEMMs do better as one BLAS-threaded call), and
+    at most ``SLAB_BYTES`` of padded input slab."""
     geo = low.geo
     slab_plane = geo.channels * int(np.prod(geo.slab_shape(1)[2:])) * geo.stride[0] * itemsize
     cap = max(1, SLAB_BYTES // slab_plane - geo.kernel[0])
-    planes = max(-(-geo.out[0] // 8), -(-MIN_COLUMNS // low.columns_per_plane))
+    planes = max(-(-geo.out[0] // CHUNKS_PER_SAMPLE), -(-MIN_COLUMNS // low.columns_per_plane))
     return plan_chunks(geo.batch, geo.out[0], min(cap, planes))
 
 

@@ -40,7 +40,8 @@ MIN_CHUNK_BYTES = 1 << 20
 class _Pool:
     """Validated pooling geometry."""
 
-    def __init__(self, x_shape: Sequence[int], kernel, stride, padding) -> None:
+    def __init__(self, x_shape: Sequence[int], kernel, stride, padding,
+                 max_pool: bool = False) -> None:
         x_shape = tuple(int(v) for v in x_shape)
         if len(x_shape) != 5 or min(x_shape) < 1:
             raise ValueError(f"x shape must be (N, C, D, H, W) with positive sizes, got {x_shape}")
@@ -48,6 +49,9 @@ class _Pool:
         self.kernel: Triple = normalize_triple(kernel, "kernel")
         self.stride: Triple = normalize_triple(self.kernel if stride is None else stride, "stride")
         self.padding: Padding = normalize_padding(padding)
+        if max_pool and any(max(pad) >= k for pad, k in zip(self.padding, self.kernel)):
+            raise ValueError(f"max pooling padding {self.padding} must be smaller than the "
+                             f"kernel {self.kernel} (a window of padding only has no maximum)")
         self.out: Triple = output_shape(x_shape[2:], self.kernel, self.stride, self.padding)
         self.y_shape = x_shape[:2] + self.out
 
@@ -246,7 +250,7 @@ def max_pool3d_forward(x: np.ndarray, kernel, stride=None,
                        padding: PaddingLike = 0) -> Tuple[np.ndarray, np.ndarray]:
     """Max pooling with ``-inf`` padding; returns ``(y, argmax)`` (see module doc)."""
     x = np.ascontiguousarray(x)
-    pool = _Pool(x.shape, kernel, stride, padding)
+    pool = _Pool(x.shape, kernel, stride, padding, max_pool=True)
     arg = np.zeros(pool.y_shape, dtype=np.int8 if np.prod(pool.kernel) <= 127 else np.int16)
     whole = pool.whole(x.itemsize)
 
@@ -274,7 +278,7 @@ def max_pool3d_backward(dy: np.ndarray, argmax: np.ndarray, x_shape: Sequence[in
     windows included) in one pass, over slabs of output planes of about ``BLOCK_BYTES``.
     """
     dy = np.ascontiguousarray(dy)
-    pool = _Pool(x_shape, kernel, stride, padding)
+    pool = _Pool(x_shape, kernel, stride, padding, max_pool=True)
     _check_dy(dy, pool)
     if argmax.shape != dy.shape:
         raise ValueError(f"argmax shape {argmax.shape} does not match dy shape {dy.shape}")
@@ -283,11 +287,10 @@ def max_pool3d_backward(dy: np.ndarray, argmax: np.ndarray, x_shape: Sequence[in
     delta = ((np.arange(kd)[:, None, None] * h + np.arange(kh)[:, None]) * w
              + np.arange(kw)).ravel()  # flat input offset of each window offset
     starts = [np.arange(n) * s - lo for n, s, (lo, _) in zip(pool.out, pool.stride, pool.padding)]
-    span = int(np.ceil(pool.kernel[0] / pool.stride[0]))  # input planes per output plane, about
 
     def work(chunk):  # chunks own whole channels and run their slabs in order
         n, c0, c1 = chunk
-        planes = max(1, BLOCK_BYTES // ((c1 - c0) * span * pool.stride[0] * h * w * 8))
+        planes = max(1, BLOCK_BYTES // ((c1 - c0) * pool.stride[0] * h * w * 8))
         for z0 in range(0, pool.out[0], planes):
             z1 = min(pool.out[0], z0 + planes)
             p0 = max(0, z0 * pool.stride[0] - pool.padding[0][0])
