@@ -19,26 +19,20 @@ import numpy as np
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.kernels import conv3d
-from cosmotrain.layers.window import (WindowGeometry, finish_halo_grads, gather_halos,
-                                      scatter_halo_grads, window_geometry)
+from cosmotrain.layers.window import (SpatialWindow, WindowGeometry, finish_halo_grads,
+                                      gather_halos, scatter_halo_grads)
 from cosmotrain.nn.layers import Conv3d
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
 
 
 @dataclass
-class SpatialConv3d(Conv3d):
+class SpatialConv3d(SpatialWindow, Conv3d):
     """A :class:`Conv3d` whose input and output are :class:`DistTensor` blocks."""
 
     grid: ProcessGrid | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
-    def geometry(self, x: DistTensor) -> WindowGeometry:
-        if x.dist not in self._cache:
-            self._cache[x.dist] = window_geometry(self.grid, x, self.kernel, self.stride,
-                                                  self.padding,
-                                                  self.output_shape(x.dist.global_shape))
-        return self._cache[x.dist]
 
     def forward(self, x: DistTensor, ctx: Context) -> DistTensor:  # type: ignore[override]
         geo = self.geometry(x)

@@ -13,26 +13,20 @@ import numpy as np
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.kernels import pool3d
-from cosmotrain.layers.window import (WindowGeometry, finish_halo_grads, gather_halos,
-                                      scatter_halo_grads, window_geometry)
+from cosmotrain.layers.window import (SpatialWindow, finish_halo_grads, gather_halos,
+                                      scatter_halo_grads)
 from cosmotrain.nn.layers import Pool3d
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
 
 
 @dataclass
-class SpatialPool3d(Pool3d):
+class SpatialPool3d(SpatialWindow, Pool3d):
     """A :class:`Pool3d` whose input and output are :class:`DistTensor` blocks."""
 
     grid: ProcessGrid | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
-    def geometry(self, x: DistTensor) -> WindowGeometry:
-        if x.dist not in self._cache:
-            self._cache[x.dist] = window_geometry(self.grid, x, self.kernel, self.stride,
-                                                  self.padding,
-                                                  self.output_shape(x.dist.global_shape))
-        return self._cache[x.dist]
 
     def forward(self, x: DistTensor, ctx: Context) -> DistTensor:  # type: ignore[override]
         geo = self.geometry(x)

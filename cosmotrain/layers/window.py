@@ -77,3 +77,18 @@ def finish_halo_grads(grad: Any, pending: list, x: DistTensor, geo: WindowGeomet
     geo.exchange.finish(grad, pending, "add")
     owned = np.ascontiguousarray(grad[(Ellipsis,) + geo.exchange.own])
     return DistTensor(owned, x.dist, x.coord)
+
+
+class SpatialWindow:
+    """Mixin for window layers on spatial blocks: the cached per-distribution geometry.
+
+    The layer provides ``grid``, ``kernel``, ``stride``, ``padding``, ``output_shape`` and a
+    ``_cache`` dict (dataclass fields of the concrete layer)."""
+
+    def geometry(self, x: DistTensor) -> WindowGeometry:
+        cache = self._cache  # type: ignore[attr-defined]
+        if x.dist not in cache:
+            cache[x.dist] = window_geometry(
+                self.grid, x, self.kernel, self.stride, self.padding,  # type: ignore[attr-defined]
+                self.output_shape(x.dist.global_shape))  # type: ignore[attr-defined]
+        return cache[x.dist]
