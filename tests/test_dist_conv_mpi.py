@@ -15,8 +15,9 @@ from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.parallel import ParallelLayout
 from cosmotrain.layers.conv import spatial_conv
 from cosmotrain.layers.pool import spatial_pool
+from cosmotrain.kernels.geometry import normalize_padding
 from cosmotrain.nn import factory
-from cosmotrain.nn.layers import Pool3d, symmetric_padding
+from cosmotrain.nn.layers import Pool3d
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.tensor.distribution import Distribution
@@ -73,7 +74,7 @@ def one_pool_case(world, layout: ParallelLayout, spec) -> bool:
     mode, k, s, p, spatial = spec
     grid = ProcessGrid(world, layout)
     serial = Pool3d(name="p", mode=mode, kernel=(k,) * 3, stride=(s,) * 3,
-                    padding=symmetric_padding(p))
+                    padding=normalize_padding(p))
     rng = np.random.default_rng(5)
     x = rng.permutation(2 * 3 * int(np.prod(spatial))).reshape((2, 3) + spatial) / 7.0
     y = serial.forward(x, Context())

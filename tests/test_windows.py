@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from numpy.lib.stride_tricks import sliding_window_view
 
+from cosmotrain.kernels.geometry import output_size
 from cosmotrain.tensor.distribution import Distribution
 from cosmotrain.tensor.windows import (HaloPlan, WindowHalo, check_halos, extended_range,
-                                       halo_plans, output_size, spatial_halos, window_halos)
+                                       halo_plans, spatial_halos, window_halos)
 
 SIZES = range(1, 15)
 STRIDES = (1, 2, 3)
@@ -29,7 +30,7 @@ PADDINGS = ((0, 0), (1, 1), (2, 2), (0, 1), (1, 0), (0, 2), (2, 0), (3, 1), (0, 
 def ref_conv1d(x: np.ndarray, w: np.ndarray, stride: int, pad: tuple[int, int]) -> np.ndarray:
     """Serial 1D cross-correlation with zero padding, one output at a time."""
     xp = np.concatenate([np.zeros(pad[0]), x, np.zeros(pad[1])])
-    out = output_size(len(x), len(w), stride, pad)
+    out = output_size(len(x), len(w), stride, *pad)
     return np.array([sum(xp[o * stride + j] * w[j] for j in range(len(w)))
                      for o in range(out)])
 
@@ -47,7 +48,7 @@ def ref_pool1d(x: np.ndarray, k: int, stride: int, pad: tuple[int, int],
                reduce: Callable[[list[float]], float], fill: float) -> np.ndarray:
     """Serial 1D pooling; padded positions hold ``fill`` (0 for average, -inf for max)."""
     xp = [fill] * pad[0] + list(x) + [fill] * pad[1]
-    out = output_size(len(x), k, stride, pad)
+    out = output_size(len(x), k, stride, *pad)
     return np.array([reduce(xp[o * stride:o * stride + k]) for o in range(out)])
 
 
@@ -55,7 +56,7 @@ def ref_conv3d(x: np.ndarray, w: np.ndarray, stride: tuple[int, ...],
                pad: tuple[tuple[int, int], ...]) -> np.ndarray:
     """Serial (N, C, D, H, W) x (F, C, kD, kH, kW) cross-correlation, one voxel at a time."""
     xp = np.pad(x, ((0, 0), (0, 0), *pad))
-    out = [output_size(n, k, s, p) for n, k, s, p in zip(x.shape[2:], w.shape[2:], stride, pad)]
+    out = [output_size(n, k, s, *p) for n, k, s, p in zip(x.shape[2:], w.shape[2:], stride, pad)]
     y = np.zeros((x.shape[0], w.shape[0], *out))
     for d, h, v in itertools.product(*(range(o) for o in out)):
         window = xp[:, :, d * stride[0]:d * stride[0] + w.shape[2],
@@ -136,16 +137,16 @@ def sweep() -> list[tuple[int, int, int, int, tuple[int, int]]]:
     return [(n, parts, k, s, p)
             for n, parts, k, s, p in itertools.product(SIZES, (2, 3, 4), range(1, 6), STRIDES,
                                                          PADDINGS)
-            if output_size(n, k, s, p) >= 1]
+            if output_size(n, k, s, *p) >= 1]
 
 
 # ------------------------------------------------------------------------------- the tests
 
 def test_output_size() -> None:
-    assert output_size(8, 3, 1, (1, 1)) == 8
-    assert output_size(8, 3, 2, (1, 1)) == 4
-    assert output_size(7, 2, 2, (0, 0)) == 3
-    assert output_size(5, 3, 1, (0, 2)) == 5
+    assert output_size(8, 3, 1, 1, 1) == 8
+    assert output_size(8, 3, 2, 1, 1) == 4
+    assert output_size(7, 2, 2, 0, 0) == 3
+    assert output_size(5, 3, 1, 0, 2) == 5
 
 
 def test_conv1d_every_rank_gets_its_output_block() -> None:
@@ -181,7 +182,7 @@ def test_conv1d_backward_adds_margin_gradients_to_owners() -> None:
             continue
         plans = halo_plans(halos)
         w = rng.standard_normal(k)
-        dy = rng.standard_normal(output_size(n, k, s, p))
+        dy = rng.standard_normal(output_size(n, k, s, *p))
         dx = ref_conv1d_backward(dy, w, n, s, p)
         grads = []
         for h, plan in zip(halos, plans):

@@ -10,10 +10,11 @@ dropout -> fc3 (256 -> 4).  Weights are Glorot-uniform and linear biases 0.1, as
 
 from __future__ import annotations
 
+from cosmotrain.kernels.geometry import normalize_padding
 from cosmotrain.nn import factory
 from cosmotrain.nn.containers import Sequential
 from cosmotrain.nn.init import Initializer, constant, glorot_uniform
-from cosmotrain.nn.layers import Dropout, Flatten, LeakyReLU, Pool3d, symmetric_padding
+from cosmotrain.nn.layers import Dropout, Flatten, LeakyReLU, Pool3d
 from cosmotrain.nn.module import Layer
 
 CONV_CHANNELS = (16, 32, 64, 128, 256, 256, 256)
@@ -37,7 +38,7 @@ def build_cosmoflow(width: int, channels: int = 4, outputs: int = 4, dropout: fl
         layers.append(LeakyReLU(name=f"act{i}", slope=slope))
         if pooled_after(i, width):
             layers.append(Pool3d(name=f"pool{i}", mode="avg", kernel=(3, 3, 3),
-                                 stride=(2, 2, 2), padding=symmetric_padding(1)))
+                                 stride=(2, 2, 2), padding=normalize_padding(1)))
         cin = cout
     convs = Sequential(name="", items=layers, needs_input_grad=False)
     flat = convs.output_shape((1, channels, width, width, width))[1:]

@@ -8,11 +8,11 @@ Keras defaults: Glorot-uniform weights, zero biases.
 
 from __future__ import annotations
 
+from cosmotrain.kernels.geometry import normalize_padding
 from cosmotrain.nn import factory
 from cosmotrain.nn.containers import Sequential
 from cosmotrain.nn.init import Initializer, constant, glorot_uniform
-from cosmotrain.nn.layers import (Dropout, Flatten, LeakyReLU, Pool3d, ScaledTanh,
-                                  symmetric_padding)
+from cosmotrain.nn.layers import Dropout, Flatten, LeakyReLU, Pool3d, ScaledTanh
 from cosmotrain.nn.module import Layer
 
 CONV_CHANNELS = (32, 64, 128, 256, 512)
@@ -29,7 +29,7 @@ def build_mlperf(width: int, channels: int = 4, outputs: int = 4, dropout: float
             layers.append(factory.batchnorm(f"bn{i}", cout))
         layers.append(LeakyReLU(name=f"act{i}", slope=slope))
         layers.append(Pool3d(name=f"pool{i}", mode="max", kernel=(2, 2, 2), stride=(2, 2, 2),
-                             padding=symmetric_padding(0)))
+                             padding=normalize_padding(0)))
         cin = cout
     flat = Sequential(items=list(layers)).output_shape((1, channels, width, width, width))
     features = flat[1] * flat[2] * flat[3] * flat[4]

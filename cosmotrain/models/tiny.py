@@ -7,10 +7,11 @@ fc2 outputs.
 
 from __future__ import annotations
 
+from cosmotrain.kernels.geometry import normalize_padding
 from cosmotrain.nn import factory
 from cosmotrain.nn.containers import Sequential
 from cosmotrain.nn.init import Initializer, constant, glorot_uniform
-from cosmotrain.nn.layers import Dropout, Flatten, LeakyReLU, Pool3d, symmetric_padding
+from cosmotrain.nn.layers import Dropout, Flatten, LeakyReLU, Pool3d
 from cosmotrain.nn.module import Layer
 
 DEFAULT_SLOPE = 0.01
@@ -26,7 +27,7 @@ def build_tiny(width: int, channels: int = 4, outputs: int = 4, dropout: float =
         layers.append(LeakyReLU(name=f"act{i}", slope=slope))
         mode, kernel, pstride, pad = ("avg", 3, 2, 1) if i == 1 else ("max", 2, 2, 0)
         layers.append(Pool3d(name=f"pool{i}", mode=mode, kernel=(kernel,) * 3,
-                             stride=(pstride,) * 3, padding=symmetric_padding(pad)))
+                             stride=(pstride,) * 3, padding=normalize_padding(pad)))
     flat = Sequential(items=list(layers)).output_shape((1, channels, width, width, width))
     features = flat[1] * flat[2] * flat[3] * flat[4]
     head: list[Layer] = [Flatten(name="flatten")]

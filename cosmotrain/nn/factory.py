@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from cosmotrain.nn.layers import (BatchNorm3d, Conv3d, Linear, symmetric_padding, triple)
+from cosmotrain.kernels.geometry import normalize_padding, normalize_triple
+from cosmotrain.nn.layers import BatchNorm3d, Conv3d, Linear
 from cosmotrain.nn.module import Parameter
 
 
@@ -14,12 +15,13 @@ def _zeros(*shape: int) -> Parameter:
 
 def conv(name: str, cin: int, cout: int, kernel: int = 3, stride: int = 1,
          padding: int = 1, bias: bool = False) -> Conv3d:
-    k = triple(kernel)
+    k = normalize_triple(kernel, "kernel")
     params = {"weight": _zeros(cout, cin, *k)}
     if bias:
         params["bias"] = _zeros(cout)
     return Conv3d(name=name, params=params, in_channels=cin, out_channels=cout, kernel=k,
-                  stride=triple(stride), padding=symmetric_padding(padding), bias=bias)
+                  stride=normalize_triple(stride, "stride"), padding=normalize_padding(padding),
+                  bias=bias)
 
 
 def batchnorm(name: str, channels: int) -> BatchNorm3d:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cosmotrain.kernels import conv3d, pool3d
+from cosmotrain.kernels.geometry import Padding, Triple, output_size
 from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
 from cosmotrain.kernels.batchnorm import (bn_backward_apply, bn_backward_local_sums,
                                           bn_local_sums, bn_normalize, bn_statistics)
@@ -21,22 +22,12 @@ from cosmotrain.kernels.linear import (linear_backward_data, linear_backward_wei
 from cosmotrain.backend import array_module
 from cosmotrain.nn.module import Context, Layer, Parameter
 
-Triple = tuple[int, int, int]
-Padding = tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
-
-
-def triple(value: int | Triple) -> Triple:
-    return (value,) * 3 if isinstance(value, int) else tuple(value)  # type: ignore[return-value]
-
-
-def symmetric_padding(value: int | Triple) -> Padding:
-    d, h, w = triple(value)
-    return ((d, d), (h, h), (w, w))
-
-
-def window_output(size: int, kernel: int, stride: int, pad: tuple[int, int]) -> int:
-    """Output extent of a sliding window (convolution or pooling) along one dimension."""
-    return (size + pad[0] + pad[1] - kernel) // stride + 1
+def window_output_shape(shape: tuple[int, ...], channels: int, kernel: Triple,
+                        stride: Triple, padding: Padding) -> tuple[int, ...]:
+    """(N, channels, Do, Ho, Wo) of a sliding window (convolution or pooling)."""
+    spatial = tuple(output_size(s, k, st, lo, hi) for s, k, st, (lo, hi) in
+                    zip(shape[2:], kernel, stride, padding))
+    return (shape[0], channels) + spatial
 
 
 @dataclass
@@ -75,9 +66,8 @@ class Conv3d(Layer):
         return conv3d.conv3d_backward_data(dy, weight.data, x.shape, self.stride, padding)
 
     def output_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        spatial = tuple(window_output(s, k, st, p) for s, k, st, p in
-                        zip(shape[2:], self.kernel, self.stride, self.padding))
-        return (shape[0], self.out_channels) + spatial
+        return window_output_shape(shape, self.out_channels, self.kernel, self.stride,
+                                   self.padding)
 
 
 @dataclass
@@ -111,9 +101,7 @@ class Pool3d(Layer):
                                           self.stride, self._padding)
 
     def output_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        spatial = tuple(window_output(s, k, st, p) for s, k, st, p in
-                        zip(shape[2:], self.kernel, self.stride, self.padding))
-        return shape[:2] + spatial
+        return window_output_shape(shape, shape[1], self.kernel, self.stride, self.padding)
 
 
 @dataclass

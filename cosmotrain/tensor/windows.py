@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from cosmotrain.kernels.geometry import output_size
 from cosmotrain.tensor.distribution import Distribution, block_range
 
 _DIM_NAMES = "NCDHW"
@@ -58,11 +59,6 @@ class WindowHalo:
         return self.own_range[1] - self.own_range[0]
 
 
-def output_size(size: int, kernel: int, stride: int, padding: tuple[int, int]) -> int:
-    """Global output size ``(G + p_lo + p_hi - k) // s + 1`` (< 1: the window does not fit)."""
-    return (size + padding[0] + padding[1] - kernel) // stride + 1
-
-
 def _check_window(size: int, parts: int, kernel: int, stride: int,
                   padding: tuple[int, int]) -> None:
     """Reject arguments no layer can have, naming the offending value."""
@@ -70,7 +66,7 @@ def _check_window(size: int, parts: int, kernel: int, stride: int,
         raise ValueError(f"window needs size, parts, kernel, stride >= 1 and padding >= 0; "
                          f"got size={size}, parts={parts}, kernel={kernel}, "
                          f"stride={stride}, padding={tuple(padding)}")
-    if output_size(size, kernel, stride, padding) < 1:
+    if output_size(size, kernel, stride, *padding) < 1:
         raise ValueError(f"input size {size} with padding {tuple(padding)} is smaller than "
                          f"the kernel {kernel}")
 
@@ -93,7 +89,7 @@ def window_halos(size: int, parts: int, kernel: int, stride: int,
                  padding: tuple[int, int]) -> list[WindowHalo]:
     """The ``WindowHalo`` of every rank along one dimension of ``parts`` ways."""
     _check_window(size, parts, kernel, stride, padding)
-    out_size = output_size(size, kernel, stride, padding)
+    out_size = output_size(size, kernel, stride, *padding)
     return [_rank_halo(size, block_range(size, parts, r), block_range(out_size, parts, r),
                        kernel, stride, padding[0])
             for r in range(parts)]
