@@ -106,7 +106,7 @@ def datagen(
 
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
-    mine = len(range(rank, samples, size)) if samples > 0 else 0
+    mine = len(range(rank, samples, size))
     with progress(mine, f"datagen (rank 0 of {size})", rank) as update:
         manifest = generate_dataset(out, samples, width, seed, layout=layout.value,
                                     dtype=dtype.value, val_fraction=val_fraction,

@@ -83,7 +83,7 @@ def rank_record(rank: int) -> dict[str, Any]:
     """What one rank reports about itself."""
     return {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "gpus": len(visible_gpus())}
+            "gpus": visible_gpus()}
 
 
 def gather_info(comm: Any) -> dict[str, Any] | None:
@@ -92,5 +92,5 @@ def gather_info(comm: Any) -> dict[str, Any] | None:
     if comm.Get_rank() != 0:
         return None
     return {"versions": package_versions(), "mpi_library": mpi_library(),
-            "world_size": comm.Get_size(), "ranks": records, "gpus": visible_gpus(),
+            "world_size": comm.Get_size(), "ranks": records, "gpus": records[0]["gpus"],
             "gpu_libraries": gpu_libraries()}

@@ -32,6 +32,6 @@ def _layout_table(records: list[dict[str, Any]]) -> Table:
     for column in ("rank", "host", "pid", "GPUs", "CUDA_VISIBLE_DEVICES"):
         table.add_column(column)
     for r in records:
-        table.add_row(str(r["rank"]), r["host"], str(r["pid"]), str(r["gpus"]),
+        table.add_row(str(r["rank"]), r["host"], str(r["pid"]), str(len(r["gpus"])),
                       r["cuda_visible_devices"] or "-")
     return table

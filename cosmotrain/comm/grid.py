@@ -23,7 +23,6 @@ GROUPS = {
     "spatial": SPATIAL,  # the blocks of one sample (same sample, channel, filter)
     "data": ("sample",) + SPATIAL,  # replicas of an unsplit parameter's block
     "channel_filter": ("channel", "filter"),  # the weight blocks of one layer
-    "world": AXES,
 }
 
 

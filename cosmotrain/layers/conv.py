@@ -58,7 +58,8 @@ class SpatialConv3d(SpatialWindow, Conv3d):
                 dext = conv3d.conv3d_backward_data(dy.data, weight.data,
                                                    buffer[geo.extended].shape, self.stride,
                                                    geo.padding)
-            grad, pending = scatter_halo_grads(dext, buffer, geo)  # margins travel ...
+            grad, pending = scatter_halo_grads(dext, buffer.shape, buffer.dtype,
+                                               geo)  # margins travel ...
         weight.accumulate(self._weight_grad(buffer, dy, geo))  # ... while wgrad runs
         if self.bias:
             self.params["bias"].accumulate(dy.data.sum(axis=(0, 2, 3, 4)))

@@ -55,8 +55,7 @@ class SpatialPool3d(SpatialWindow, Pool3d):
         elif geo.has_output:
             dext = pool3d.max_pool3d_backward(dy.data, argmax, extended_shape, self.kernel,
                                               self.stride, geo.padding)
-        like = np.empty(buffer_shape, dtype=dy.data.dtype)
-        grad, pending = scatter_halo_grads(dext, like, geo)
+        grad, pending = scatter_halo_grads(dext, buffer_shape, dy.data.dtype, geo)
         return finish_halo_grads(grad, pending, x, geo)
 
 

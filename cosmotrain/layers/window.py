@@ -62,10 +62,10 @@ def gather_halos(x: DistTensor, geo: WindowGeometry) -> Any:
     return buffer
 
 
-def scatter_halo_grads(grad_extended: Any, like: Any, geo: WindowGeometry
-                       ) -> tuple[Any, list]:
+def scatter_halo_grads(grad_extended: Any, buffer_shape: tuple[int, ...], dtype: Any,
+                       geo: WindowGeometry) -> tuple[Any, list]:
     """Place the extended block's gradient in a buffer and start sending its margins."""
-    grad = np.zeros_like(like)
+    grad = np.zeros(buffer_shape, dtype=dtype)
     if grad_extended is not None:
         grad[geo.extended] = grad_extended
     return grad, geo.exchange.start(grad, "add")

@@ -40,9 +40,8 @@ def build_cosmoflow(width: int, channels: int = 4, outputs: int = 4, dropout: fl
             layers.append(Pool3d(name=f"pool{i}", mode="avg", kernel=(3, 3, 3),
                                  stride=(2, 2, 2), padding=normalize_padding(1)))
         cin = cout
-    convs = Sequential(name="", items=layers, needs_input_grad=False)
-    flat = convs.output_shape((1, channels, width, width, width))[1:]
-    features = flat[0] * flat[1] * flat[2] * flat[3]
+    flat = Sequential(items=list(layers)).output_shape((1, channels, width, width, width))
+    features = flat[1] * flat[2] * flat[3] * flat[4]
     head: list[Layer] = [Flatten(name="flatten")]
     for i, (fin, fout) in enumerate([(features, 2048), (2048, 256), (256, outputs)], start=1):
         if dropout > 0:

@@ -18,10 +18,8 @@ class Sequential(Layer):
 
     items: list[Layer] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        self._propagate_input_grad()
-
     def _propagate_input_grad(self) -> None:
+        """The first layer needs an input gradient exactly when this sequence does."""
         if self.items:
             self.items[0].needs_input_grad = self.needs_input_grad
 

@@ -1,8 +1,9 @@
 """Single-process layers: thin wrappers that call the device kernels.
 
-The distributed layers of the tensor layer subclass these and change only what differs:
-the padding a convolution sees (halos replace it on split sides), where statistics and
-losses are reduced, and how a block is placed in the global tensor.
+The distributed layers (``cosmotrain/layers``) subclass these: window layers replace
+forward/backward to work on halo-extended blocks; batch norm and the global average pool
+override ``reduce_sums`` to reduce their statistics over the ranks sharing a sample;
+dropout overrides ``block_geometry`` to place a block in the global tensor.
 """
 
 from __future__ import annotations
@@ -43,27 +44,22 @@ class Conv3d(Layer):
 
     def forward(self, x: Any, ctx: Context) -> Any:
         self._x = x
-        y = conv3d.conv3d_forward(x, self.params["weight"].data, self.stride,
-                                  self.conv_padding(x))
+        y = conv3d.conv3d_forward(x, self.params["weight"].data, self.stride, self.padding)
         if self.bias:
             y += self.params["bias"].data.reshape(1, -1, 1, 1, 1)
         return y
 
-    def conv_padding(self, x: Any) -> Padding:
-        """Zero padding applied around ``x`` (the distributed layer swaps halos in)."""
-        return self.padding
-
     def backward(self, dy: Any, ctx: Context) -> Any:
         x, self._x = self._x, None
-        padding = self.conv_padding(x)
         weight = self.params["weight"]
         weight.accumulate(conv3d.conv3d_backward_filter(x, dy, weight.shape, self.stride,
-                                                        padding))
+                                                        self.padding))
         if self.bias:
             self.params["bias"].accumulate(dy.sum(axis=(0, 2, 3, 4)))
         if not self.needs_input_grad:
             return None
-        return conv3d.conv3d_backward_data(dy, weight.data, x.shape, self.stride, padding)
+        return conv3d.conv3d_backward_data(dy, weight.data, x.shape, self.stride,
+                                           self.padding)
 
     def output_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return window_output_shape(shape, self.out_channels, self.kernel, self.stride,
@@ -79,15 +75,11 @@ class Pool3d(Layer):
     stride: Triple = (2, 2, 2)
     padding: Padding = ((1, 1), (1, 1), (1, 1))
 
-    def pool_padding(self, x: Any) -> Padding:
-        return self.padding
-
     def forward(self, x: Any, ctx: Context) -> Any:
-        padding = self.pool_padding(x)
-        self._x_shape, self._padding = x.shape, padding
+        self._x_shape = x.shape
         if self.mode == "avg":
-            return pool3d.avg_pool3d_forward(x, self.kernel, self.stride, padding)
-        y, self._argmax = pool3d.max_pool3d_forward(x, self.kernel, self.stride, padding)
+            return pool3d.avg_pool3d_forward(x, self.kernel, self.stride, self.padding)
+        y, self._argmax = pool3d.max_pool3d_forward(x, self.kernel, self.stride, self.padding)
         return y
 
     def backward(self, dy: Any, ctx: Context) -> Any:
@@ -95,10 +87,10 @@ class Pool3d(Layer):
             return None
         if self.mode == "avg":
             return pool3d.avg_pool3d_backward(dy, self._x_shape, self.kernel, self.stride,
-                                              self._padding)
+                                              self.padding)
         argmax, self._argmax = self._argmax, None
         return pool3d.max_pool3d_backward(dy, argmax, self._x_shape, self.kernel,
-                                          self.stride, self._padding)
+                                          self.stride, self.padding)
 
     def output_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return window_output_shape(shape, shape[1], self.kernel, self.stride, self.padding)

@@ -2,8 +2,9 @@
 
 ``saved``: what the layers keep from forward for backward (a convolution's input, an
 activation's output (computed in place, so it is the previous layer's output buffer), batch norm's normalised input, a linear layer's input, a dropout mask);
-``transient``: the largest gradient pair (dy, dx) alive at once in backward; ``grads``: the
-parameter gradients.  The model input is not counted: it exists before the step.  The
+``transient``: the largest gradients alive at once in backward: dy and dx of one layer,
+or dy alone where backward works in place (LeakyReLU) or computes no input gradient (the
+first layer); ``grads``: the parameter gradients.  The model input is not counted: it exists before the step.  The
 benchmark compares a measured step peak against ``step_bytes``.
 """
 
@@ -13,11 +14,12 @@ import math
 from dataclasses import dataclass
 
 from cosmotrain.nn.module import Layer
-from cosmotrain.perf.flops import layer_costs
+from cosmotrain.perf.flops import LayerCost, layer_costs
 
 FLOAT = 4
 _SAVES_INPUT = {"Conv3d": FLOAT, "BatchNorm3d": FLOAT, "Linear": FLOAT, "Dropout": 1}
-_SAVES_OUTPUT = {"LeakyReLU": FLOAT, "ScaledTanh": FLOAT, "Pool3d": 0}
+_SAVES_OUTPUT = {"LeakyReLU": FLOAT, "ScaledTanh": FLOAT}
+_IN_PLACE_BACKWARD = {"LeakyReLU"}
 
 
 @dataclass(frozen=True)
@@ -35,9 +37,17 @@ def training_memory(model: Layer, input_shape: tuple[int, ...]) -> StepMemory:
     costs = layer_costs(model, input_shape)
     saved = 0
     for i, cost in enumerate(costs):
-        if i > 0 or cost.kind not in _SAVES_INPUT:
+        if i > 0:  # the first layer's saved input is the model input itself
             saved += _SAVES_INPUT.get(cost.kind, 0) * math.prod(cost.in_shape)
         saved += _SAVES_OUTPUT.get(cost.kind, 0) * math.prod(cost.out_shape)
-    transient = max(FLOAT * (math.prod(c.in_shape) + math.prod(c.out_shape)) for c in costs)
+    transient = max(_backward_arrays(c, first=i == 0) for i, c in enumerate(costs))
     grads = FLOAT * sum(p.data.size for _, p in model.named_parameters())
     return StepMemory(saved, transient, grads)
+
+
+def _backward_arrays(cost: LayerCost, first: bool) -> int:
+    """Bytes of the gradients one layer's backward holds at once."""
+    dy = FLOAT * math.prod(cost.out_shape)
+    if first or cost.kind in _IN_PLACE_BACKWARD:
+        return dy
+    return dy + FLOAT * math.prod(cost.in_shape)

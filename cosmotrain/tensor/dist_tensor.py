@@ -46,8 +46,8 @@ class DistTensor:
 
         Every rank of ``comm`` must hold a distinct block of the same distribution.
         """
-        blocks = (comm.allgather if root is None else
-                  lambda item: comm.gather(item, root=root))((self.coord, np.asarray(self.data)))
+        item = (self.coord, np.asarray(self.data))
+        blocks = comm.allgather(item) if root is None else comm.gather(item, root=root)
         if blocks is None:
             return None
         full = np.empty(self.dist.global_shape, dtype=np.asarray(self.data).dtype)

@@ -25,11 +25,9 @@ class Optimizer:
     lr: float
     weight_decay: float = 0.0
     state: dict[str, dict[str, Any]] = field(default_factory=dict)
-    steps: int = 0
 
     def step(self, params: NamedParams, lr: float | None = None) -> None:
         """Apply one update to every parameter that has a gradient."""
-        self.steps += 1
         rate = self.lr if lr is None else lr
         for name, param in params:
             if param.grad is None:
