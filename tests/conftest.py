@@ -13,6 +13,17 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Settings the ranks of the parallel tests inherit (mpi-pytest launches mpiexec).
+
+    Up to 8 ranks share CI's 2 cores: one BLAS thread each, and MPICH yields the core
+    while it waits instead of spinning (a spinning rank starves the ranks it waits for).
+    """
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
+
+
 def mpiexec() -> str:
     """The mpiexec beside this Python (the mpich wheel) or on PATH."""
     beside = Path(sys.executable).parent / "mpiexec"

@@ -14,6 +14,7 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from cosmotrain.comm.timers import PhaseTimers
 from cosmotrain.config.parallel import ParallelLayout
 
 AXES = ("sample", "channel", "filter", "depth", "height", "width")
@@ -41,6 +42,7 @@ class ProcessGrid:
         self.coords = tuple(self.cart.Get_coords(self.rank))
         self.axis_comms = {axis: self._sub((axis,)) for axis in AXES}
         self.group_comms = {name: self._sub(axes) for name, axes in GROUPS.items()}
+        self.timers = PhaseTimers()
 
     def _sub(self, axes: Sequence[str]) -> Any:
         return self.cart.Sub([axis in axes for axis in AXES])

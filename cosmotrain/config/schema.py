@@ -77,6 +77,14 @@ class ParallelConfig:
     depth: int = spec(1, "ways the depth (D) dimension is split", minimum=1)
     height: int = spec(1, "ways the height (H) dimension is split", minimum=1)
     width: int = spec(1, "ways the width (W) dimension is split", minimum=1)
+    spatial_until: str = spec(AUTO, "first top-level layer that runs on whole samples (after "
+                              "an all-to-all); auto: the first layer that cannot run on "
+                              "blocks or whose blocks are thinner than 4 planes")
+    bn_statistics: str = spec("global", "batch-norm statistics over the whole mini-batch "
+                              "(global, the 1-rank function) or one sample group's share "
+                              "(local)", choices=("global", "local"))
+    bucket_mb: float = spec(25.0, "size of the gradient allreduce buckets (MiB)",
+                            minimum=0.0)
 
 
 @dataclass

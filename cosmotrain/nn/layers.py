@@ -1,9 +1,10 @@
 """Single-process layers: thin wrappers that call the device kernels.
 
 The distributed layers (``cosmotrain/layers``) subclass these: window layers replace
-forward/backward to work on halo-extended blocks; batch norm and the global average pool
-override ``reduce_sums`` to reduce their statistics over the ranks sharing a sample;
-dropout overrides ``block_geometry`` to place a block in the global tensor.
+forward/backward to work on halo-extended blocks; batch norm overrides
+``reduce_sums`` to reduce its statistics over the ranks sharing them; dropout overrides
+``block_geometry`` to place a block in the global tensor.  Every layer accepts an empty
+batch (a rank that holds no sample after a redistribution still takes part).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class Conv3d(Layer):
 
     def forward(self, x: Any, ctx: Context) -> Any:
         self._x = x
+        if x.shape[0] == 0:
+            return array_module(x).zeros(self.output_shape(x.shape), x.dtype)
         y = conv3d.conv3d_forward(x, self.params["weight"].data, self.stride, self.padding)
         if self.bias:
             y += self.params["bias"].data.reshape(1, -1, 1, 1, 1)
@@ -52,6 +55,8 @@ class Conv3d(Layer):
     def backward(self, dy: Any, ctx: Context) -> Any:
         x, self._x = self._x, None
         weight = self.params["weight"]
+        if x.shape[0] == 0:
+            return self._empty_backward(x)
         weight.accumulate(conv3d.conv3d_backward_filter(x, dy, weight.shape, self.stride,
                                                         self.padding))
         if self.bias:
@@ -60,6 +65,13 @@ class Conv3d(Layer):
             return None
         return conv3d.conv3d_backward_data(dy, weight.data, x.shape, self.stride,
                                            self.padding)
+
+    def _empty_backward(self, x: Any) -> Any:
+        """No sample here: zero parameter gradients (this rank's share of the sum)."""
+        xp = array_module(x)
+        for param in self.params.values():
+            param.accumulate(xp.zeros(param.shape, param.data.dtype))
+        return xp.zeros(x.shape, x.dtype) if self.needs_input_grad else None
 
     def output_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return window_output_shape(shape, self.out_channels, self.kernel, self.stride,
@@ -77,6 +89,8 @@ class Pool3d(Layer):
 
     def forward(self, x: Any, ctx: Context) -> Any:
         self._x_shape = x.shape
+        if x.shape[0] == 0:
+            return array_module(x).zeros(self.output_shape(x.shape), x.dtype)
         if self.mode == "avg":
             return pool3d.avg_pool3d_forward(x, self.kernel, self.stride, self.padding)
         y, self._argmax = pool3d.max_pool3d_forward(x, self.kernel, self.stride, self.padding)
@@ -85,6 +99,8 @@ class Pool3d(Layer):
     def backward(self, dy: Any, ctx: Context) -> Any:
         if not self.needs_input_grad:
             return None
+        if self._x_shape[0] == 0:
+            return array_module(dy).zeros(self._x_shape, dy.dtype)
         if self.mode == "avg":
             return pool3d.avg_pool3d_backward(dy, self._x_shape, self.kernel, self.stride,
                                               self.padding)
@@ -153,10 +169,13 @@ class BatchNorm3d(Layer):
 
     def backward(self, dy: Any, ctx: Context) -> Any:
         xhat, self._xhat = self._xhat, None
-        sums = self.reduce_sums(bn_backward_local_sums(dy, xhat))
+        local = bn_backward_local_sums(dy, xhat)
         gamma = self.params["weight"]
-        self.params["bias"].accumulate(sums[0].astype(dy.dtype))
-        gamma.accumulate(sums[1].astype(dy.dtype))
+        # The local sums are this rank's part of dbeta / dgamma: like every parameter
+        # gradient they are summed over the parameter's replicas by the trainer.
+        self.params["bias"].accumulate(local[0].astype(dy.dtype))
+        gamma.accumulate(local[1].astype(dy.dtype))
+        sums = self.reduce_sums(local)
         if not self.needs_input_grad:
             return None
         return bn_backward_apply(dy, xhat, gamma.data, self._inv_std, sums, self._count)
@@ -196,7 +215,7 @@ class Flatten(Layer):
 
     def forward(self, x: Any, ctx: Context) -> Any:
         self._shape = x.shape
-        return x.reshape(x.shape[0], -1)
+        return x.reshape(self.output_shape(x.shape))
 
     def backward(self, dy: Any, ctx: Context) -> Any:
         return dy.reshape(self._shape)
@@ -252,22 +271,12 @@ class ScaledTanh(Layer):
 
 @dataclass
 class GlobalAvgPool(Layer):
-    """Mean over (D, H, W): (N, C, D, H, W) -> (N, C, 1, 1, 1).
-
-    ``reduce_sums`` is where a spatially distributed layer sums over its spatial group.
-    """
-
-    def reduce_sums(self, sums: Any) -> Any:
-        return sums
-
-    def global_volume(self, x: Any) -> int:
-        return x.shape[2] * x.shape[3] * x.shape[4]
+    """Mean over (D, H, W): (N, C, D, H, W) -> (N, C, 1, 1, 1) (runs on whole samples)."""
 
     def forward(self, x: Any, ctx: Context) -> Any:
         self._x_shape = x.shape
-        self._volume = self.global_volume(x)
-        sums = self.reduce_sums(x.sum(axis=(2, 3, 4), keepdims=True))
-        return sums / x.dtype.type(self._volume)
+        self._volume = x.shape[2] * x.shape[3] * x.shape[4]
+        return x.sum(axis=(2, 3, 4), keepdims=True) / x.dtype.type(self._volume)
 
     def backward(self, dy: Any, ctx: Context) -> Any:
         xp = array_module(dy)

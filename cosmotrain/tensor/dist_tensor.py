@@ -29,6 +29,17 @@ class DistTensor:
             raise ValueError(f"block of shape {tuple(self.data.shape)} does not match the "
                              f"distribution's block {expected} at {self.coord}")
 
+    def copy(self) -> DistTensor:
+        return DistTensor(self.data.copy(), self.dist, self.coord)
+
+    def __iadd__(self, other: DistTensor) -> DistTensor:
+        """Element-wise sum of two blocks of one distribution (residual connections)."""
+        if other.dist != self.dist or other.coord != self.coord:
+            raise ValueError(f"cannot add a block of {other.dist} at {other.coord} to one of "
+                             f"{self.dist} at {self.coord}")
+        self.data += other.data
+        return self
+
     @property
     def offset(self) -> tuple[int, ...]:
         return self.dist.offset(self.coord)

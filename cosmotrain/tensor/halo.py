@@ -87,6 +87,10 @@ class HaloExchange:
         """Post every receive and send; ``mode`` is ``replace`` or ``add``."""
         if mode not in ("replace", "add"):
             raise ValueError(f"mode must be 'replace' or 'add', not {mode!r}")
+        with self.grid.timers.phase("halo"):
+            return self._post(buffer, mode)
+
+    def _post(self, buffer: Any, mode: str) -> list[tuple[Any, Any, _Message]]:
         cart, lead = self.grid.cart, buffer.shape[:2]
         pending = []
         for msg in self.messages:
@@ -106,14 +110,15 @@ class HaloExchange:
         """Wait for the messages and unpack: copy into margins, or add into owned planes."""
         from mpi4py import MPI
 
-        MPI.Request.Waitall([request for request, _, _ in pending])
-        for _, inbox, msg in pending:
-            if msg is None:
-                continue
-            if mode == "replace":
-                buffer[(...,) + msg.recv_region] = inbox
-            else:
-                buffer[(...,) + msg.send_region] += inbox
+        with self.grid.timers.phase("halo"):
+            MPI.Request.Waitall([request for request, _, _ in pending])
+            for _, inbox, msg in pending:
+                if msg is None:
+                    continue
+                if mode == "replace":
+                    buffer[(...,) + msg.recv_region] = inbox
+                else:
+                    buffer[(...,) + msg.send_region] += inbox
 
     def exchange(self, buffer: Any, mode: str) -> None:
         """Blocking form: :meth:`start` then :meth:`finish`."""

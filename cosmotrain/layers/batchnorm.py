@@ -1,0 +1,55 @@
+"""Batch normalisation with statistics reduced over the ranks that share them.
+
+The per-channel sums (forward: sum, sum of squares, count; backward: sum of dy and of
+dy * xhat) are allreduced over ``comm``, so every rank normalises with the statistics of
+the whole group.  Which ranks form the group is the ``parallel.bn_statistics`` choice:
+
+* ``global`` (default): the data group, every sample and every spatial block of the
+  mini-batch: exactly the single-process function, at any rank layout;
+* ``local``: the spatial group only, the blocks of one sample group's share of the batch:
+  what a data-parallel framework without synchronised batch norm computes.
+
+The parameter gradients stay this rank's partial sums (reduced with every other
+gradient), see :class:`~cosmotrain.nn.layers.BatchNorm3d`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cosmotrain.comm.timers import PhaseTimers
+from cosmotrain.layers.blockwise import OnBlocks
+from cosmotrain.nn.layers import BatchNorm3d
+
+
+@dataclass
+class DistBatchNorm3d(BatchNorm3d):
+    """:class:`BatchNorm3d` on local arrays whose sums are allreduced over ``comm``."""
+
+    comm: Any = None
+    timers: PhaseTimers | None = None
+
+    def reduce_sums(self, sums: Any) -> Any:
+        if self.comm is None or self.comm.Get_size() == 1:
+            return sums
+        if self.timers is None:
+            self.comm.Allreduce(sums.copy(), sums)
+            return sums
+        with self.timers.phase("allreduce"):
+            self.comm.Allreduce(sums.copy(), sums)
+        return sums
+
+
+@dataclass
+class SpatialBatchNorm3d(OnBlocks, DistBatchNorm3d):
+    """:class:`DistBatchNorm3d` on the spatial blocks of :class:`DistTensor` inputs."""
+
+
+def dist_batchnorm(layer: BatchNorm3d, comm: Any, timers: PhaseTimers | None,
+                   spatial: bool) -> DistBatchNorm3d:
+    """The distributed twin of ``layer`` (same parameters and running statistics)."""
+    cls = SpatialBatchNorm3d if spatial else DistBatchNorm3d
+    return cls(name=layer.name, params=layer.params, buffers=layer.buffers,
+               needs_input_grad=layer.needs_input_grad, channels=layer.channels,
+               eps=layer.eps, momentum=layer.momentum, comm=comm, timers=timers)

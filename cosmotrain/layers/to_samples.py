@@ -1,0 +1,67 @@
+"""Where spatial parallelism stops: spatial blocks -> whole samples (LBANN's shuffle).
+
+Late layers work on small volumes, where halos cost as much as the compute and the
+linear layers need whole samples anyway.  This layer gathers each sample group's
+spatially partitioned activations into whole samples *spread over the same ranks*: the
+group's ``Bg`` samples are cut into balanced blocks over its ``P`` spatial ranks (one
+all-to-all inside the spatial group; a rank gets no sample when ``Bg < P``).  Everything
+after it is plain data parallelism on local samples.  Backward is the inverse all-to-all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.nn.module import Context, Layer
+from cosmotrain.tensor.dist_tensor import DistTensor
+from cosmotrain.tensor.distribution import Distribution, block_range
+from cosmotrain.tensor.redistribute import Redistribution
+
+
+@dataclass
+class ToSamples(Layer):
+    """Redistribute a :class:`DistTensor` of spatial blocks into local whole samples."""
+
+    grid: ProcessGrid | None = None
+    _plans: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def _comm(self) -> Any:
+        return self.grid.group_comms["spatial"]  # type: ignore[union-attr]
+
+    def sample_range(self, x_dist: Distribution, x_coord: tuple[int, ...]) -> tuple[int, int]:
+        """Global batch indices ``[a, b)`` of the samples this rank holds afterwards."""
+        group = x_dist.block(x_coord)[0]
+        comm = self._comm
+        lo, hi = block_range(group.stop - group.start, comm.Get_size(), comm.Get_rank())
+        return group.start + lo, group.start + hi
+
+    def _plan(self, x: DistTensor) -> Redistribution:
+        """The all-to-all inside the spatial group, over the group's own samples."""
+        if x.dist not in self._plans:
+            shape = x.data.shape[:2] + x.dist.global_shape[2:]
+            spatial_grid = (1, 1) + x.dist.grid[2:]
+            comm = self._comm
+            self._plans[x.dist] = Redistribution.plan(
+                comm, Distribution(shape, spatial_grid), (0, 0) + x.coord[2:],
+                Distribution(shape, (comm.Get_size(), 1, 1, 1, 1)),
+                (comm.Get_rank(), 0, 0, 0, 0))
+        return self._plans[x.dist]
+
+    def forward(self, x: DistTensor, ctx: Context) -> Any:
+        self._x = (x.dist, x.coord)
+        if self._comm.Get_size() == 1:
+            return x.data
+        with self.grid.timers.phase("redistribution"):  # type: ignore[union-attr]
+            return self._plan(x)(x.data)
+
+    def backward(self, dy: Any, ctx: Context) -> DistTensor | None:
+        dist, coord = self._x
+        if not self.needs_input_grad:
+            return None
+        if self._comm.Get_size() == 1:
+            return DistTensor(dy, dist, coord)
+        with self.grid.timers.phase("redistribution"):  # type: ignore[union-attr]
+            return DistTensor(self._plans[dist].reverse()(dy), dist, coord)

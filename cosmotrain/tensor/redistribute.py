@@ -1,0 +1,123 @@
+"""Redistribution: move a tensor from one distribution to another (all-to-all).
+
+Each rank of a communicator holds one block of a *source* distribution and wants one
+block of a *target* distribution of the same global tensor.  What rank ``r`` sends to
+rank ``q`` is the intersection of its source block with ``q``'s target block; one
+``Alltoallv`` moves everything.  The plan (who sends what) is pure index math computed
+once from every rank's two grid coordinates.  A redistribution is a permutation of the
+tensor's elements, so its adjoint (the backward pass) is its inverse: the same plan run
+the other way (:meth:`Redistribution.reverse`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cosmotrain.tensor.distribution import Distribution
+
+Box = tuple[slice, ...]
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common part of two boxes of global slices, None when they do not overlap."""
+    common = tuple(slice(max(x.start, y.start), min(x.stop, y.stop)) for x, y in zip(a, b))
+    return common if all(s.stop > s.start for s in common) else None
+
+
+def to_local(box: Box, block: Box) -> Box:
+    """``box`` (global indices, inside ``block``) in the block's local indices."""
+    return tuple(slice(s.start - o.start, s.stop - o.start) for s, o in zip(box, block))
+
+
+def _size(box: Box | None) -> int:
+    if box is None:
+        return 0
+    return int(np.prod([s.stop - s.start for s in box]))
+
+
+@dataclass
+class Redistribution:
+    """This rank's part of moving ``src`` blocks to ``dst`` blocks over ``comm``.
+
+    ``send[q]`` is the local box of my source block that rank ``q`` receives and
+    ``recv[q]`` the local box of my target block that rank ``q`` fills (None: nothing).
+    """
+
+    comm: Any
+    src: Distribution
+    dst: Distribution
+    src_coord: tuple[int, ...]
+    dst_coord: tuple[int, ...]
+    send: list[Box | None]
+    recv: list[Box | None]
+
+    @classmethod
+    def plan(cls, comm: Any, src: Distribution, src_coord: Sequence[int],
+             dst: Distribution, dst_coord: Sequence[int]) -> Redistribution:
+        """Build the plan (collective: every rank of ``comm`` calls it once)."""
+        if src.global_shape != dst.global_shape:
+            raise ValueError(f"cannot redistribute {src.global_shape} into "
+                             f"{dst.global_shape}: the global shapes differ")
+        coords = comm.allgather((tuple(src_coord), tuple(dst_coord)))
+        mine_src, mine_dst = src.block(tuple(src_coord)), dst.block(tuple(dst_coord))
+        send, recv = [], []
+        for their_src, their_dst in coords:
+            out = intersect(mine_src, dst.block(their_dst))
+            into = intersect(src.block(their_src), mine_dst)
+            send.append(None if out is None else to_local(out, mine_src))
+            recv.append(None if into is None else to_local(into, mine_dst))
+        covered = sum(_size(b) for b in recv)
+        if covered != int(np.prod(dst.local_shape(tuple(dst_coord)))):
+            raise ValueError("the source blocks of the communicator's ranks do not cover "
+                             "this rank's target block exactly once")
+        return cls(comm, src, dst, tuple(src_coord), tuple(dst_coord), send, recv)
+
+    def reverse(self) -> Redistribution:
+        """The plan from ``dst`` back to ``src`` (the adjoint and the inverse)."""
+        return Redistribution(self.comm, self.dst, self.src, self.dst_coord, self.src_coord,
+                              self.recv, self.send)
+
+    def __call__(self, block: Any) -> Any:
+        """My target block, given my source block (collective)."""
+        expected = self.src.local_shape(self.src_coord)
+        if tuple(block.shape) != expected:
+            raise ValueError(f"source block of shape {tuple(block.shape)}, the plan "
+                             f"expects {expected}")
+        return alltoallv_boxes(self.comm, block, self.send, self.recv,
+                               self.dst.local_shape(self.dst_coord))
+
+
+def alltoallv_boxes(comm: Any, block: Any, send: list[Box | None], recv: list[Box | None],
+                    out_shape: tuple[int, ...]) -> Any:
+    """Send box ``send[q]`` of ``block`` to rank ``q``; fill box ``recv[q]`` of the result."""
+    sendbuf, send_counts = _pack(block, send)
+    recv_counts = [_size(box) for box in recv]
+    recvbuf = np.empty(sum(recv_counts), dtype=block.dtype)
+    comm.Alltoallv([sendbuf, (send_counts, _displacements(send_counts))],
+                   [recvbuf, (recv_counts, _displacements(recv_counts))])
+    out = np.empty(out_shape, dtype=block.dtype)
+    start = 0
+    for box, count in zip(recv, recv_counts):
+        if box is not None:
+            out[box] = recvbuf[start:start + count].reshape(out[box].shape)
+        start += count
+    return out
+
+
+def _pack(block: Any, boxes: list[Box | None]) -> tuple[Any, list[int]]:
+    counts = [_size(box) for box in boxes]
+    buf = np.empty(sum(counts), dtype=block.dtype)
+    start = 0
+    for box, count in zip(boxes, counts):
+        if box is not None:
+            buf[start:start + count] = block[box].ravel()
+        start += count
+    return buf, counts
+
+
+def _displacements(counts: list[int]) -> list[int]:
+    return [int(d) for d in np.concatenate([[0], np.cumsum(counts)[:-1]])]
