@@ -1,16 +1,21 @@
 """Gradient reduction in buckets, overlapped with the backward pass.
 
 Every rank of the data group (all sample groups and spatial blocks) holds a replica of
-each parameter and computes a partial gradient (its samples, its blocks).  As soon as a
-layer's gradients are final (``Context.on_grad_ready``) they are copied into the current
-bucket; a full bucket starts a non-blocking allreduce and backward goes on while it
-travels.  :meth:`GradientReducer.finish` flushes the last bucket, waits, and writes the
-sums back.  Buckets are filled in backward order, which is the same on every rank, so
-the collectives match.  With one rank in the group nothing is sent.
+each parameter and computes a partial gradient (its samples, its blocks).  Parameters
+are grouped, in reverse model order (roughly the order backward finishes them), into
+buckets of about ``bucket_mb`` MiB, each with one persistent flat buffer.  Before a step
+:meth:`GradientReducer.prepare` zeroes the buffers and makes every ``param.grad`` a view
+of its bucket, so layers accumulate straight into it (gradients are never held twice).
+When the last parameter of a bucket is reported final (``Context.on_grad_ready``), the
+bucket's non-blocking allreduce starts and backward goes on while it travels;
+:meth:`finish` waits, and the sums are already in place.  Readiness is the same on every
+rank, so the collectives start in the same order everywhere.  With one rank in the group
+nothing is allocated or sent.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,8 +29,22 @@ DEFAULT_BUCKET_MB = 25.0  # as PyTorch DDP
 
 @dataclass
 class _Bucket:
-    params: list[Parameter] = field(default_factory=list)
-    nbytes: int = 0
+    params: list[Parameter]
+    buffer: Any
+    ready: int = 0
+
+
+def plan_buckets(params: list[Parameter], bucket_bytes: float) -> list[list[Parameter]]:
+    """Consecutive groups of ``params`` of at least ``bucket_bytes`` (the last may be less)."""
+    groups: list[list[Parameter]] = [[]]
+    size = 0
+    for param in params:
+        if size >= bucket_bytes and groups[-1]:
+            groups.append([])
+            size = 0
+        groups[-1].append(param)
+        size += param.data.nbytes
+    return [g for g in groups if g]
 
 
 @dataclass
@@ -35,47 +54,63 @@ class GradientReducer:
     comm: Any
     timers: PhaseTimers
     bucket_mb: float = DEFAULT_BUCKET_MB
-    _open: _Bucket = field(default_factory=_Bucket)
-    _in_flight: list[tuple[Any, Any, list[Parameter]]] = field(default_factory=list)
+    _buckets: list[_Bucket] = field(default_factory=list)
+    _owner: dict[int, _Bucket] = field(default_factory=dict)
+    _in_flight: list[Any] = field(default_factory=list)
 
     @property
     def active(self) -> bool:
         return self.comm is not None and self.comm.Get_size() > 1
 
+    def prepare(self, params: Iterable[Parameter]) -> None:
+        """Zeroed bucket views as the gradients of ``params`` (model order), once per step."""
+        if not self.active:
+            return
+        if not self._buckets:
+            self._build(list(params)[::-1])
+        for bucket in self._buckets:
+            bucket.buffer.fill(0)
+            bucket.ready = 0
+            start = 0
+            for param in bucket.params:
+                param.grad = bucket.buffer[start:start + param.data.size].reshape(param.shape)
+                start += param.data.size
+
+    def _build(self, params: list[Parameter]) -> None:
+        for group in plan_buckets(params, self.bucket_mb * 2**20):
+            dtype = np.result_type(*[p.data.dtype for p in group])
+            buffer = np.zeros(sum(p.data.size for p in group), dtype=dtype)
+            bucket = _Bucket(group, buffer)
+            self._buckets.append(bucket)
+            self._owner.update({id(p): bucket for p in group})
+
     def on_grad_ready(self, layer: Layer) -> None:
-        """Queue ``layer``'s gradients; start the bucket's allreduce once it is full."""
+        """Count ``layer``'s parameters as final; start each bucket that is complete."""
         if not self.active:
             return
         for param in layer.params.values():
-            if param.grad is None:
-                raise RuntimeError(f"layer {layer.name!r} reported a missing gradient")
-            self._open.params.append(param)
-            self._open.nbytes += param.grad.nbytes
-        if self._open.nbytes >= self.bucket_mb * 2**20:
-            self._launch()
+            bucket = self._owner[id(param)]
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                self._launch(bucket)
 
-    def _launch(self) -> None:
-        bucket, self._open = self._open, _Bucket()
-        if not bucket.params:
-            return
+    def _launch(self, bucket: _Bucket) -> None:
+        from mpi4py import MPI
+
         with self.timers.phase("allreduce"):
-            flat = np.concatenate([p.grad.ravel() for p in bucket.params])
-            from mpi4py import MPI
-
-            request = self.comm.Iallreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
-        self._in_flight.append((request, flat, bucket.params))
+            self._in_flight.append(self.comm.Iallreduce(MPI.IN_PLACE, bucket.buffer,
+                                                        op=MPI.SUM))
 
     def finish(self) -> None:
-        """Reduce what is left, wait for every bucket and store the summed gradients."""
+        """Wait for every bucket; the gradients then hold the sums over the group."""
         if not self.active:
             return
-        self._launch()
+        incomplete = [b for b in self._buckets if b.ready != len(b.params)]
+        if incomplete:
+            raise RuntimeError(f"{len(incomplete)} gradient bucket(s) never completed: a "
+                               "layer with parameters did not report its gradients")
+        from mpi4py import MPI
+
         with self.timers.phase("allreduce"):
-            for request, flat, params in self._in_flight:
-                request.Wait()
-                start = 0
-                for param in params:
-                    size = param.grad.size
-                    param.grad = flat[start:start + size].reshape(param.grad.shape)
-                    start += size
+            MPI.Request.Waitall(self._in_flight)
         self._in_flight = []

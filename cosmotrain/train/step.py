@@ -46,6 +46,7 @@ class HybridStep:
     def gradients(self, x: DistTensor, targets: Any, ctx: Context) -> StepOutput:
         """Forward and backward; afterwards every ``param.grad`` is the full gradient."""
         ctx = replace(ctx, on_grad_ready=self.reducer.on_grad_ready)
+        self.reducer.prepare(p for _, p in self.model.named_parameters())
         pred = self.model.forward(x, ctx)
         start, stop = self.model.sample_range()
         loss, dpred = batch_loss(pred, targets[start:stop], targets.size,

@@ -1,0 +1,136 @@
+"""Hybrid sample x spatial training steps under MPI: time breakdown, memory, final state.
+
+    [mpiexec -n P] python benchmarks/bench_hybrid.py [--config FILE] [--set KEY=VALUE ...]
+        [--steps N] [--warmup W] [--memory] [--save FILE.npz] [--compare FILE.npz]
+
+Every rank builds only its own input block (a deterministic function of the global voxel
+index, so every rank layout trains on the same mini-batch) and runs ``--steps`` training
+steps of the configured model and strategy.  Rank 0 prints, as one JSON object:
+
+* seconds per step (slowest rank, best step after ``--warmup``) and the mean per-rank
+  breakdown: halo, allreduce, redistribution (time spent waiting on or packing
+  messages, see ``comm/timers.py``) and compute (the rest);
+* with ``--memory``: per-rank bytes held before a step (parameters, optimizer state,
+  input block) and the peak working memory of a step above that (tracemalloc; the run
+  is slower, so time and memory are separate runs);
+* the loss of every step.
+
+``--save`` writes the final parameters (rank 0); ``--compare`` reports the largest
+relative difference against a saved run, e.g. 4 ranks (D2H2) against 1 rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import tracemalloc
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.config.load import load_config
+from cosmotrain.config.parallel import resolve_parallel
+from cosmotrain.nn.module import Context
+from cosmotrain.tensor.dist_tensor import DistTensor
+from cosmotrain.train.step import HybridStep, hybrid_step_from_config
+
+
+def input_block(dist: Any, coord: tuple[int, ...]) -> DistTensor:
+    """This rank's block of a smooth, deterministic mini-batch (no full array anywhere)."""
+    axes = np.ix_(*[np.arange(s.start, s.stop, dtype=np.float32) for s in dist.block(coord)])
+    n, c, d, h, w = axes
+    block = np.sin(0.37 * d + 0.11 * h * (c + 1) + 0.23 * w + 1.3 * n)
+    block = block * np.cos(0.05 * (d - h) * w / 7.0 + c) + 0.1 * c
+    return DistTensor(block.astype(np.float32), dist, coord)
+
+
+def targets(batch: int, outputs: int) -> np.ndarray:
+    return np.random.default_rng(11).uniform(-1, 1, size=(batch, outputs)).astype(np.float32)
+
+
+def run_steps(step: HybridStep, x: DistTensor, y: np.ndarray, steps: int,
+              memory: bool) -> list[dict]:
+    records = []
+    for index in range(steps):
+        if memory:
+            tracemalloc.reset_peak()
+            held = tracemalloc.get_traced_memory()[0]
+        step.grid.timers.take()
+        step.grid.cart.Barrier()
+        start = time.perf_counter()
+        out = step(DistTensor(x.data.copy(), x.dist, x.coord), y, Context(step=index))
+        seconds = time.perf_counter() - start
+        record = {"seconds": seconds, "loss": out.loss, **step.grid.timers.take()}
+        if memory:
+            peak = tracemalloc.get_traced_memory()[1]
+            record.update(held=held, peak_work=peak - held)
+        records.append(record)
+    return records
+
+
+def summarise(comm: Any, records: list[dict], warmup: int, memory: bool) -> dict:
+    timed = records[warmup:] or records
+    best = min(range(len(timed)), key=lambda i: timed[i]["seconds"])
+    mine = timed[best]
+    comm_s = {k: mine[k] for k in ("halo", "allreduce", "redistribution")}
+    mine_breakdown = {**comm_s, "compute": mine["seconds"] - sum(comm_s.values())}
+    breakdowns = comm.gather(mine_breakdown, root=0)
+    slowest = comm.allreduce(mine["seconds"], op=MPI.MAX)
+    result: dict = {"seconds_per_step": slowest, "losses": [r["loss"] for r in records]}
+    if breakdowns is not None:
+        result["breakdown_mean"] = {k: float(np.mean([b[k] for b in breakdowns]))
+                                    for k in mine_breakdown}
+    if memory:
+        held = comm.gather(max(r["held"] for r in records), root=0)
+        work = comm.gather(max(r["peak_work"] for r in records[1:] or records), root=0)
+        if held is not None:
+            result["memory_mib"] = {"held_max": max(held) / 2**20,
+                                    "step_peak_max": max(work) / 2**20,
+                                    "step_peak_per_rank": [w / 2**20 for w in work]}
+    return result
+
+
+def compare(step: HybridStep, path: str) -> float:
+    saved = np.load(path)
+    return max(float(np.linalg.norm(p.data - saved[n]) / max(np.linalg.norm(saved[n]), 1e-30))
+               for n, p in step.model.named_parameters())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=None)
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--save")
+    parser.add_argument("--compare")
+    args = parser.parse_args()
+
+    if args.memory:
+        tracemalloc.start()  # before the model: parameters count as held
+    world = MPI.COMM_WORLD
+    cfg = load_config(args.config, args.overrides)
+    grid = ProcessGrid(world, resolve_parallel(cfg, world.Get_size()))
+    step = hybrid_step_from_config(cfg, grid)
+    width, batch = cfg.model.width, cfg.train.batch_size
+    dist, coord = step.model.input_distribution((batch, cfg.model.channels, width, width,
+                                                 width))
+    x = input_block(dist, coord)
+    records = run_steps(step, x, targets(batch, cfg.model.outputs), args.steps, args.memory)
+    result = summarise(world, records, args.warmup, args.memory)
+    result.update(ranks=world.Get_size(), strategy=grid.layout.describe(),
+                  spatial_stop=step.model.stop, width=width, batch=batch)
+    if args.compare:
+        result["max_rel_param_diff_vs_saved"] = compare(step, args.compare)
+    if world.rank == 0:
+        if args.save:
+            np.savez(args.save, **{n: p.data for n, p in step.model.named_parameters()})
+        print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
