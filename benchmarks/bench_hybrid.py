@@ -122,7 +122,8 @@ def main() -> None:
     x = input_block(dist, coord)
     records = run_steps(step, x, targets(batch, cfg.model.outputs), args.steps, args.memory)
     result = summarise(world, records, args.warmup, args.memory)
-    result.update(ranks=world.Get_size(), strategy=grid.layout.describe(),
+    result.update(param_mib=sum(p.data.nbytes for _, p in step.model.named_parameters())
+                  / 2**20, ranks=world.Get_size(), strategy=grid.layout.describe(),
                   spatial_stop=step.model.stop, width=width, batch=batch)
     if args.compare:
         result["max_rel_param_diff_vs_saved"] = compare(step, args.compare)

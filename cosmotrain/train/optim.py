@@ -77,14 +77,21 @@ class Adam(Optimizer):
         t = slot["step"]
         dtype = param.data.dtype.type
         m, v = slot["exp_avg"], slot["exp_avg_sq"]
+        # One scratch array of the parameter's size, the operations in torch's order.
+        scratch = grad * dtype(1 - self.beta1)
         m *= dtype(self.beta1)
-        m += grad * dtype(1 - self.beta1)
+        m += scratch
+        xp.multiply(grad, grad, out=scratch)
+        scratch *= dtype(1 - self.beta2)
         v *= dtype(self.beta2)
-        v += grad * grad * dtype(1 - self.beta2)
+        v += scratch
         step_size = lr / (1 - self.beta1 ** t)
-        denom = xp.sqrt(v) / dtype(math.sqrt(1 - self.beta2 ** t))
-        denom += dtype(self.eps)
-        param.data -= (m / denom) * dtype(step_size)
+        xp.sqrt(v, out=scratch)
+        scratch /= dtype(math.sqrt(1 - self.beta2 ** t))
+        scratch += dtype(self.eps)
+        xp.divide(m, scratch, out=scratch)
+        scratch *= dtype(step_size)
+        param.data -= scratch
 
 
 def build_optimizer(cfg: OptimizerConfig) -> Optimizer:
