@@ -3,27 +3,50 @@
 Forward: the halo exchange fills the margins of the owned block, and the ordinary kernel
 runs on the rank's *extended block* with zero padding only on the global boundary,
 producing exactly the rank's block of the output (every tensor uses the same balanced
-split, see ``tensor/windows.py``).  Backward: the data gradient of the extended block is
-computed, its margins start travelling back (add mode), and the weight gradient is
-computed while they travel; then the received margin gradients are added into the owned
-planes.  The weight gradient is this rank's partial sum: the trainer reduces it over the
-ranks that share the weights.
+split, see ``tensor/windows.py``).  The exchange overlaps compute: once the messages are
+posted, the *interior* of the output (windows that read no margin plane) is computed;
+then the exchange completes and the thin boundary shell follows, in at most 6 calls
+(``layers/interior.py``).  When the shell is thin the first call covers the whole output
+and the shell is recomputed (see ``REDO_SHELL_MAX``).  A rank with nothing to receive
+computes everything in one call while its sends travel; one whose interior is empty
+waits, then makes one call.
+
+Backward: the data gradient of the extended block is computed, its margins start
+travelling back (add mode), and the weight gradient is computed while they travel; then
+the received margin gradients are added into the owned planes.  The weight gradient is
+this rank's partial sum: the trainer reduces it over the ranks that share the weights.
+
+Memory: forward keeps the input block (the previous layer holds it anyway) and copies of
+the received margins, not the halo buffer (a second copy of the block); backward rebuilds
+the extended block from them for the weight gradient only, and frees it at once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.kernels import conv3d
+from cosmotrain.layers.interior import Box, OverlapPlan, conv_dim, overlap_plan, run_sub_conv
 from cosmotrain.layers.window import (SpatialWindow, WindowGeometry, finish_halo_grads,
-                                      gather_halos, scatter_halo_grads)
+                                      halo_buffer, restore_extended, save_margins)
 from cosmotrain.nn.layers import Conv3d
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
+
+Margins = list[tuple[Box, Any]]
+
+# Up to this share of shell in the output, the interior is computed by one call over the
+# *whole* output (the margins still zero), whose shell is then recomputed.  Why: the
+# kernel reads contiguous inputs and writes whole contiguous outputs, so a separate
+# interior call costs a copy of its input window, a temporary output and a copy into the
+# block: two block-sized temporaries (forward+backward peak per rank, conv 16->32 on
+# 64^3 split over 2 ranks: 48 vs 34 MiB) and, measured on the 2-core box (16->32 and
+# 4->16 layers, blocks of 4 to 32 planes), about as much time as recomputing 1/8.
+REDO_SHELL_MAX = 0.125
 
 
 @dataclass
@@ -32,47 +55,84 @@ class SpatialConv3d(SpatialWindow, Conv3d):
 
     grid: ProcessGrid | None = None
     _cache: dict = field(default_factory=dict, repr=False)
-
+    _plans: dict = field(default_factory=dict, repr=False)
 
     def forward(self, x: DistTensor, ctx: Context) -> DistTensor:  # type: ignore[override]
         geo = self.geometry(x)
-        buffer = gather_halos(x, geo)
-        self._saved = (buffer, x)
-        if not geo.has_output:
-            return DistTensor(np.zeros(geo.out_dist.local_shape(x.coord), x.data.dtype),
-                              geo.out_dist, x.coord)
-        y = conv3d.conv3d_forward(buffer[geo.extended], self.params["weight"].data,
-                                  self.stride, geo.padding)
-        if self.bias:
+        buffer = halo_buffer(x, geo)
+        pending = geo.exchange.start(buffer, "replace")
+        y = self._overlapped(buffer[geo.extended], x, geo,
+                             lambda: geo.exchange.finish(buffer, pending, "replace"))
+        self._saved = (x, save_margins(buffer, geo))
+        if self.bias and geo.has_output:
             y += self.params["bias"].data.reshape(1, -1, 1, 1, 1)
         return DistTensor(y, geo.out_dist, x.coord)
 
     def backward(self, dy: DistTensor, ctx: Context) -> DistTensor | None:  # type: ignore[override]
-        (buffer, x), self._saved = self._saved, None
+        (x, margins), self._saved = self._saved, None
         geo = self.geometry(x)
-        weight = self.params["weight"]
-        pending = None
+        grad = pending = None
         if self.needs_input_grad:
-            dext = None
-            if geo.has_output:
-                dext = conv3d.conv3d_backward_data(dy.data, weight.data,
-                                                   buffer[geo.extended].shape, self.stride,
-                                                   geo.padding)
-            grad, pending = scatter_halo_grads(dext, buffer.shape, buffer.dtype,
-                                               geo)  # margins travel ...
-        weight.accumulate(self._weight_grad(buffer, dy, geo))  # ... while wgrad runs
+            grad = self._data_grad(dy, x, geo)
+            pending = geo.exchange.start(grad, "add")  # margins travel ...
+        self.params["weight"].accumulate(self._weight_grad(x, margins, dy, geo))  # ... meanwhile
         if self.bias:
             self.params["bias"].accumulate(dy.data.sum(axis=(0, 2, 3, 4)))
         if pending is None:
             return None
         return finish_halo_grads(grad, pending, x, geo)
 
-    def _weight_grad(self, buffer: Any, dy: DistTensor, geo: WindowGeometry) -> Any:
+    def plan(self, x: DistTensor, geo: WindowGeometry) -> OverlapPlan:
+        """The interior / shell calls for ``x``'s distribution (cached like the geometry)."""
+        if x.dist not in self._plans:
+            dims = tuple(conv_dim(h, p, k, s) for h, p, k, s in
+                         zip(geo.halos, geo.exchange.plans, self.kernel, self.stride))
+            self._plans[x.dist] = overlap_plan(dims)
+        return self._plans[x.dist]
+
+    def _overlapped(self, ext: Any, x: DistTensor, geo: WindowGeometry,
+                    finish: Callable[[], None]) -> Any:
+        """The output block, computing the interior while the exchange (``finish``) runs."""
+        if not geo.has_output:
+            finish()
+            return np.zeros(geo.out_dist.local_shape(x.coord), x.data.dtype)
+        plan = self.plan(x, geo)
+        if plan.interior is None:  # every output reads a margin: wait, then one call
+            finish()
+            return self._conv(ext, geo.padding)
+        if plan.shell_fraction <= REDO_SHELL_MAX:  # margins still zero: shell provisional
+            y = self._conv(ext, geo.padding)
+        else:
+            y = np.empty(geo.out_dist.local_shape(x.coord), x.data.dtype)
+            run_sub_conv(self._conv, ext, plan.interior, y)
+        finish()
+        for sub in plan.shell:
+            run_sub_conv(self._conv, ext, sub, y)
+        return y
+
+    def _conv(self, ext: Any, padding: Any) -> Any:
+        return conv3d.conv3d_forward(ext, self.params["weight"].data, self.stride, padding)
+
+    def _data_grad(self, dy: DistTensor, x: DistTensor, geo: WindowGeometry) -> Any:
+        """The extended block's data gradient in a zeroed halo buffer (in place if it can)."""
+        grad = np.zeros(x.data.shape[:2] + geo.exchange.buffer_shape, dtype=x.data.dtype)
+        if not geo.has_output:
+            return grad
+        view, w = grad[geo.extended], self.params["weight"].data
+        args = (dy.data, w, view.shape, self.stride, geo.padding)
+        if view.flags.c_contiguous:
+            conv3d.conv3d_backward_data(*args, out=view)
+        else:
+            view[...] = conv3d.conv3d_backward_data(*args)
+        return grad
+
+    def _weight_grad(self, x: DistTensor, margins: Margins, dy: DistTensor,
+                     geo: WindowGeometry) -> Any:
         shape = self.params["weight"].shape
         if not geo.has_output:
-            return np.zeros(shape, dtype=buffer.dtype)
-        return conv3d.conv3d_backward_filter(buffer[geo.extended], dy.data, shape,
-                                             self.stride, geo.padding)
+            return np.zeros(shape, dtype=x.data.dtype)
+        return conv3d.conv3d_backward_filter(restore_extended(x, margins, geo), dy.data,
+                                             shape, self.stride, geo.padding)
 
 
 def spatial_conv(layer: Conv3d, grid: ProcessGrid) -> SpatialConv3d:

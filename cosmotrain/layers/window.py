@@ -3,7 +3,13 @@
 For an input distribution a rank computes, once, its halo widths, its exchange plan, the
 extended block and the zero padding on the global boundary (``tensor/windows.py``), and
 the output distribution.  ``gather_halos`` returns the filled buffer the local kernel
-reads; ``scatter_halo_grads`` completes an input gradient computed on the extended block.
+reads (``halo_buffer`` the same before the exchange, for callers that overlap it);
+``scatter_halo_grads`` completes an input gradient computed on the extended block.
+
+Memory: a layer that needs its input again in backward keeps the input block (alive
+anyway: the previous layer holds it) and only the received margins (``save_margins``),
+not the buffer, which would be a second copy of the block; ``restore_extended`` rebuilds
+the extended block from the two without communication.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from typing import Any
 import numpy as np
 
 from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.layers.interior import (Box, box_empty, box_shape, box_slices, intersect, onion,
+                                        shift)
 from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.tensor.distribution import Distribution
 from cosmotrain.tensor.halo import HaloExchange
@@ -42,6 +50,16 @@ class WindowGeometry:
     def has_output(self) -> bool:
         return all(h.out_range[1] > h.out_range[0] for h in self.halos)
 
+    @property
+    def extended_box(self) -> Box:
+        """The extended block inside the buffer (buffer coordinates)."""
+        return tuple((p.extended.start, p.extended.stop) for p in self.exchange.plans)
+
+    @property
+    def own_box(self) -> Box:
+        """The owned block inside the buffer (buffer coordinates)."""
+        return tuple((p.own.start, p.own.stop) for p in self.exchange.plans)
+
 
 def window_geometry(grid: ProcessGrid, x: DistTensor, kernel: Any, stride: Any,
                     padding: Padding, out_shape: tuple[int, ...]) -> WindowGeometry:
@@ -54,12 +72,57 @@ def window_geometry(grid: ProcessGrid, x: DistTensor, kernel: Any, stride: Any,
                           x.dist.with_shape(out_shape))
 
 
-def gather_halos(x: DistTensor, geo: WindowGeometry) -> Any:
-    """The owned block in a buffer whose margins hold the neighbours' planes."""
+def halo_buffer(x: DistTensor, geo: WindowGeometry) -> Any:
+    """The owned block in a buffer with zero margins, ready for the exchange.
+
+    Zero, not garbage, so that a kernel may read the margins before the exchange fills
+    them (the convolution computes a provisional shell meanwhile).  Only the margins are
+    zeroed: ``np.zeros`` would clear the whole (reused, not fresh) heap block.
+    """
     buffer = np.empty(x.data.shape[:2] + geo.exchange.buffer_shape, dtype=x.data.dtype)
     buffer[(Ellipsis,) + geo.exchange.own] = x.data
+    whole = tuple((0, n) for n in geo.exchange.buffer_shape)
+    for slab in onion(whole, geo.own_box):
+        buffer[box_slices(slab)] = 0
+    return buffer
+
+
+def gather_halos(x: DistTensor, geo: WindowGeometry) -> Any:
+    """The owned block in a buffer whose margins hold the neighbours' planes."""
+    buffer = halo_buffer(x, geo)
     geo.exchange.exchange(buffer, "replace")
     return buffer
+
+
+def save_margins(buffer: Any, geo: WindowGeometry) -> list[tuple[Box, Any]]:
+    """Copies of the extended block's received planes, with their boxes (buffer coordinates).
+
+    The extended block minus the owned block, as at most 6 slabs: small next to the block,
+    which is why backward keeps these instead of the buffer.
+    """
+    ext = geo.extended_box
+    slabs = onion(ext, intersect(ext, geo.own_box))
+    return [(slab, buffer[box_slices(slab)].copy()) for slab in slabs]
+
+
+def restore_extended(x: DistTensor, margins: list[tuple[Box, Any]], geo: WindowGeometry
+                     ) -> Any:
+    """The extended block rebuilt from the owned block and ``save_margins`` (no messages).
+
+    Without margins it is a view of ``x.data`` (cropped by negative halos: the kernel
+    makes the one copy it needs); otherwise one contiguous array the kernel reads as is.
+    """
+    ext, own = geo.extended_box, geo.own_box
+    owned = shift(intersect(ext, own), tuple(start for start, _ in own))
+    if not margins:
+        return x.data[box_slices(owned)]
+    block = np.empty(x.data.shape[:2] + box_shape(ext), dtype=x.data.dtype)
+    origin = tuple(start for start, _ in ext)
+    pieces = [(intersect(ext, own), x.data[box_slices(owned)])] + margins
+    for box, data in pieces:
+        if not box_empty(box):
+            block[box_slices(shift(box, origin))] = data
+    return block
 
 
 def scatter_halo_grads(grad_extended: Any, buffer_shape: tuple[int, ...], dtype: Any,
