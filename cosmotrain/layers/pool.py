@@ -8,13 +8,14 @@ max pooling's argmax), not the halo buffer: backward needs nothing else.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.kernels import pool3d
-from cosmotrain.layers.window import (SpatialWindow, finish_halo_grads, gather_halos,
-                                      scatter_halo_grads)
+from cosmotrain.layers.window import (SpatialWindow, WindowGeometry, finish_halo_grads,
+                                      gather_halos, scatter_halo_grads)
 from cosmotrain.nn.layers import Pool3d
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
@@ -48,15 +49,21 @@ class SpatialPool3d(SpatialWindow, Pool3d):
         if not self.needs_input_grad:
             return None
         geo = self.geometry(x)
-        dext = None
-        if geo.has_output and self.mode == "avg":
-            dext = pool3d.avg_pool3d_backward(dy.data, extended_shape, self.kernel,
-                                              self.stride, geo.padding)
-        elif geo.has_output:
-            dext = pool3d.max_pool3d_backward(dy.data, argmax, extended_shape, self.kernel,
-                                              self.stride, geo.padding)
-        grad, pending = scatter_halo_grads(dext, buffer_shape, dy.data.dtype, geo)
+        # The extended gradient is a temporary of scatter_halo_grads: freed once it is in
+        # the buffer, so it is not alive beside the buffer and the owned copy.
+        grad, pending = scatter_halo_grads(self._extended_grad(dy, argmax, extended_shape, geo),
+                                           buffer_shape, dy.data.dtype, geo)
         return finish_halo_grads(grad, pending, x, geo)
+
+    def _extended_grad(self, dy: DistTensor, argmax: Any, extended_shape: tuple[int, ...],
+                       geo: WindowGeometry) -> Any:
+        if not geo.has_output:
+            return None
+        if self.mode == "avg":
+            return pool3d.avg_pool3d_backward(dy.data, extended_shape, self.kernel,
+                                              self.stride, geo.padding)
+        return pool3d.max_pool3d_backward(dy.data, argmax, extended_shape, self.kernel,
+                                          self.stride, geo.padding)
 
 
 def spatial_pool(layer: Pool3d, grid: ProcessGrid) -> SpatialPool3d:
