@@ -110,3 +110,16 @@ def test_losses_use_the_global_count(kind: str) -> None:
     assert total(pred, target) == pytest.approx(expected)
     grad = backward(pred, target, total_count=24)
     assert np.allclose(grad, numeric_grad(lambda p: total(p, target) / 24, pred.copy()))
+
+
+def test_leaky_relu_backward_in_place_on_a_strided_gradient() -> None:
+    """A window layer's input gradient is a view of its halo buffer's owned planes."""
+    rng = np.random.default_rng(4)
+    y = leaky_relu_forward(rng.normal(size=(2, 3, 5, 6, 7)).astype(np.float32), 0.2)
+    buffer = rng.normal(size=(2, 3, 7, 8, 7)).astype(np.float32)
+    view = buffer[:, :, 1:6, 2:8, :]
+    expected = np.where(y > 0, view, 0.2 * view)
+    dx = leaky_relu_backward(view, y, 0.2)
+    assert np.shares_memory(dx, buffer)
+    np.testing.assert_allclose(dx, expected, rtol=1e-6)
+    np.testing.assert_allclose(buffer[:, :, 1:6, 2:8, :], expected, rtol=1e-6)

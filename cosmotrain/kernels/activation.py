@@ -22,9 +22,18 @@ CHUNK = 1 << 16
 
 
 def _chunks(*arrays: Any) -> Iterator[tuple[Any, ...]]:
-    flats = [a.reshape(-1) for a in arrays]
-    for start in range(0, flats[0].size, CHUNK):
-        yield tuple(f[start:start + CHUNK] for f in flats)
+    """Matching pieces of same-shape arrays, views (writes land in the arrays).
+
+    Contiguous arrays: runs of ``CHUNK`` elements.  Otherwise (a halo buffer's owned
+    planes): the trailing 2-D slabs, which a strided view cannot flatten without a copy.
+    """
+    if all(a.flags.c_contiguous for a in arrays):
+        flats = [a.reshape(-1) for a in arrays]
+        for start in range(0, flats[0].size, CHUNK):
+            yield tuple(f[start:start + CHUNK] for f in flats)
+        return
+    for index in np.ndindex(arrays[0].shape[:-2]):
+        yield tuple(a[index] for a in arrays)
 
 
 def _check_slope(slope: float) -> None:
@@ -49,17 +58,21 @@ def leaky_relu_forward(x: Any, slope: float, inplace: bool = True) -> Any:
 
 
 def leaky_relu_backward(dy: Any, y: Any, slope: float, inplace: bool = True) -> Any:
-    """dx = dy where y > 0 else slope * dy (valid for slope > 0 and for slope = 0)."""
+    """dx = dy where y > 0 else slope * dy (valid for slope > 0 and for slope = 0).
+
+    In place also on a strided ``dy`` (a halo buffer's owned planes)."""
     _check_slope(slope)
     xp = array_module(dy)
-    dx = dy if inplace and dy.flags.c_contiguous else xp.array(dy, order="C", copy=True)
+    dx = dy if inplace else xp.array(dy, order="C", copy=True)
     factor = dx.dtype.type(slope)
     if xp is not np:
         return xp.where(y > 0, dx, dx * factor)
-    scale = xp.empty(min(CHUNK, dx.size), dtype=dx.dtype)
-    positive = xp.empty(min(CHUNK, dx.size), dtype=bool)
-    for piece, sign in _chunks(dx, xp.ascontiguousarray(y)):
-        part, mask = scale[:piece.size], positive[:piece.size]
+    size = max(CHUNK, dx.shape[-1] * dx.shape[-2] if dx.ndim >= 2 else 0)
+    scale = xp.empty(min(size, dx.size), dtype=dx.dtype)
+    positive = xp.empty(min(size, dx.size), dtype=bool)
+    for piece, sign in _chunks(dx, y):
+        part = scale[:piece.size].reshape(piece.shape)
+        mask = positive[:piece.size].reshape(piece.shape)
         xp.greater(sign, 0, out=mask)
         part[...] = mask  # arithmetic, not a masked copy: 10x faster on random signs
         part *= 1 - factor

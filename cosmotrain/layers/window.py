@@ -127,19 +127,30 @@ def restore_extended(x: DistTensor, margins: list[tuple[Box, Any]], geo: WindowG
 
 def scatter_halo_grads(grad_extended: Any, buffer_shape: tuple[int, ...], dtype: Any,
                        geo: WindowGeometry) -> tuple[Any, list]:
-    """Place the extended block's gradient in a buffer and start sending its margins."""
-    grad = np.zeros(buffer_shape, dtype=dtype)
-    if grad_extended is not None:
-        grad[geo.extended] = grad_extended
+    """Place the extended block's gradient in a buffer and start sending its margins.
+
+    When the extended block is the whole buffer (no cropped planes: the usual case) the
+    gradient *is* the buffer, with no second block-sized array and no copy.
+    """
+    if grad_extended is not None and tuple(grad_extended.shape) == tuple(buffer_shape):
+        grad = grad_extended
+    else:
+        grad = np.zeros(buffer_shape, dtype=dtype)
+        if grad_extended is not None:
+            grad[geo.extended] = grad_extended
     return grad, geo.exchange.start(grad, "add")
 
 
 def finish_halo_grads(grad: Any, pending: list, x: DistTensor, geo: WindowGeometry
                       ) -> DistTensor:
-    """Add the neighbours' margin gradients into the owned planes; the input gradient."""
+    """Add the neighbours' margin gradients into the owned planes; the input gradient.
+
+    The gradient is a *view* of the owned planes of ``grad``: a copy would hold a second
+    block-sized array at the backward peak.  The layers before a window layer accept
+    strided gradients (activations work on them in place; kernels copy what they need).
+    """
     geo.exchange.finish(grad, pending, "add")
-    owned = np.ascontiguousarray(grad[(Ellipsis,) + geo.exchange.own])
-    return DistTensor(owned, x.dist, x.coord)
+    return DistTensor(grad[(Ellipsis,) + geo.exchange.own], x.dist, x.coord)
 
 
 class SpatialWindow:
