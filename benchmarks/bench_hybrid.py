@@ -31,6 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.comm.threads import configure_threads
 from cosmotrain.config.load import load_config
 from cosmotrain.config.parallel import resolve_parallel
 from cosmotrain.nn.module import Context
@@ -113,6 +114,7 @@ def main() -> None:
     if args.memory:
         tracemalloc.start()  # before the model: parameters count as held
     world = MPI.COMM_WORLD
+    configure_threads(world)
     cfg = load_config(args.config, args.overrides)
     grid = ProcessGrid(world, resolve_parallel(cfg, world.Get_size()))
     step = hybrid_step_from_config(cfg, grid)

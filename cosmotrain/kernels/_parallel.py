@@ -118,6 +118,21 @@ def set_num_workers(count: Optional[int]) -> None:
     _state.workers = count
 
 
+def set_blas_threads(count: int) -> bool:
+    """Set OpenBLAS's thread count (the workers follow it); False without OpenBLAS."""
+    if count < 1:
+        raise ValueError(f"BLAS thread count must be >= 1, got {count}")
+    blas = _blas()
+    if blas is None:
+        return False
+    with _state.lock:
+        if _state.active:
+            _state.saved = count  # restored to this when the running kernel ends
+        else:
+            blas.set(count)
+    return True
+
+
 def _enter_single_blas(blas: _OpenBLAS) -> None:
     with _state.lock:
         if _state.active == 0:
