@@ -119,23 +119,63 @@ def detect_layout(shape: tuple[int, ...], stored: object = None) -> str:
     raise ValueError(f"'{VOLUME_DATASET}' has shape {shape}, expected [W, W, W, 4] or [4, W, W, W]")
 
 
-def read_sample(path: Path, layout: str | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Read one sample: ``(volume, labels)`` as float32 C, D, H, W and float32 ``(4,)``.
+Box = tuple[slice, slice, slice]
+FORMAT_HINT = (f"expected datasets '{VOLUME_DATASET}' ([W, W, W, 4] or [4, W, W, W], "
+               f"{' or '.join(DTYPES)}) and '{LABELS_DATASET}' (4 float32)")
 
-    ``layout`` overrides the recorded or shape-inferred layout.  An unreadable file, a missing
-    dataset or a bad shape raises :class:`DataError` naming the file.
+
+def read_sample(path: Path, layout: str | None = None, box: Box | None = None,
+                origin: tuple[int, int, int] = (0, 0, 0)) -> tuple[np.ndarray, np.ndarray]:
+    """Read one sample, or one block of it: ``(volume, labels)``, float32 C, D, H, W and ``(4,)``.
+
+    ``box`` (D, H, W slices; None = the whole volume) shifted by ``origin`` selects a
+    hyperslab, read in the file's own layout: a rank reads only its spatial block, and a
+    model-width cube is cut out of a larger universe on the fly.  ``layout`` overrides the
+    recorded or shape-inferred layout.  Every problem (unreadable or truncated file,
+    missing dataset, wrong shape or dtype, a block outside the volume) raises
+    :class:`DataError` naming the file.
     """
-    fix = f"expected an HDF5 file with datasets '{VOLUME_DATASET}' and '{LABELS_DATASET}'"
     try:
         with h5py.File(path, "r") as handle:
-            missing = [name for name in (VOLUME_DATASET, LABELS_DATASET) if name not in handle]
-            if missing:
-                raise DataError(path, f"no dataset '{missing[0]}'", fix)
-            volume_ds, labels = handle[VOLUME_DATASET], handle[LABELS_DATASET][()]
-            layout = layout or detect_layout(volume_ds.shape, handle.attrs.get(LAYOUT_ATTR))
-            volume = from_layout(volume_ds[()], layout)
-    except (OSError, ValueError) as err:
-        raise DataError(path, str(err), fix) from err
-    if np.shape(labels) != (NUM_LABELS,):
-        raise DataError(path, f"'{LABELS_DATASET}' has shape {np.shape(labels)}, expected (4,)")
-    return np.ascontiguousarray(volume, dtype=np.float32), np.asarray(labels, dtype=np.float32)
+            volume, labels = _datasets(path, handle)
+            layout = layout or detect_layout(volume.shape, handle.attrs.get(LAYOUT_ATTR))
+            extent = volume.shape[:3] if layout == CHANNELS_LAST else volume.shape[1:]
+            region = _region(path, box or tuple(slice(0, n) for n in extent), origin, extent)
+            block = _read(volume, region, layout)
+            label_values = labels[()]
+    except (OSError, ValueError, KeyError) as err:
+        raise DataError(path, str(err), FORMAT_HINT) from err
+    return block, np.asarray(label_values, dtype=np.float32)
+
+
+def _datasets(path: Path, handle: h5py.File) -> tuple[h5py.Dataset, h5py.Dataset]:
+    for name in (VOLUME_DATASET, LABELS_DATASET):
+        if name not in handle:
+            raise DataError(path, f"no dataset '{name}'", FORMAT_HINT)
+    volume, labels = handle[VOLUME_DATASET], handle[LABELS_DATASET]
+    if volume.dtype.name not in DTYPES:
+        raise DataError(path, f"'{VOLUME_DATASET}' is {volume.dtype.name}", FORMAT_HINT)
+    if labels.shape != (NUM_LABELS,):
+        raise DataError(path, f"'{LABELS_DATASET}' has shape {labels.shape}, expected (4,)")
+    return volume, labels
+
+
+def _region(path: Path, box: Box, origin: tuple[int, int, int],
+            extent: tuple[int, ...]) -> Box:
+    """``box`` shifted by ``origin``, checked against the volume's spatial ``extent``."""
+    region = tuple(slice(s.start + o, s.stop + o) for s, o in zip(box, origin))
+    for dim, (s, n) in enumerate(zip(region, extent)):
+        if not 0 <= s.start <= s.stop <= n:
+            raise DataError(path, f"planes [{s.start}, {s.stop}) of dimension {'DHW'[dim]} "
+                            f"are outside the volume of {tuple(extent)}",
+                            "check model.width against the files (cosmotrain info)")
+    return region  # type: ignore[return-value]
+
+
+def _read(volume: h5py.Dataset, region: Box, layout: str) -> np.ndarray:
+    """The hyperslab in C, D, H, W order, float32 (one read, in the file's layout)."""
+    if layout == CHANNELS_LAST:
+        raw = volume[region + (slice(0, NUM_CHANNELS),)]
+    else:
+        raw = volume[(slice(0, NUM_CHANNELS),) + region]
+    return np.ascontiguousarray(from_layout(raw, layout), dtype=np.float32)

@@ -1,4 +1,4 @@
-"""Spatial hyperslab reads of CosmoFlow sample files, and their errors."""
+"""Spatial hyperslab reads of CosmoFlow sample files (``read_sample`` with a box), and errors."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import h5py
 import numpy as np
 import pytest
 
-from cosmotrain.data.blocks import read_block
-from cosmotrain.data.formats import LAYOUTS, write_sample
+from cosmotrain.data.formats import LAYOUTS, read_sample, write_sample
 from cosmotrain.errors import DataError
 from cosmotrain.tensor.distribution import Distribution
 
@@ -30,7 +29,7 @@ def test_every_block_is_exactly_that_part_of_the_volume(tmp_path: Path, layout: 
     dist = Distribution((4, 9, 9, 9), (1, 2, 3, 2))  # uneven blocks
     for coord in dist.coords():
         box = dist.block(coord)[1:]
-        block, got_labels = read_block(path, box)
+        block, got_labels = read_sample(path, box=box)
         np.testing.assert_array_equal(block, volume[(slice(None),) + box])
         assert block.dtype == np.float32 and block.flags.c_contiguous
         np.testing.assert_array_equal(got_labels, labels)
@@ -44,7 +43,7 @@ def test_sub_cube_of_a_universe(tmp_path: Path, layout: str) -> None:
     write_sample(path, universe, labels, layout=layout, dtype="float32")
     origin = (4, 0, 8)
     box = (slice(1, 3), slice(0, 4), slice(2, 4))  # inside the 4^3 cube at origin
-    block, _ = read_block(path, box, origin)
+    block, _ = read_sample(path, box=box, origin=origin)
     np.testing.assert_array_equal(block, universe[:, 5:7, 0:4, 10:12])
 
 
@@ -54,7 +53,7 @@ def test_layout_is_inferred_without_the_attribute(tmp_path: Path) -> None:
     with h5py.File(path, "w") as handle:  # the original CosmoFlow files: no layout attr
         handle["full"] = np.moveaxis(volume, 0, -1).astype(np.int16)
         handle["unitPar"] = labels
-    block, _ = read_block(path, (slice(0, 5), slice(1, 2), slice(0, 5)))
+    block, _ = read_sample(path, box=(slice(0, 5), slice(1, 2), slice(0, 5)))
     np.testing.assert_array_equal(block, volume[:, :, 1:2, :])
 
 
@@ -89,5 +88,5 @@ def test_broken_files_raise_data_errors_naming_the_file(tmp_path: Path) -> None:
     for problem, path in broken_files(tmp_path).items():
         box = (slice(0, 3), slice(0, 3), slice(0, 9 if problem == "block outside" else 3))
         with pytest.raises(DataError) as err:
-            read_block(path, box)
+            read_sample(path, box=box)
         assert str(path) in str(err.value), problem
