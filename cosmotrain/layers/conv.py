@@ -31,8 +31,9 @@ import numpy as np
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.kernels import conv3d
 from cosmotrain.layers.interior import Box, OverlapPlan, conv_dim, overlap_plan, run_sub_conv
-from cosmotrain.layers.window import (SpatialWindow, WindowGeometry, finish_halo_grads,
-                                      halo_buffer, restore_extended, save_margins)
+from cosmotrain.layers.window import (SpatialWindow, WindowGeometry, extended_shape,
+                                      finish_halo_grads, halo_buffer, restore_extended,
+                                      save_margins, scatter_halo_grads)
 from cosmotrain.nn.layers import Conv3d
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
@@ -72,9 +73,8 @@ class SpatialConv3d(SpatialWindow, Conv3d):
         (x, margins), self._saved = self._saved, None
         geo = self.geometry(x)
         grad = pending = None
-        if self.needs_input_grad:
-            grad = self._data_grad(dy, x, geo)
-            pending = geo.exchange.start(grad, "add")  # margins travel ...
+        if self.needs_input_grad:  # margins travel ...
+            grad, pending = scatter_halo_grads(self._data_grad(dy, x, geo), x, geo)
         self.params["weight"].accumulate(self._weight_grad(x, margins, dy, geo))  # ... meanwhile
         if self.bias:
             self.params["bias"].accumulate(dy.data.sum(axis=(0, 2, 3, 4)))
@@ -114,17 +114,11 @@ class SpatialConv3d(SpatialWindow, Conv3d):
         return conv3d.conv3d_forward(ext, self.params["weight"].data, self.stride, padding)
 
     def _data_grad(self, dy: DistTensor, x: DistTensor, geo: WindowGeometry) -> Any:
-        """The extended block's data gradient in a zeroed halo buffer (in place if it can)."""
-        grad = np.zeros(x.data.shape[:2] + geo.exchange.buffer_shape, dtype=x.data.dtype)
+        """The extended block's data gradient (None for a rank without output)."""
         if not geo.has_output:
-            return grad
-        view, w = grad[geo.extended], self.params["weight"].data
-        args = (dy.data, w, view.shape, self.stride, geo.padding)
-        if view.flags.c_contiguous:
-            conv3d.conv3d_backward_data(*args, out=view)
-        else:
-            view[...] = conv3d.conv3d_backward_data(*args)
-        return grad
+            return None
+        return conv3d.conv3d_backward_data(dy.data, self.params["weight"].data,
+                                           extended_shape(x, geo), self.stride, geo.padding)
 
     def _weight_grad(self, x: DistTensor, margins: Margins, dy: DistTensor,
                      geo: WindowGeometry) -> Any:

@@ -1,8 +1,8 @@
 """Spatially partitioned pooling: the same halo geometry as the convolution.
 
 Average pooling counts the zero padding of the global boundary (the kernel pads only
-there); max pooling pads with -inf.  Forward keeps only the extended block's shape (and
-max pooling's argmax), not the halo buffer: backward needs nothing else.
+there); max pooling pads with -inf.  Forward keeps only the input (for its distribution)
+and max pooling's argmax, not the halo buffer: backward needs nothing else.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import numpy as np
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.kernels import pool3d
-from cosmotrain.layers.window import (SpatialWindow, WindowGeometry, finish_halo_grads,
-                                      gather_halos, scatter_halo_grads)
+from cosmotrain.layers.window import (SpatialWindow, WindowGeometry, extended_shape,
+                                      finish_halo_grads, gather_halos, scatter_halo_grads)
 from cosmotrain.nn.layers import Pool3d
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
@@ -33,7 +33,7 @@ class SpatialPool3d(SpatialWindow, Pool3d):
         geo = self.geometry(x)
         buffer = gather_halos(x, geo)
         extended = buffer[geo.extended]
-        self._saved, self._argmax = (x, buffer.shape, extended.shape), None
+        self._saved, self._argmax = x, None
         if not geo.has_output:
             y = np.zeros(geo.out_dist.local_shape(x.coord), x.data.dtype)
         elif self.mode == "avg":
@@ -44,26 +44,24 @@ class SpatialPool3d(SpatialWindow, Pool3d):
         return DistTensor(y, geo.out_dist, x.coord)
 
     def backward(self, dy: DistTensor, ctx: Context) -> DistTensor | None:  # type: ignore[override]
-        (x, buffer_shape, extended_shape), self._saved = self._saved, None
+        x, self._saved = self._saved, None
         argmax, self._argmax = self._argmax, None
         if not self.needs_input_grad:
             return None
         geo = self.geometry(x)
-        # The extended gradient is a temporary of scatter_halo_grads: freed once it is in
-        # the buffer, so it is not alive beside the buffer and the owned copy.
-        grad, pending = scatter_halo_grads(self._extended_grad(dy, argmax, extended_shape, geo),
-                                           buffer_shape, dy.data.dtype, geo)
+        grad, pending = scatter_halo_grads(self._extended_grad(dy, argmax, x, geo), x, geo)
         return finish_halo_grads(grad, pending, x, geo)
 
-    def _extended_grad(self, dy: DistTensor, argmax: Any, extended_shape: tuple[int, ...],
+    def _extended_grad(self, dy: DistTensor, argmax: Any, x: DistTensor,
                        geo: WindowGeometry) -> Any:
         if not geo.has_output:
             return None
+        shape = extended_shape(x, geo)
         if self.mode == "avg":
-            return pool3d.avg_pool3d_backward(dy.data, extended_shape, self.kernel,
-                                              self.stride, geo.padding)
-        return pool3d.max_pool3d_backward(dy.data, argmax, extended_shape, self.kernel,
-                                          self.stride, geo.padding)
+            return pool3d.avg_pool3d_backward(dy.data, shape, self.kernel, self.stride,
+                                              geo.padding)
+        return pool3d.max_pool3d_backward(dy.data, argmax, shape, self.kernel, self.stride,
+                                          geo.padding)
 
 
 def spatial_pool(layer: Pool3d, grid: ProcessGrid) -> SpatialPool3d:

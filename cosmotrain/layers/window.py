@@ -125,17 +125,24 @@ def restore_extended(x: DistTensor, margins: list[tuple[Box, Any]], geo: WindowG
     return block
 
 
-def scatter_halo_grads(grad_extended: Any, buffer_shape: tuple[int, ...], dtype: Any,
-                       geo: WindowGeometry) -> tuple[Any, list]:
-    """Place the extended block's gradient in a buffer and start sending its margins.
+def extended_shape(x: DistTensor, geo: WindowGeometry) -> tuple[int, ...]:
+    """Shape of the extended block of ``x`` (what the local kernel reads)."""
+    return tuple(x.data.shape[:2]) + box_shape(geo.extended_box)
+
+
+def scatter_halo_grads(grad_extended: Any, x: DistTensor, geo: WindowGeometry
+                       ) -> tuple[Any, list]:
+    """Place the extended block's gradient in a halo buffer and start sending its margins.
 
     When the extended block is the whole buffer (no cropped planes: the usual case) the
-    gradient *is* the buffer, with no second block-sized array and no copy.
+    gradient *is* the buffer, with no second block-sized array and no copy.  ``None``
+    (a rank without output) gives a zero buffer.
     """
-    if grad_extended is not None and tuple(grad_extended.shape) == tuple(buffer_shape):
+    shape = tuple(x.data.shape[:2]) + geo.exchange.buffer_shape
+    if grad_extended is not None and tuple(grad_extended.shape) == shape:
         grad = grad_extended
     else:
-        grad = np.zeros(buffer_shape, dtype=dtype)
+        grad = np.zeros(shape, dtype=x.data.dtype)
         if grad_extended is not None:
             grad[geo.extended] = grad_extended
     return grad, geo.exchange.start(grad, "add")
