@@ -1,7 +1,8 @@
 """Hybrid sample x spatial training steps under MPI: time breakdown, memory, final state.
 
     [mpiexec -n P] python benchmarks/bench_hybrid.py [--config FILE] [--set KEY=VALUE ...]
-        [--steps N] [--warmup W] [--memory] [--save FILE.npz] [--compare FILE.npz]
+        [--steps N] [--warmup W] [--memory] [--threads T] [--save FILE.npz]
+        [--compare FILE.npz]
 
 Every rank builds only its own input block (a deterministic function of the global voxel
 index, so every rank layout trains on the same mini-batch) and runs ``--steps`` training
@@ -34,6 +35,7 @@ from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.comm.threads import configure_threads
 from cosmotrain.config.load import load_config
 from cosmotrain.config.parallel import resolve_parallel
+from cosmotrain.kernels._parallel import set_blas_threads
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.train.step import HybridStep, hybrid_step_from_config
@@ -107,6 +109,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="BLAS threads per rank (default: the node's cores / its ranks)")
     parser.add_argument("--save")
     parser.add_argument("--compare")
     args = parser.parse_args()
@@ -114,7 +118,10 @@ def main() -> None:
     if args.memory:
         tracemalloc.start()  # before the model: parameters count as held
     world = MPI.COMM_WORLD
-    configure_threads(world)
+    if args.threads is None:
+        configure_threads(world)
+    else:
+        set_blas_threads(args.threads)
     cfg = load_config(args.config, args.overrides)
     grid = ProcessGrid(world, resolve_parallel(cfg, world.Get_size()))
     step = hybrid_step_from_config(cfg, grid)

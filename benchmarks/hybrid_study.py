@@ -32,11 +32,10 @@ LAYOUTS = {1: [], 2: ["parallel.depth=2"], 4: ["parallel.depth=2", "parallel.hei
 
 def bench(ranks: int, overrides: list[str], threads: int, extra: list[str]) -> dict:
     """Run bench_hybrid.py on ``ranks`` ranks and return its JSON result."""
-    env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
-               MPIR_CVAR_ENABLE_HEAVY_YIELD="1")
+    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1")
     sets = [arg for item in overrides for arg in ("--set", item)]
     command = [sys.executable, str(HERE / "bench_hybrid.py"), "--config", str(CONFIG),
-               *sets, *extra]
+               *sets, "--threads", str(threads), *extra]
     if ranks > 1:
         mpiexec = Path(sys.executable).parent / "mpiexec"
         command = [str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", str(ranks),

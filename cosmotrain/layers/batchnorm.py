@@ -15,7 +15,7 @@ gradient), see :class:`~cosmotrain.nn.layers.BatchNorm3d`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cosmotrain.comm.timers import PhaseTimers
@@ -28,16 +28,14 @@ class DistBatchNorm3d(BatchNorm3d):
     """:class:`BatchNorm3d` on local arrays whose sums are allreduced over ``comm``."""
 
     comm: Any = None
-    timers: PhaseTimers | None = None
+    timers: PhaseTimers = field(default_factory=PhaseTimers)
 
     def reduce_sums(self, sums: Any) -> Any:
-        if self.comm is None or self.comm.Get_size() == 1:
-            return sums
-        if self.timers is None:
-            self.comm.Allreduce(sums.copy(), sums)
-            return sums
-        with self.timers.phase("allreduce"):
-            self.comm.Allreduce(sums.copy(), sums)
+        if self.comm is not None and self.comm.Get_size() > 1:
+            from mpi4py import MPI
+
+            with self.timers.phase("allreduce"):
+                self.comm.Allreduce(MPI.IN_PLACE, sums)
         return sums
 
 
@@ -46,7 +44,7 @@ class SpatialBatchNorm3d(OnBlocks, DistBatchNorm3d):
     """:class:`DistBatchNorm3d` on the spatial blocks of :class:`DistTensor` inputs."""
 
 
-def dist_batchnorm(layer: BatchNorm3d, comm: Any, timers: PhaseTimers | None,
+def dist_batchnorm(layer: BatchNorm3d, comm: Any, timers: PhaseTimers,
                    spatial: bool) -> DistBatchNorm3d:
     """The distributed twin of ``layer`` (same parameters and running statistics)."""
     cls = SpatialBatchNorm3d if spatial else DistBatchNorm3d

@@ -148,19 +148,19 @@ class HybridModel:
         """Predictions of the samples in :meth:`sample_range` (rows of the global batch)."""
         blocks = self.spatial.forward(x, ctx)
         self._range = self.to_samples.sample_range(x.dist, x.coord)
-        return self.head.forward(self.to_samples.forward(blocks, ctx), self._head_ctx(x, ctx))
+        self._batch = x.dist.global_shape[0]
+        return self.head.forward(self.to_samples.forward(blocks, ctx), self._head_ctx(ctx))
 
     def backward(self, dy: Any, ctx: Context) -> None:
-        dx = self.head.backward(dy, self._head_ctx(None, ctx))
+        dx = self.head.backward(dy, self._head_ctx(ctx))
         self.spatial.backward(self.to_samples.backward(dx, ctx), ctx)
 
     def sample_range(self) -> tuple[int, int]:
         """Global batch indices ``[a, b)`` of the rows :meth:`forward` returned."""
         return self._range
 
-    def _head_ctx(self, x: DistTensor | None, ctx: Context) -> Context:
-        if x is not None:
-            self._batch = x.dist.global_shape[0]
+    def _head_ctx(self, ctx: Context) -> Context:
+        """``ctx`` placing the head's local samples in the global batch (dropout masks)."""
         return replace(ctx, sample_offset=self._range[0], global_batch=self._batch)
 
 

@@ -24,13 +24,10 @@ def batch_loss(pred: Any, target: Any, global_count: int, comm: Any = None,
     if pred.shape != target.shape:
         raise ValueError(f"predictions {pred.shape} and targets {target.shape} differ")
     total, grad = LOSSES[kind]
-    local = np.array([total(pred, target)])
+    summed = np.array([total(pred, target)])
     if comm is not None and comm.Get_size() > 1:
-        summed = np.empty_like(local)
-        if timers is None:
-            comm.Allreduce(local, summed)
-        else:
-            with timers.phase("allreduce"):
-                comm.Allreduce(local, summed)
-        local = summed
-    return float(local[0]) / global_count, grad(pred, target, global_count)
+        from mpi4py import MPI
+
+        with (timers or PhaseTimers()).phase("allreduce"):
+            comm.Allreduce(MPI.IN_PLACE, summed)
+    return float(summed[0]) / global_count, grad(pred, target, global_count)
