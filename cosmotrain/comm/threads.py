@@ -1,7 +1,8 @@
 """Share a node's cores among the ranks placed on it: BLAS threads per rank.
 
 Several ranks on one node that each run OpenBLAS with a thread per core oversubscribe it,
-and OpenBLAS's idle threads spin: a measured 35% slower step with 2 ranks on 2 cores.
+and OpenBLAS's idle threads spin: 2 ranks on 2 cores (cosmoflow W=128, D2) took 0.884 s a
+step with 2 BLAS threads each against 0.639 s with 1 (``bench_hybrid.py --threads``).
 Each rank therefore gets ``cores / local ranks`` threads (at least one), unless the
 launcher already bound it to fewer cores than the node has (``srun --cpus-per-task``),
 in which case its own affinity mask is the budget.  The chunked kernels use as many
