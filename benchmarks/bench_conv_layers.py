@@ -18,7 +18,7 @@ import argparse
 import os
 import platform
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 

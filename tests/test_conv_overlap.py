@@ -15,12 +15,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from conftest import abort_on_error
+from conv_reference import serial_conv_run, spatial_twin
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.parallel import ParallelLayout
 from cosmotrain.kernels.conv3d import conv3d_forward
 from cosmotrain.kernels.geometry import normalize_padding, normalize_triple, output_size
-from cosmotrain.layers.conv import REDO_SHELL_MAX, SpatialConv3d, spatial_conv
+from cosmotrain.layers.conv import REDO_SHELL_MAX, SpatialConv3d
 from cosmotrain.layers.interior import (Box, ConvDim, OverlapPlan, box_shape, box_slices,
                                         conv_dim, input_window, interior_range, intersect,
                                         onion, overlap_plan, run_sub_conv)
@@ -192,18 +193,12 @@ def one_case(world, spec) -> tuple[bool, set]:
     layout = ParallelLayout(sample, depth=spatial_ways[0], height=spatial_ways[1],
                             width=spatial_ways[2])
     grid = ProcessGrid(world, layout)
-    serial = conv_layer(cin, cout, k, s, p, bias)
-    rng = np.random.default_rng(11)
-    for param in serial.params.values():
-        param.data = rng.normal(size=param.shape)
-    x = rng.normal(size=(2, cin) + spatial)
-    y = serial.forward(x, Context())
-    dy = rng.normal(size=y.shape)
-    dx = serial.backward(dy, Context())
 
-    layer = spatial_conv(conv_layer(cin, cout, k, s, p, bias), grid)
-    for key, param in layer.params.items():
-        param.data = serial.params[key].data.copy()
+    def make():
+        return conv_layer(cin, cout, k, s, p, bias)
+
+    serial, x, y, dy, dx = serial_conv_run(make, cin, spatial, seed=11)
+    layer = spatial_twin(serial, make, grid)
     dist = Distribution(x.shape, (layout.sample, 1, *layout.spatial))
     coord = (grid.coord("sample"), 0, *grid.spatial_coords)
     xb = DistTensor.scatter(x, dist, coord)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import abort_on_error
+from conv_reference import serial_conv_run, spatial_twin
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.parallel import ParallelLayout
-from cosmotrain.layers.conv import spatial_conv
 from cosmotrain.layers.pool import spatial_pool
 from cosmotrain.kernels.geometry import normalize_padding
 from cosmotrain.nn import factory
@@ -35,19 +35,13 @@ CONVS = [  # cin, cout, kernel, stride, symmetric padding, bias, global spatial 
 def one_case(world, layout: ParallelLayout, spec) -> bool:
     cin, cout, k, s, p, bias, spatial = spec
     grid = ProcessGrid(world, layout)
-    serial = factory.conv("c", cin, cout, k, s, p, bias=bias)
-    rng = np.random.default_rng(3)
-    for param in serial.params.values():
-        param.data = rng.normal(size=param.shape)
-    x = rng.normal(size=(2, cin) + spatial)
-    y = serial.forward(x, Context())
-    dy = rng.normal(size=y.shape)
-    dx = serial.backward(dy, Context())
-    dw = serial.params["weight"].grad
 
-    dist_conv = spatial_conv(factory.conv("c", cin, cout, k, s, p, bias=bias), grid)
-    for key, param in dist_conv.params.items():
-        param.data = serial.params[key].data.copy()
+    def make():
+        return factory.conv("c", cin, cout, k, s, p, bias=bias)
+
+    serial, x, y, dy, dx = serial_conv_run(make, cin, spatial, seed=3)
+    dw = serial.params["weight"].grad
+    dist_conv = spatial_twin(serial, make, grid)
     dist = Distribution(x.shape, (layout.sample, 1, *layout.spatial))
     coord = (grid.coord("sample"), 0, *grid.spatial_coords)
     y_block = dist_conv.forward(DistTensor.scatter(x, dist, coord), Context())

@@ -60,8 +60,8 @@ class _Pool:
 
         Input index of output ``j``'s tap ``e`` is ``j*s + e - lo``.
         """
-        k, s, (lo, _), n_in, n_out = (self.kernel[dim], self.stride[dim], self.padding[dim],
-                                      self.x_shape[2 + dim], self.out[dim])
+        s, (lo, _), n_in, n_out = (self.stride[dim], self.padding[dim], self.x_shape[2 + dim],
+                                   self.out[dim])
         j0 = max(0, -((e - lo) // s))
         j1 = min(n_out, (n_in - 1 - e + lo) // s + 1)
         return j0, max(j0, j1), j0 * s + e - lo

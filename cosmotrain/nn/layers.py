@@ -22,7 +22,7 @@ from cosmotrain.kernels.dropout import dropout_backward, dropout_forward, dropou
 from cosmotrain.kernels.linear import (linear_backward_data, linear_backward_weight,
                                        linear_forward)
 from cosmotrain.backend import array_module
-from cosmotrain.nn.module import Context, Layer, Parameter
+from cosmotrain.nn.module import Context, Layer
 
 def window_output_shape(shape: tuple[int, ...], channels: int, kernel: Triple,
                         stride: Triple, padding: Padding) -> tuple[int, ...]:
