@@ -24,6 +24,8 @@ GROUPS = {
     "spatial": SPATIAL,  # the blocks of one sample (same sample, channel, filter)
     "data": ("sample",) + SPATIAL,  # replicas of an unsplit parameter's block
     "channel_filter": ("channel", "filter"),  # the weight blocks of one layer
+    "model": ("channel", "filter") + SPATIAL,  # one sample group's shards and blocks
+    "all": AXES,  # replicas of a parameter that no axis splits (the data-parallel head)
 }
 
 
@@ -43,6 +45,7 @@ class ProcessGrid:
         self.axis_comms = {axis: self._sub((axis,)) for axis in AXES}
         self.group_comms = {name: self._sub(axes) for name, axes in GROUPS.items()}
         self.timers = PhaseTimers()
+        self._factor_comms: dict[Any, tuple[Any, Any]] = {}
 
     def _sub(self, axes: Sequence[str]) -> Any:
         return self.cart.Sub([axis in axes for axis in AXES])
@@ -77,7 +80,23 @@ class ProcessGrid:
             if any(offset):
                 yield offset  # type: ignore[misc]
 
+    def channel_filter_comms(self, factor: Any) -> tuple[Any, Any]:
+        """``(channel_comm, filter_comm)`` of a ``c x f`` factorisation of my channel/filter
+        group (``channel_split.Factor``), created once per factorisation (collective: every
+        rank builds the same layers in the same order).
+
+        With group rank ``j = ic * f + if``, ``channel_comm`` holds the ``c`` ranks sharing
+        ``if`` (ordered by ``ic``) and ``filter_comm`` the ``f`` ranks sharing ``ic``.
+        """
+        if factor not in self._factor_comms:
+            group = self.group_comms["channel_filter"]
+            ic, if_ = divmod(group.Get_rank(), factor.filter)
+            self._factor_comms[factor] = (group.Split(if_, ic), group.Split(ic, if_))
+        return self._factor_comms[factor]
+
     def free(self) -> None:
         """Release the communicators (collective)."""
-        for comm in [*self.axis_comms.values(), *self.group_comms.values(), self.cart]:
+        pairs = [comm for pair in self._factor_comms.values() for comm in pair]
+        for comm in [*pairs, *self.axis_comms.values(), *self.group_comms.values(),
+                     self.cart]:
             comm.Free()

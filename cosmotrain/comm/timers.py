@@ -1,7 +1,8 @@
 """Wall-clock seconds per communication phase: the step's time breakdown.
 
 Distributed layers charge the time they spend packing, posting and *waiting* for
-messages to a phase (``halo``, ``allreduce``, ``redistribution``) of the grid's
+messages to a phase (``halo``, ``allreduce``, ``redistribution``, ``channel``: the
+channel/filter all-gathers and reduce-scatters) of the grid's
 :class:`PhaseTimers`; everything else in a step is compute.  Time hidden behind compute
 by non-blocking messages is, correctly, not charged: only what the rank waited for is.
 """
@@ -12,7 +13,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-PHASES = ("halo", "allreduce", "redistribution")
+PHASES = ("halo", "allreduce", "redistribution", "channel")
 
 
 class PhaseTimers:

@@ -109,9 +109,30 @@ def build(cls: type, raw: Any, prefix: str) -> Any:
         path = f"{prefix}{f.name}"
         if dataclasses.is_dataclass(hints[f.name]):
             values[f.name] = build(hints[f.name], raw[f.name], path + ".")
+        elif _mapping_of(hints[f.name]) is not None:
+            values[f.name] = _build_mapping(_mapping_of(hints[f.name]), raw[f.name], path)
         else:
             values[f.name] = check_value(path, raw[f.name], hints[f.name], f.metadata)
     return cls(**values)
+
+
+def _mapping_of(hint: Any) -> type | None:
+    """The section type ``X`` of a ``dict[str, X]`` key (named sub-sections), else None."""
+    if typing.get_origin(hint) is dict:
+        value = typing.get_args(hint)[1]
+        return value if dataclasses.is_dataclass(value) else None
+    return None
+
+
+def _build_mapping(cls: type, raw: Any, path: str) -> dict[str, Any]:
+    """Named sub-sections, e.g. ``parallel.layers: {conv1: {algorithm: y}}``."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(path, f"expected a mapping of names to sections, got {raw!r}",
+                          "e.g. {conv1: {algorithm: y}}")
+    return {str(name): build(cls, value if value is not None else {}, f"{path}.{name}.")
+            for name, value in raw.items()}
 
 
 def _suggest(path: str, siblings: list[str]) -> str:

@@ -17,6 +17,10 @@ def reference_rows(cls: type = Config, prefix: str = "") -> list[tuple[str, str,
         if dataclasses.is_dataclass(hints[f.name]):
             rows.extend(reference_rows(hints[f.name], path + "."))
             continue
+        if f.default is dataclasses.MISSING:  # named sub-sections: a row for the map, its keys
+            rows.append((path, "mapping", "{}", _doc_text(f)))
+            rows.extend(reference_rows(typing.get_args(hints[f.name])[1], path + ".<name>."))
+            continue
         rows.append((path, _type_text(f), repr(f.default) if f.default is None
                      else str(f.default), _doc_text(f)))
     return rows

@@ -21,6 +21,8 @@ def spec(default: Any, doc: str, *, choices: tuple[Any, ...] | None = None,
     """Declare one config key: its default and the rules the loader enforces."""
     meta = {"doc": doc, "choices": choices, "minimum": minimum, "maximum": maximum,
             "exclusive_max": exclusive_max, "nullable": nullable, "auto": auto}
+    if isinstance(default, dict):  # a mapping of named sub-sections, empty by default
+        return field(default_factory=dict, metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -69,11 +71,28 @@ class DataConfig:
 
 
 @dataclass
+class LayerParallelConfig:
+    algorithm: str | None = spec(None, "this convolution's channel/filter algorithm; null = "
+                                 "parallel.channel_algorithm", choices=("x", "y", "w", AUTO),
+                                 nullable=True)
+    channel: int | None = spec(None, "stationary-w only: ways this layer splits its input "
+                               "channels (the filters take the rest of the channel x filter "
+                               "ranks); null = parallel.channel", minimum=1, nullable=True)
+
+
+@dataclass
 class ParallelConfig:
     sample: int | str = spec(AUTO, "sample groups (data parallelism); auto takes the ranks "
                              "left over by the other dimensions", minimum=1, auto=True)
     channel: int = spec(1, "ways input channels of convolutions are split", minimum=1)
     filter: int = spec(1, "ways filters (output channels) of convolutions are split", minimum=1)
+    channel_algorithm: str = spec(AUTO, "how convolutions use the channel x filter ranks: "
+                                  "x (stationary-x: weights split by input channel), y "
+                                  "(stationary-y: by filter), w (stationary-w: both, on the "
+                                  "channel x filter grid); auto = least communication per "
+                                  "layer (docs/PARALLELISM.md)", choices=("x", "y", "w", AUTO))
+    layers: dict[str, LayerParallelConfig] = spec(
+        {}, "per-convolution overrides by dotted layer name, e.g. {conv1: {algorithm: y}}")
     depth: int = spec(1, "ways the depth (D) dimension is split", minimum=1)
     height: int = spec(1, "ways the height (H) dimension is split", minimum=1)
     width: int = spec(1, "ways the width (W) dimension is split", minimum=1)

@@ -20,7 +20,9 @@ from typing import Any
 
 from cosmotrain.comm.timers import PhaseTimers
 from cosmotrain.layers.blockwise import OnBlocks
+from cosmotrain.layers.shards import Shard
 from cosmotrain.nn.layers import BatchNorm3d
+from cosmotrain.nn.module import Parameter
 
 
 @dataclass
@@ -29,6 +31,7 @@ class DistBatchNorm3d(BatchNorm3d):
 
     comm: Any = None
     timers: PhaseTimers = field(default_factory=PhaseTimers)
+    shard: Shard | None = None  # my channels, when channels are split (params and buffers)
 
     def reduce_sums(self, sums: Any) -> Any:
         if self.comm is not None and self.comm.Get_size() > 1:
@@ -51,3 +54,21 @@ def dist_batchnorm(layer: BatchNorm3d, comm: Any, timers: PhaseTimers,
     return cls(name=layer.name, params=layer.params, buffers=layer.buffers,
                needs_input_grad=layer.needs_input_grad, channels=layer.channels,
                eps=layer.eps, momentum=layer.momentum, comm=comm, timers=timers)
+
+
+def channel_batchnorm(layer: BatchNorm3d, comm: Any, timers: PhaseTimers,
+                      channels: tuple[int, int]) -> SpatialBatchNorm3d:
+    """The twin of ``layer`` for the fine channel block ``[start, stop)`` only.
+
+    Its parameters and running statistics are copies of that block (the full arrays are
+    dropped with the serial model); the statistics are reduced over ``comm``, whose ranks
+    all hold the same channels.
+    """
+    shard = Shard((layer.channels,), (slice(*channels),))
+    params = {key: Parameter(shard.take(p.data), shard) for key, p in layer.params.items()}
+    buffers = {key: shard.take(value) if getattr(value, "ndim", 0) else value
+               for key, value in layer.buffers.items()}
+    return SpatialBatchNorm3d(name=layer.name, params=params, buffers=buffers,
+                              needs_input_grad=layer.needs_input_grad,
+                              channels=channels[1] - channels[0], eps=layer.eps,
+                              momentum=layer.momentum, comm=comm, timers=timers, shard=shard)

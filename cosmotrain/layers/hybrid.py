@@ -12,21 +12,30 @@ run on blocks (flatten, global pooling, linear) or the first convolution or pool
 whose input block along a split dimension is thinner than :data:`MIN_BLOCK_PLANES` planes: below that a k3 halo is half
 the block, exchanging it costs as much as computing it, and whole samples are cheaper.
 A layer name stops there instead.  With no spatial split the whole network is data
-parallel.
+parallel, unless channels are split (``parallel.channel`` / ``parallel.filter``): then
+the block part runs up to the first layer that cannot run on blocks, its convolutions
+channel/filter parallel (``channel_conv.py``) and its other layers on their fine channel
+blocks, and the head is data parallel over every rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+import numpy as np
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.schema import AUTO
 from cosmotrain.errors import ConfigError
-from cosmotrain.layers.batchnorm import dist_batchnorm
+from cosmotrain.layers.batchnorm import channel_batchnorm, dist_batchnorm
 from cosmotrain.layers.blockwise import blockwise
+from cosmotrain.layers.channel_conv import channel_conv
+from cosmotrain.layers.channel_plan import LayerChoice, plan_channels
+from cosmotrain.layers.channel_split import Factor, fine_block
 from cosmotrain.layers.conv import spatial_conv
+from cosmotrain.layers.shards import gather_full
 from cosmotrain.layers.pool import spatial_pool
 from cosmotrain.layers.to_samples import ToSamples
 from cosmotrain.nn.containers import Residual, Sequential
@@ -36,7 +45,10 @@ from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.tensor.distribution import Distribution
 
 MIN_BLOCK_PLANES = 4
+# The ranks whose batch-norm sums are reduced, by ``parallel.bn_statistics``: in the block
+# part (ranks holding the same channels) and in the head (every rank holds every channel).
 BN_GROUPS = {"global": "data", "local": "spatial"}
+HEAD_BN_GROUPS = {"global": "all", "local": "model"}
 
 
 def runs_on_blocks(layer: Layer) -> bool:
@@ -47,20 +59,24 @@ def runs_on_blocks(layer: Layer) -> bool:
 
 
 def spatial_stop(model: Sequential, input_shape: tuple[int, ...], ways: tuple[int, int, int],
-                 until: str = AUTO) -> int:
+                 until: str = AUTO, channel_ways: int = 1) -> int:
     """Index of the first top-level layer that runs on whole samples."""
     names = [layer.name for layer in model.items]
     if until != AUTO:
         return _named_stop(model, names, until)
-    if all(w == 1 for w in ways):
+    if all(w == 1 for w in ways) and channel_ways == 1:
         return 0
     shape = input_shape
     for index, layer in enumerate(model.items):
-        thinnest = min(size // w for size, w in zip(shape[2:], ways) if w > 1)
-        if not runs_on_blocks(layer) or (has_window(layer) and thinnest < MIN_BLOCK_PLANES):
+        if not runs_on_blocks(layer) or (has_window(layer) and _thin(shape, ways)):
             return index
         shape = layer.output_shape(shape)
     return len(model.items)
+
+
+def _thin(shape: tuple[int, ...], ways: tuple[int, int, int]) -> bool:
+    """Whether a split dimension leaves blocks thinner than :data:`MIN_BLOCK_PLANES`."""
+    return any(size // w < MIN_BLOCK_PLANES for size, w in zip(shape[2:], ways) if w > 1)
 
 
 def has_window(layer: Layer) -> bool:
@@ -81,17 +97,37 @@ def _named_stop(model: Sequential, names: list[str], until: str) -> int:
     return index
 
 
-def spatial_twin(layer: Layer, grid: ProcessGrid, bn_comm: Any) -> Layer:
-    """The layer's twin on spatial blocks, sharing its parameters."""
-    if isinstance(layer, Conv3d):
-        return spatial_conv(layer, grid)
-    if isinstance(layer, Pool3d):
-        return spatial_pool(layer, grid)
-    if isinstance(layer, BatchNorm3d):
-        return dist_batchnorm(layer, bn_comm, grid.timers, spatial=True)
-    if isinstance(layer, (LeakyReLU, Dropout)):
-        return blockwise(layer)
-    return _map_children(layer, lambda child: spatial_twin(child, grid, bn_comm))
+@dataclass
+class BlockTwins:
+    """Makes the twins of the block part: spatial, and channel/filter parallel when the
+    grid splits channels (``choices``: each convolution's algorithm, by dotted name)."""
+
+    grid: ProcessGrid
+    bn_comm: Any
+    choices: Mapping[str, LayerChoice] = field(default_factory=dict)
+
+    @property
+    def group(self) -> Any:
+        return self.grid.group_comms["channel_filter"]
+
+    def twin(self, layer: Layer, prefix: str = "") -> Layer:
+        """The layer's twin on blocks; parameters shared, or my block of them."""
+        path = f"{prefix}{layer.name}" if layer.name else prefix.rstrip(".")
+        split = self.group.Get_size() > 1
+        if isinstance(layer, Conv3d):
+            return channel_conv(layer, self.grid, self.choices[path]) if split \
+                else spatial_conv(layer, self.grid)
+        if isinstance(layer, Pool3d):
+            return spatial_pool(layer, self.grid)
+        if isinstance(layer, BatchNorm3d) and split:
+            channels = fine_block(layer.channels, self.group.Get_size(), self.group.Get_rank())
+            return channel_batchnorm(layer, self.bn_comm, self.grid.timers, channels)
+        if isinstance(layer, BatchNorm3d):
+            return dist_batchnorm(layer, self.bn_comm, self.grid.timers, spatial=True)
+        if isinstance(layer, (LeakyReLU, Dropout)):
+            return blockwise(layer)
+        inner = f"{path}." if path else ""
+        return _map_children(layer, lambda child: self.twin(child, inner))
 
 
 def sample_twin(layer: Layer, grid: ProcessGrid, bn_comm: Any) -> Layer:
@@ -125,12 +161,37 @@ class HybridModel:
     grid: ProcessGrid
 
     def named_parameters(self) -> Iterator[tuple[str, Parameter]]:
+        """This rank's parameters: blocks of the split layers' (``param.shard``), the rest."""
         yield from self.spatial.named_parameters()
         yield from self.head.named_parameters()
 
     def named_buffers(self) -> Iterator[tuple[str, Layer, str]]:
         yield from self.spatial.named_buffers()
         yield from self.head.named_buffers()
+
+    def reduction_groups(self) -> list[tuple[Any, list[Parameter]]]:
+        """``(communicator, parameters)`` over which each parameter's gradient is summed.
+
+        A block of a split layer is summed over the ranks holding the same block (the
+        data group); a whole parameter over every rank.  Without a channel split the two
+        groups are the same ranks, and one group keeps the buckets as they were.
+        """
+        comms = self.grid.group_comms
+        if comms["channel_filter"].Get_size() == 1:
+            return [(comms["data"], [p for _, p in self.named_parameters()])]
+        return [(comms["data"], [p for _, p in self.spatial.named_parameters()]),
+                (comms["all"], [p for _, p in self.head.named_parameters()])]
+
+    def full_parameters(self) -> dict[str, Any]:
+        """Every parameter as the full array (collective over the channel/filter group)."""
+        items = [(name, p.data, p.shard) for name, p in self.named_parameters()]
+        return gather_full(self.grid.group_comms["channel_filter"], items)
+
+    def full_buffers(self) -> dict[str, Any]:
+        """Every buffer (batch-norm running statistics) as the full array (collective)."""
+        items = [(name, layer.buffers[key], _buffer_shard(layer, key))
+                 for name, layer, key in self.named_buffers()]
+        return gather_full(self.grid.group_comms["channel_filter"], items)
 
     @property
     def stop(self) -> str:
@@ -141,8 +202,10 @@ class HybridModel:
                                                                        tuple[int, ...]]:
         """How a mini-batch of ``input_shape`` (N, C, D, H, W) is cut, and my block."""
         grid = self.grid
-        dist = Distribution(input_shape, (grid.ways("sample"), 1, *grid.spatial_shape))
-        return dist, (grid.coord("sample"), 0, *grid.spatial_coords)
+        group = grid.group_comms["channel_filter"]
+        dist = Distribution(input_shape, (grid.ways("sample"), group.Get_size(),
+                                          *grid.spatial_shape))
+        return dist, (grid.coord("sample"), group.Get_rank(), *grid.spatial_coords)
 
     def forward(self, x: DistTensor, ctx: Context) -> Any:
         """Predictions of the samples in :meth:`sample_range` (rows of the global batch)."""
@@ -164,16 +227,31 @@ class HybridModel:
         return replace(ctx, sample_offset=self._range[0], global_batch=self._batch)
 
 
+def _buffer_shard(layer: Layer, key: str) -> Any:
+    """The shard of a per-channel buffer of a channel-split layer (None: not split)."""
+    return getattr(layer, "shard", None) if np.ndim(layer.buffers[key]) else None
+
+
 def build_hybrid(model: Sequential, grid: ProcessGrid, input_shape: tuple[int, ...],
-                 bn_statistics: str = "global", spatial_until: str = AUTO) -> HybridModel:
+                 bn_statistics: str = "global", spatial_until: str = AUTO,
+                 channel_algorithm: str = AUTO,
+                 layer_overrides: Mapping[str, Any] | None = None) -> HybridModel:
     """Cut ``model`` at its spatial stop and make each part's distributed twins."""
-    index = spatial_stop(model, input_shape, grid.spatial_shape, spatial_until)
-    bn_comm = grid.group_comms[BN_GROUPS[bn_statistics]]
+    group = grid.group_comms["channel_filter"].Get_size()
+    index = spatial_stop(model, input_shape, grid.spatial_shape, spatial_until, group)
+    choices = plan_channels(model.items[:index], input_shape,
+                            Factor(grid.ways("channel"), grid.ways("filter")),
+                            grid.spatial_shape, grid.ways("sample"), channel_algorithm,
+                            layer_overrides or {}) if group > 1 else {}
+    if group == 1 and layer_overrides:
+        raise ConfigError("parallel.layers", "per-layer channel/filter settings need "
+                          "parallel.channel or parallel.filter above 1", "remove them")
+    twins = BlockTwins(grid, grid.group_comms[BN_GROUPS[bn_statistics]], choices)
     spatial = Sequential(name=model.name, needs_input_grad=False,
-                         items=[spatial_twin(layer, grid, bn_comm)
-                                for layer in model.items[:index]])
+                         items=[twins.twin(layer) for layer in model.items[:index]])
+    head_bn = grid.group_comms[HEAD_BN_GROUPS[bn_statistics]]
     head = Sequential(name=model.name, needs_input_grad=index > 0,
-                      items=[sample_twin(layer, grid, bn_comm)
+                      items=[sample_twin(layer, grid, head_bn)
                              for layer in model.items[index:]])
     return HybridModel(spatial, ToSamples(name="to_samples", grid=grid,
                                           needs_input_grad=index > 0), head, grid)

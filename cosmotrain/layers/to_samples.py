@@ -2,9 +2,10 @@
 
 Late layers work on small volumes, where halos cost as much as the compute and the
 linear layers need whole samples anyway.  This layer gathers each sample group's
-spatially partitioned activations into whole samples *spread over the same ranks*: the
-group's ``Bg`` samples are cut into balanced blocks over its ``P`` spatial ranks (one
-all-to-all inside the spatial group; a rank gets no sample when ``Bg < P``).  Everything
+partitioned activations (spatial blocks, and channel blocks when channels are split) into
+whole samples *spread over the same ranks*: the group's ``Bg`` samples are cut into
+balanced blocks over its ``P`` ranks (one all-to-all inside the group, ``grid``'s
+``model`` communicator; a rank gets no sample when ``Bg < P``).  Everything
 after it is plain data parallelism on local samples.  Backward is the inverse all-to-all.
 """
 
@@ -29,7 +30,7 @@ class ToSamples(Layer):
 
     @property
     def _comm(self) -> Any:
-        return self.grid.group_comms["spatial"]  # type: ignore[union-attr]
+        return self.grid.group_comms["model"]  # type: ignore[union-attr]
 
     def sample_range(self, x_dist: Distribution, x_coord: tuple[int, ...]) -> tuple[int, int]:
         """Global batch indices ``[a, b)`` of the samples this rank holds afterwards."""
@@ -39,13 +40,12 @@ class ToSamples(Layer):
         return group.start + lo, group.start + hi
 
     def _plan(self, x: DistTensor) -> Redistribution:
-        """The all-to-all inside the spatial group, over the group's own samples."""
+        """The all-to-all inside the sample group, over the group's own samples."""
         if x.dist not in self._plans:
-            shape = x.data.shape[:2] + x.dist.global_shape[2:]
-            spatial_grid = (1, 1) + x.dist.grid[2:]
+            shape = x.data.shape[:1] + x.dist.global_shape[1:]
             comm = self._comm
             self._plans[x.dist] = Redistribution.plan(
-                comm, Distribution(shape, spatial_grid), (0, 0) + x.coord[2:],
+                comm, Distribution(shape, (1,) + x.dist.grid[1:]), (0,) + x.coord[1:],
                 Distribution(shape, (comm.Get_size(), 1, 1, 1, 1)),
                 (comm.Get_rank(), 0, 0, 0, 0))
         return self._plans[x.dist]

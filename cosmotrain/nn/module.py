@@ -16,11 +16,16 @@ from typing import Any
 
 
 class Parameter:
-    """A trainable array with its gradient (``grad`` is None until backward sets it)."""
+    """A trainable array with its gradient (``grad`` is None until backward sets it).
 
-    def __init__(self, data: Any) -> None:
+    ``shard`` is set when the array is only this rank's block of a larger parameter
+    (channel/filter parallelism): it places the block in the full array.
+    """
+
+    def __init__(self, data: Any, shard: Any = None) -> None:
         self.data = data
         self.grad: Any = None
+        self.shard = shard
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -86,6 +91,14 @@ class Layer:
             yield base + key, self, key
         for child in self.children():
             yield from child.named_buffers(base)
+
+    def named_layers(self, prefix: str = "") -> Iterator[tuple[str, Layer]]:
+        """``(dotted name, layer)`` of this layer and every layer below it (the names of
+        ``named_parameters`` without the parameter key, e.g. ``layer1.0.conv1``)."""
+        path = f"{prefix}{self.name}" if self.name else prefix.rstrip(".")
+        yield path, self
+        for child in self.children():
+            yield from child.named_layers(f"{path}." if path else "")
 
     def layers(self) -> Iterator[Layer]:
         """This layer and every layer below it, depth first."""

@@ -1,7 +1,9 @@
 """Gradient reduction in buckets, overlapped with the backward pass.
 
-Every rank of the data group (all sample groups and spatial blocks) holds a replica of
-each parameter and computes a partial gradient (its samples, its blocks).  Parameters
+Every rank of a parameter's reduction group holds a replica of it (or of the same block
+of it, under channel/filter parallelism) and computes a partial gradient (its samples,
+its spatial blocks).  The groups come from the model (``HybridModel.reduction_groups``):
+a block is reduced only among the ranks that hold it, never in one global allreduce.  Each group's parameters
 are grouped, in reverse model order (roughly the order backward finishes them), into
 buckets of about ``bucket_mb`` MiB, each with one persistent flat buffer.  Before a step
 :meth:`GradientReducer.prepare` zeroes the buffers and makes every ``param.grad`` a view
@@ -10,7 +12,7 @@ When the last parameter of a bucket is reported final (``Context.on_grad_ready``
 bucket's non-blocking allreduce starts and backward goes on while it travels;
 :meth:`finish` waits, and the sums are already in place.  Readiness is the same on every
 rank, so the collectives start in the same order everywhere.  With one rank in the group
-nothing is allocated or sent.
+nothing is allocated or sent for it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ DEFAULT_BUCKET_MB = 25.0  # as PyTorch DDP
 
 @dataclass
 class _Bucket:
+    comm: Any
     params: list[Parameter]
     buffer: Any
     ready: int = 0
@@ -47,27 +50,29 @@ def plan_buckets(params: list[Parameter], bucket_bytes: float) -> list[list[Para
     return [g for g in groups if g]
 
 
+Groups = Iterable[tuple[Any, Iterable[Parameter]]]
+
+
 @dataclass
 class GradientReducer:
-    """Sums parameter gradients over ``comm`` in buckets of about ``bucket_mb`` MiB."""
+    """Sums parameter gradients over their groups in buckets of about ``bucket_mb`` MiB."""
 
-    comm: Any
     timers: PhaseTimers
     bucket_mb: float = DEFAULT_BUCKET_MB
+    volume: int = 0  # elements this rank has handed to allreduces
     _buckets: list[_Bucket] = field(default_factory=list)
     _owner: dict[int, _Bucket] = field(default_factory=dict)
     _in_flight: list[Any] = field(default_factory=list)
+    _built: bool = False
 
-    @property
-    def active(self) -> bool:
-        return self.comm is not None and self.comm.Get_size() > 1
-
-    def prepare(self, params: Iterable[Parameter]) -> None:
-        """Zeroed bucket views as the gradients of ``params`` (model order), once per step."""
-        if not self.active:
-            return
-        if not self._buckets:
-            self._build(list(params)[::-1])
+    def prepare(self, groups: Groups) -> None:
+        """Zeroed bucket views as the gradients of each group's parameters (model order),
+        once per step; ``groups`` are ``(communicator, parameters)``."""
+        if not self._built:
+            for comm, params in groups:
+                if comm is not None and comm.Get_size() > 1:
+                    self._build(comm, list(params)[::-1])
+            self._built = True
         for bucket in self._buckets:
             bucket.buffer.fill(0)
             bucket.ready = 0
@@ -76,20 +81,20 @@ class GradientReducer:
                 param.grad = bucket.buffer[start:start + param.data.size].reshape(param.shape)
                 start += param.data.size
 
-    def _build(self, params: list[Parameter]) -> None:
+    def _build(self, comm: Any, params: list[Parameter]) -> None:
         for group in plan_buckets(params, self.bucket_mb * 2**20):
             dtype = np.result_type(*[p.data.dtype for p in group])
             buffer = np.zeros(sum(p.data.size for p in group), dtype=dtype)
-            bucket = _Bucket(group, buffer)
+            bucket = _Bucket(comm, group, buffer)
             self._buckets.append(bucket)
             self._owner.update({id(p): bucket for p in group})
 
     def on_grad_ready(self, layer: Layer) -> None:
         """Count ``layer``'s parameters as final; start each bucket that is complete."""
-        if not self.active:
-            return
         for param in layer.params.values():
-            bucket = self._owner[id(param)]
+            bucket = self._owner.get(id(param))
+            if bucket is None:  # reduced over one rank: nothing to do
+                continue
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
                 self._launch(bucket)
@@ -97,14 +102,13 @@ class GradientReducer:
     def _launch(self, bucket: _Bucket) -> None:
         from mpi4py import MPI
 
+        self.volume += bucket.buffer.size
         with self.timers.phase("allreduce"):
-            self._in_flight.append(self.comm.Iallreduce(MPI.IN_PLACE, bucket.buffer,
-                                                        op=MPI.SUM))
+            self._in_flight.append(bucket.comm.Iallreduce(MPI.IN_PLACE, bucket.buffer,
+                                                          op=MPI.SUM))
 
     def finish(self) -> None:
-        """Wait for every bucket; the gradients then hold the sums over the group."""
-        if not self.active:
-            return
+        """Wait for every bucket; the gradients then hold the sums over their groups."""
         incomplete = [b for b in self._buckets if b.ready != len(b.params)]
         if incomplete:
             raise RuntimeError(f"{len(incomplete)} gradient bucket(s) never completed: a "

@@ -46,11 +46,11 @@ class HybridStep:
     def gradients(self, x: DistTensor, targets: Any, ctx: Context) -> StepOutput:
         """Forward and backward; afterwards every ``param.grad`` is the full gradient."""
         ctx = replace(ctx, on_grad_ready=self.reducer.on_grad_ready)
-        self.reducer.prepare(p for _, p in self.model.named_parameters())
+        self.reducer.prepare(self.model.reduction_groups())
         pred = self.model.forward(x, ctx)
         start, stop = self.model.sample_range()
         loss, dpred = batch_loss(pred, targets[start:stop], targets.size,
-                                 self.grid.group_comms["data"], self.grid.timers, self.loss)
+                                 self.grid.group_comms["all"], self.grid.timers, self.loss)
         self.model.backward(dpred, ctx)
         self.reducer.finish()
         return StepOutput(loss, pred, (start, stop))
@@ -73,7 +73,8 @@ def hybrid_step_from_config(cfg: Config, grid: ProcessGrid) -> HybridStep:
     model = build_model(cfg.model, cfg.train.seed)
     width = cfg.model.width
     shape = (cfg.train.batch_size, cfg.model.channels, width, width, width)
-    hybrid = build_hybrid(model, grid, shape, cfg.parallel.bn_statistics,
-                          cfg.parallel.spatial_until)
-    reducer = GradientReducer(grid.group_comms["data"], grid.timers, cfg.parallel.bucket_mb)
+    par = cfg.parallel
+    hybrid = build_hybrid(model, grid, shape, par.bn_statistics, par.spatial_until,
+                          par.channel_algorithm, par.layers)
+    reducer = GradientReducer(grid.timers, par.bucket_mb)
     return HybridStep(hybrid, build_optimizer(cfg.optimizer), reducer)
