@@ -115,6 +115,29 @@ class TrainConfig:
     seed: int = spec(0, "seed of initialisation, data order and dropout", minimum=0)
 
 
+SCHEDULE_NAMES = ("constant", "step", "cosine")
+
+
+@dataclass
+class ScheduleConfig:
+    """The learning rate over training (``cosmotrain.train.schedule``; formulas there)."""
+
+    name: str = spec("constant", "learning-rate schedule after the warm-up: constant "
+                     "(optimizer.lr), step (optimizer.lr x decay_factors from decay_epochs on, "
+                     "as MLPerf CosmoFlow) or cosine (down to min_lr at train.epochs)",
+                     choices=SCHEDULE_NAMES)
+    warmup_epochs: float = spec(0.0, "epochs of linear warm-up from warmup_start_lr to "
+                                "optimizer.lr, per step (MLPerf CosmoFlow: 4)", minimum=0.0)
+    warmup_start_lr: float = spec(0.0, "learning rate at the first step of the warm-up",
+                                  minimum=0.0)
+    decay_epochs: str = spec("", "step schedule: comma-separated increasing epochs at which "
+                             "the rate drops, e.g. '32,64' (MLPerf CosmoFlow)")
+    decay_factors: str = spec("", "step schedule: comma-separated factors of optimizer.lr, one "
+                              "per decay epoch, not cumulative, e.g. '0.25,0.125' (MLPerf)")
+    min_lr: float = spec(0.0, "cosine schedule: the rate reached at the end of train.epochs",
+                         minimum=0.0)
+
+
 @dataclass
 class OptimizerConfig:
     name: str = spec("adam", "optimizer", choices=("adam", "sgd"))
@@ -124,6 +147,7 @@ class OptimizerConfig:
     beta1: float = spec(0.9, "Adam beta1", minimum=0.0, maximum=1.0, exclusive_max=True)
     beta2: float = spec(0.999, "Adam beta2", minimum=0.0, maximum=1.0, exclusive_max=True)
     eps: float = spec(1e-8, "Adam epsilon", minimum=0.0)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
 
 @dataclass
