@@ -9,8 +9,8 @@ index, so every rank layout trains on the same mini-batch) and runs ``--steps`` 
 steps of the configured model and strategy.  Rank 0 prints, as one JSON object:
 
 * seconds per step (slowest rank, best step after ``--warmup``) and the mean per-rank
-  breakdown: halo, allreduce, redistribution (time spent waiting on or packing
-  messages, see ``comm/timers.py``) and compute (the rest);
+  breakdown: halo, allreduce, redistribution, channel (time spent waiting on or
+  packing messages, see ``comm/timers.py``) and compute (the rest);
 * with ``--memory``: per-rank bytes held before a step (parameters, optimizer state,
   input block) and the peak working memory of a step above that (tracemalloc; the run
   is slower, so time and memory are separate runs);
@@ -33,6 +33,7 @@ from mpi4py import MPI
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.comm.threads import configure_threads
+from cosmotrain.comm.timers import PHASES
 from cosmotrain.config.load import load_config
 from cosmotrain.config.parallel import resolve_parallel
 from cosmotrain.kernels._parallel import set_blas_threads
@@ -78,7 +79,7 @@ def summarise(comm: Any, records: list[dict], warmup: int, memory: bool) -> dict
     timed = records[warmup:] or records
     best = min(range(len(timed)), key=lambda i: timed[i]["seconds"])
     mine = timed[best]
-    comm_s = {k: mine[k] for k in ("halo", "allreduce", "redistribution")}
+    comm_s = {k: mine[k] for k in PHASES}
     mine_breakdown = {**comm_s, "compute": mine["seconds"] - sum(comm_s.values())}
     breakdowns = comm.gather(mine_breakdown, root=0)
     slowest = comm.allreduce(mine["seconds"], op=MPI.MAX)
@@ -96,10 +97,10 @@ def summarise(comm: Any, records: list[dict], warmup: int, memory: bool) -> dict
     return result
 
 
-def compare(step: HybridStep, path: str) -> float:
+def compare(full: dict, path: str) -> float:
     saved = np.load(path)
-    return max(float(np.linalg.norm(p.data - saved[n]) / max(np.linalg.norm(saved[n]), 1e-30))
-               for n, p in step.model.named_parameters())
+    return max(float(np.linalg.norm(p - saved[n]) / max(np.linalg.norm(saved[n]), 1e-30))
+               for n, p in full.items())
 
 
 def main() -> None:
@@ -134,11 +135,12 @@ def main() -> None:
     result.update(param_mib=sum(p.data.nbytes for _, p in step.model.named_parameters())
                   / 2**20, ranks=world.Get_size(), strategy=grid.layout.describe(),
                   spatial_stop=step.model.stop, width=width, batch=batch)
+    full = step.model.full_parameters()  # collective: channel-split blocks gathered
     if args.compare:
-        result["max_rel_param_diff_vs_saved"] = compare(step, args.compare)
+        result["max_rel_param_diff_vs_saved"] = compare(full, args.compare)
     if world.rank == 0:
         if args.save:
-            np.savez(args.save, **{n: p.data for n, p in step.model.named_parameters()})
+            np.savez(args.save, **full)
         print(json.dumps(result, indent=1))
 
 

@@ -30,11 +30,12 @@ LAYOUTS = {1: [], 2: ["parallel.depth=2"], 4: ["parallel.depth=2", "parallel.hei
            8: ["parallel.depth=2", "parallel.height=2", "parallel.width=2"]}
 
 
-def bench(ranks: int, overrides: list[str], threads: int, extra: list[str]) -> dict:
-    """Run bench_hybrid.py on ``ranks`` ranks and return its JSON result."""
+def bench(ranks: int, overrides: list[str], threads: int, extra: list[str],
+          script: str = "bench_hybrid.py") -> dict:
+    """Run a benchmark script on ``ranks`` ranks and return its JSON result."""
     env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1")
     sets = [arg for item in overrides for arg in ("--set", item)]
-    command = [sys.executable, str(HERE / "bench_hybrid.py"), "--config", str(CONFIG),
+    command = [sys.executable, str(HERE / script), "--config", str(CONFIG),
                *sets, "--threads", str(threads), *extra]
     if ranks > 1:
         mpiexec = Path(sys.executable).parent / "mpiexec"

@@ -172,6 +172,11 @@ def choose_algorithm(in_channels: int, out_channels: int, in_elems: float, out_e
 
 def halo_elements(block: Sequence[float], kernel: Sequence[int],
                   ways: Sequence[int]) -> float:
-    """Halo elements per channel around a spatial ``block`` (margins ``k // 2`` where split)."""
-    grown = [b + 2 * (k // 2) if w > 1 else b for b, k, w in zip(block, kernel, ways)]
+    """Halo elements per channel a rank receives around its spatial ``block``, on average.
+
+    Margins are ``k // 2`` planes on each side that has a neighbour: ``2 (w - 1) / w``
+    sides per split dimension on average (exact for 2-way splits), edges and corners
+    included through the product.
+    """
+    grown = [b + 2 * (k // 2) * (w - 1) / w for b, k, w in zip(block, kernel, ways)]
     return float(np.prod(grown) - np.prod(block))

@@ -63,6 +63,7 @@ class HaloExchange:
     grid: ProcessGrid
     plans: tuple[HaloPlan, HaloPlan, HaloPlan]  # this rank's plan along D, H, W
     messages: list[_Message] = field(default_factory=list)
+    received: int = 0  # elements received so far, both modes (accounting)
 
     def __post_init__(self) -> None:
         for offset in self.grid.spatial_offsets():
@@ -100,6 +101,7 @@ class HaloExchange:
             if inbox.size:
                 pending.append((cart.Irecv(inbox, source=msg.peer, tag=msg.recv_tag),
                                 inbox, msg))
+                self.received += inbox.size
             packed = np.ascontiguousarray(buffer[(...,) + outgoing])
             if packed.size:
                 pending.append((cart.Isend(packed, dest=msg.peer, tag=msg.send_tag),
