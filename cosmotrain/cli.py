@@ -42,6 +42,11 @@ class DType(str, Enum):
     float32 = "float32"
 
 
+class Shuffle(str, Enum):
+    global_ = "global"
+    local = "local"
+
+
 @app.command()
 def info(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
     """Versions, MPI library, world size, rank -> host layout, GPUs, cupy / cuDNN."""
@@ -115,6 +120,34 @@ def datagen(
         counts = ", ".join(f"{split}: {manifest['splits'][split]['count']}"
                            for split in manifest["splits"])
         print(f"wrote {samples} samples of 4 x {width}^3 ({counts}) to {out}")
+
+
+@app.command()
+def preload(
+    config_file: ConfigOption = None,
+    overrides: SetOption = None,
+    dest: Annotated[Optional[Path], typer.Option(
+        help="Node-local directory to stage into (default: data.stage_dir, else "
+             "$TMPDIR/cosmotrain/<dataset name>).")] = None,
+    shuffle: Annotated[Optional[Shuffle], typer.Option(
+        help="global: every node copies the whole dataset; local: each node only the "
+             "shards of its sample groups (default: data.shuffle).")] = None,
+) -> None:
+    """Stage the config's dataset onto each node's local storage (copy, verify, manifest)."""
+    from cosmotrain.comm import world
+    from cosmotrain.config import load_config
+    from cosmotrain.console import progress
+    from cosmotrain.data.staging import plan_staging, run_staging
+
+    extra = [f"data.shuffle={shuffle.value}"] if shuffle is not None else []
+    cfg = load_config(config_file, [*(overrides or []), *extra])
+    comm = world()
+    plan = plan_staging(cfg, comm, dest)
+    with progress(len(plan.mine), f"preload (rank 0 of {comm.Get_size()})",
+                  comm.Get_rank()) as update:
+        report = run_staging(plan, comm, update)
+    if comm.Get_rank() == 0:
+        print(report.describe())
 
 
 def _world_size() -> int:

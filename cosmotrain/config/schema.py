@@ -67,6 +67,22 @@ class DataConfig:
                        choices=("preload", "direct"))
     transform: str = spec("log1p", "input transform: log(1+x), divide by the mean, or none",
                           choices=("log1p", "mean", "none"))
+    shuffle: str = spec("global", "global: one permutation of the split per epoch, the same "
+                        "at any rank count; local: each sample group keeps a fixed shard and "
+                        "shuffles within it (MLPerf; stages only a node's shards)",
+                        choices=("global", "local"))
+    drop_last: bool = spec(False, "drop the last, smaller batch of each epoch")
+    prefetch: bool = spec(True, "direct reader: read the next batch in a background thread "
+                          "while the step computes")
+    memory_fraction: float = spec(0.8, "preload reader: share of each node's available "
+                                  "memory (MemAvailable) the preloaded dataset may fill",
+                                  minimum=0.0, maximum=1.0)
+    stage_dir: str | None = spec(None, "where cosmotrain preload copies the dataset on each "
+                                 "node; null = $TMPDIR/cosmotrain/<dataset name>",
+                                 nullable=True)
+    cache_dir: str | None = spec(None, "manifest and label caches of read-only datasets; "
+                                 "null = $COSMOTRAIN_CACHE_DIR or ~/.cache/cosmotrain",
+                                 nullable=True)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
 

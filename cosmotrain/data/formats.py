@@ -11,12 +11,17 @@ One sample is one HDF5 file with two datasets:
 Files written here record their layout in the ``layout`` attribute of the root group, so a
 reader never has to guess; files from elsewhere are recognised by their shape.  In memory the
 library always works in C, D, H, W order (PyTorch's), whatever the file layout.
+
+``read_sample`` returns a sample (or a block of it) as float32; the readers use
+``read_block`` (one hyperslab in the stored dtype, checked against the dataset's
+``VolumeInfo``) and ``probe`` (header and labels only).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
@@ -122,6 +127,40 @@ def detect_layout(shape: tuple[int, ...], stored: object = None) -> str:
 Box = tuple[slice, slice, slice]
 FORMAT_HINT = (f"expected datasets '{VOLUME_DATASET}' ([W, W, W, 4] or [4, W, W, W], "
                f"{' or '.join(DTYPES)}) and '{LABELS_DATASET}' (4 float32)")
+REPLACE_HINT = "replace or remove the file, then rebuild the manifest (delete its cache)"
+
+
+@dataclass(frozen=True)
+class VolumeInfo:
+    """What a dataset's ``full`` arrays look like on disk: every file must match it."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    layout: str
+
+    @property
+    def width(self) -> int:
+        """Spatial extent of the (cubic) volume on disk."""
+        return self.shape[0] if self.layout == CHANNELS_LAST else self.shape[1]
+
+
+def probe(path: Path, expect: VolumeInfo | None = None) -> tuple[VolumeInfo, np.ndarray]:
+    """Header and labels of one sample file, without reading the volume.
+
+    With ``expect`` the file must match it (shape and dtype): a dataset mixing shapes or
+    dtypes would break the readers later, far from the culprit.  Every problem raises
+    :class:`DataError` naming the file.
+    """
+    try:
+        with h5py.File(path, "r") as handle:
+            volume, labels = _datasets(path, handle)
+            info = _volume_info(path, handle, volume)
+            label_values = np.asarray(labels[()], dtype=np.float32)
+    except (OSError, ValueError, KeyError) as err:
+        raise DataError(path, str(err), FORMAT_HINT) from err
+    if expect is not None:
+        _check_expected(path, info, expect)
+    return info, label_values
 
 
 def read_sample(path: Path, layout: str | None = None, box: Box | None = None,
@@ -139,13 +178,55 @@ def read_sample(path: Path, layout: str | None = None, box: Box | None = None,
         with h5py.File(path, "r") as handle:
             volume, labels = _datasets(path, handle)
             layout = layout or detect_layout(volume.shape, handle.attrs.get(LAYOUT_ATTR))
-            extent = volume.shape[:3] if layout == CHANNELS_LAST else volume.shape[1:]
-            region = _region(path, box or tuple(slice(0, n) for n in extent), origin, extent)
-            block = _read(volume, region, layout)
+            block = _hyperslab(path, volume, layout, box, origin, slice(0, NUM_CHANNELS))
             label_values = labels[()]
     except (OSError, ValueError, KeyError) as err:
         raise DataError(path, str(err), FORMAT_HINT) from err
-    return block, np.asarray(label_values, dtype=np.float32)
+    return (np.ascontiguousarray(block, dtype=np.float32),
+            np.asarray(label_values, dtype=np.float32))
+
+
+def read_block(path: Path, expect: VolumeInfo, box: Box | None = None,
+               origin: tuple[int, int, int] = (0, 0, 0),
+               channels: slice = slice(0, NUM_CHANNELS),
+               out: np.ndarray | None = None) -> np.ndarray:
+    """One hyperslab (``channels`` x ``box`` at ``origin``) in the stored dtype, C, D, H, W.
+
+    The readers' path: the dtype is kept (an int16 block is half the bytes of float32 in
+    the preload store and in flight), the labels are not read (the manifest has them),
+    and the file must match the dataset's ``expect``-ed shape, dtype and layout.  ``out``
+    (C-contiguous, the block's shape and dtype) receives the block without an extra copy
+    for channels-first files and with one transposing copy for channels-last ones.
+    """
+    try:
+        with h5py.File(path, "r") as handle:
+            volume = _datasets(path, handle)[0]
+            _check_expected(path, _volume_info(path, handle, volume), expect)
+            block = _hyperslab(path, volume, expect.layout, box, origin, channels, out)
+    except (OSError, ValueError, KeyError) as err:
+        raise DataError(path, str(err), FORMAT_HINT) from err
+    return np.ascontiguousarray(block)
+
+
+def _volume_info(path: Path, handle: h5py.File, volume: h5py.Dataset) -> VolumeInfo:
+    layout = detect_layout(volume.shape, handle.attrs.get(LAYOUT_ATTR))
+    shape = tuple(int(n) for n in volume.shape)
+    spatial = shape[:3] if layout == CHANNELS_LAST else shape[1:]
+    channels = shape[3] if layout == CHANNELS_LAST else shape[0]
+    if channels != NUM_CHANNELS or len(set(spatial)) != 1:
+        raise DataError(path, f"'{VOLUME_DATASET}' has shape {shape}, expected a cube of "
+                        f"{NUM_CHANNELS} channels ({layout})", FORMAT_HINT)
+    return VolumeInfo(shape, volume.dtype.name, layout)
+
+
+def _check_expected(path: Path, info: VolumeInfo, expect: VolumeInfo) -> None:
+    if info.shape != expect.shape or info.layout != expect.layout:
+        raise DataError(path, f"'{VOLUME_DATASET}' has shape {info.shape} ({info.layout}) but "
+                        f"the dataset's files have {expect.shape} ({expect.layout})",
+                        REPLACE_HINT)
+    if info.dtype != expect.dtype:
+        raise DataError(path, f"'{VOLUME_DATASET}' is {info.dtype} but the dataset's files "
+                        f"are {expect.dtype}", REPLACE_HINT)
 
 
 def _datasets(path: Path, handle: h5py.File) -> tuple[h5py.Dataset, h5py.Dataset]:
@@ -172,10 +253,20 @@ def _region(path: Path, box: Box, origin: tuple[int, int, int],
     return region  # type: ignore[return-value]
 
 
-def _read(volume: h5py.Dataset, region: Box, layout: str) -> np.ndarray:
-    """The hyperslab in C, D, H, W order, float32 (one read, in the file's layout)."""
+def _hyperslab(path: Path, volume: h5py.Dataset, layout: str, box: Box | None,
+               origin: tuple[int, int, int], channels: slice,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """The block in C, D, H, W order and the stored dtype (one read, in the file's layout),
+    into ``out`` when given."""
+    extent = volume.shape[:3] if layout == CHANNELS_LAST else volume.shape[1:]
+    region = _region(path, box or tuple(slice(0, n) for n in extent), origin, extent)
+    shape = (channels.stop - channels.start,) + tuple(s.stop - s.start for s in region)
+    if out is None:
+        out = np.empty(shape, dtype=volume.dtype)
+    if 0 in shape:
+        return out
     if layout == CHANNELS_LAST:
-        raw = volume[region + (slice(0, NUM_CHANNELS),)]
+        np.copyto(out, from_layout(volume[region + (channels,)], layout))
     else:
-        raw = volume[(slice(0, NUM_CHANNELS),) + region]
-    return np.ascontiguousarray(from_layout(raw, layout), dtype=np.float32)
+        volume.read_direct(out, source_sel=(channels,) + region)
+    return out

@@ -1,0 +1,84 @@
+"""Where a dataset's cached manifest and sample tables live, and atomic writes of them.
+
+Caches go next to the data when the dataset directory is writable (they then travel with
+it, e.g. when it is staged), otherwise under a per-user cache directory, in a
+sub-directory named by a hash of the dataset's absolute path:
+
+    data.cache_dir, else $COSMOTRAIN_CACHE_DIR, else $XDG_CACHE_HOME/cosmotrain,
+    else ~/.cache/cosmotrain
+
+Lookups try the dataset directory first, then the cache directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+CACHE_ENV = "COSMOTRAIN_CACHE_DIR"
+
+
+def default_cache_base() -> Path:
+    """The per-user cache directory (see the module docstring)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "cosmotrain"
+
+
+def fallback_dir(root: Path, cache_dir: str | Path | None = None) -> Path:
+    """The cache directory of dataset ``root`` when ``root`` itself is not writable."""
+    base = Path(cache_dir) if cache_dir else default_cache_base()
+    key = hashlib.sha1(str(Path(root).resolve()).encode()).hexdigest()[:16]
+    return base / f"{Path(root).name}-{key}"
+
+
+def is_writable(directory: Path) -> bool:
+    """True when files can be created in ``directory`` (tries one, as root ignores modes)."""
+    probe = directory / f".cosmotrain-write-test-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+        return True
+    except OSError:
+        return False
+
+
+def find(root: Path, name: str, cache_dir: str | Path | None = None) -> Path | None:
+    """The cached file ``name`` of dataset ``root``, if one exists."""
+    for directory in (Path(root), fallback_dir(root, cache_dir)):
+        if (directory / name).is_file():
+            return directory / name
+    return None
+
+
+def target(root: Path, name: str, cache_dir: str | Path | None = None) -> Path:
+    """Where to write cache file ``name``: next to the data if writable, else the cache dir."""
+    directory = Path(root) if is_writable(Path(root)) else fallback_dir(root, cache_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory / name
+
+
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
+    """Write ``data`` as JSON atomically (a per-process temporary file, then rename)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def write_npz(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
+    """Write ``arrays`` as an .npz atomically."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def files_key(files: list[str] | tuple[str, ...]) -> str:
+    """A fingerprint of a split's file list: a cached table is valid for this list only."""
+    return hashlib.sha1("\n".join(files).encode()).hexdigest()

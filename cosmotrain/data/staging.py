@@ -1,0 +1,210 @@
+"""``cosmotrain preload``: stage a dataset onto node-local storage before a job.
+
+Each node copies the files its ranks will read into the same local path (``--dest``,
+``data.stage_dir``, or ``$TMPDIR/cosmotrain/<dataset name>``):
+
+- ``data.shuffle: global``: the whole dataset (any rank may read any sample);
+- ``data.shuffle: local``: only the shards of the sample groups living on the node
+  (``order.shard_ranges``), as in MLPerf HPC, where each worker keeps a fixed shard.
+
+The ranks of a node share its files out; each file is copied to a temporary name with a
+CRC-32 computed on the way, re-read and compared, checked to be a sample of the dataset's
+shape and dtype, then renamed.  A file already staged with the same size and checksum is
+kept.  The node's leader writes ``manifest.json`` and the label (and mean) tables beside
+the copies, so a job opens the staged directory without touching any file it lacks.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.config.parallel import resolve_parallel
+from cosmotrain.config.schema import Config
+from cosmotrain.data import cache, formats, order, sample_table
+from cosmotrain.data.collective import agree
+from cosmotrain.data.manifest import MANIFEST_NAME, Manifest
+from cosmotrain.data.readers import dataset_root, open_dataset
+from cosmotrain.errors import DataError
+
+CHUNK = 1 << 23  # 8 MiB copy buffer
+GIB = float(1 << 30)
+
+
+@dataclass
+class StagePlan:
+    """What this rank copies, and where; from :func:`plan_staging` (collective)."""
+
+    manifest: Manifest
+    dest: Path
+    mode: str
+    node: Any  # communicator of the ranks sharing this node
+    mine: list[str]  # relative paths this rank copies
+
+
+@dataclass
+class StageReport:
+    """Totals over the job (the same on every rank)."""
+
+    dest: Path
+    mode: str
+    nodes: int
+    files: int  # file copies made or verified, all nodes
+    bytes: int  # bytes copied, all nodes
+    seconds: float  # the slowest rank's copy time
+    node_gib_s: float  # bandwidth of the slowest node
+
+    @property
+    def aggregate_gib_s(self) -> float:
+        return self.bytes / GIB / self.seconds if self.seconds > 0 else 0.0
+
+    def describe(self) -> str:
+        return (f"staged {self.files} file(s), {_size(self.bytes)} copied, to "
+                f"{self.dest} on {self.nodes} node(s) ({self.mode} shuffle) in "
+                f"{self.seconds:.2f} s: {self.aggregate_gib_s:.2f} GiB/s in all, "
+                f"{self.node_gib_s:.2f} GiB/s on the slowest node; checksums verified\n"
+                f"train from it with --set data.path={self.dest}")
+
+
+def default_dest(cfg: Config) -> Path:
+    """``data.stage_dir``, else ``$TMPDIR/cosmotrain/<dataset directory name>``."""
+    if cfg.data.stage_dir:
+        return Path(cfg.data.stage_dir)
+    return Path(tempfile.gettempdir()) / "cosmotrain" / dataset_root(cfg).resolve().name
+
+
+def node_files(manifest: Manifest, batch_size: int, groups: int, node_groups: set[int],
+               mode: str) -> list[str]:
+    """Relative paths a node hosting sample groups ``node_groups`` (of ``groups``) reads."""
+    wanted = []
+    for split, files in manifest.files.items():
+        if mode == "global":
+            wanted += files
+            continue
+        count, per_file = manifest.count(split), manifest.cubes_per_file
+        shards = order.shard_ranges(count, batch_size, groups)
+        keep = {i for g in sorted(node_groups) for i in
+                range(shards[g][0] // per_file, -(-shards[g][1] // per_file))}
+        wanted += [files[i] for i in sorted(keep)]
+    return wanted
+
+
+def plan_staging(cfg: Config, comm: Any, dest: Path | None = None) -> StagePlan:
+    """Open the source dataset and decide this rank's copies (collective)."""
+    from mpi4py import MPI
+
+    manifest = open_dataset(cfg, comm)  # also checks every file's header (label table)
+    dest = Path(dest) if dest is not None else default_dest(cfg)
+    same = dest.resolve() == manifest.root.resolve()
+    agree(comm, f"--dest '{dest}' is the dataset itself; choose a node-local directory"
+          if same else None)
+    layout = resolve_parallel(cfg, comm.Get_size())
+    grid = ProcessGrid(comm, layout)
+    group = grid.coord("sample")
+    grid.free()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    node_groups = set(node.allgather(group))
+    files = node_files(manifest, cfg.train.batch_size, layout.sample, node_groups,
+                       cfg.data.shuffle)
+    mine = files[node.Get_rank()::node.Get_size()]
+    return StagePlan(manifest, dest, cfg.data.shuffle, node, mine)
+
+
+def run_staging(plan: StagePlan, comm: Any,
+                progress: Callable[[int], None] | None = None) -> StageReport:
+    """Copy and verify this rank's files, write the node's manifest; totals (collective)."""
+    plan.node.Barrier()
+    start = time.perf_counter()
+    copied = 0
+    for done, relpath in enumerate(plan.mine, start=1):
+        target = plan.dest / relpath
+        copied += copy_verified(plan.manifest.root / relpath, target)
+        formats.probe(target, plan.manifest.volume)
+        if progress is not None:
+            progress(done)
+    if plan.node.Get_rank() == 0:
+        write_metadata(plan.manifest, plan.dest)
+    seconds = time.perf_counter() - start
+    return _report(plan, comm, copied, seconds)
+
+
+def copy_verified(source: Path, target: Path) -> int:
+    """Copy ``source`` to ``target`` and verify its CRC-32; bytes copied (0 if kept)."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.is_file() and target.stat().st_size == source.stat().st_size \
+                and checksum(target) == checksum(source):
+            return 0
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        crc = _copy(source, tmp)
+        if checksum(tmp) != crc:
+            tmp.unlink()
+            raise DataError(target, "the copy does not match the source's checksum",
+                            "check the node-local disk and run cosmotrain preload again")
+        os.replace(tmp, target)
+        return target.stat().st_size
+    except OSError as err:
+        raise DataError(source, f"cannot be staged to '{target}': {err}",
+                        "check free space and permissions of the stage directory") from err
+
+
+def checksum(path: Path) -> int:
+    """CRC-32 of a file's bytes."""
+    crc = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_metadata(manifest: Manifest, dest: Path) -> None:
+    """``manifest.json`` and the sample tables of ``manifest``, written into ``dest``."""
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        cache.write_json(dest / MANIFEST_NAME, manifest.to_dict())
+        files = {split: list(names) for split, names in manifest.files.items()}
+        sample_table.save_table(dest, sample_table.LABELS_NAME, files, manifest.labels)
+        if manifest.means is not None:
+            sample_table.save_table(dest, sample_table.means_name(manifest.width), files,
+                                    manifest.means)
+    except OSError as err:
+        raise DataError(dest / MANIFEST_NAME, f"cannot be written: {err}",
+                        "check free space and permissions of the stage directory") from err
+
+
+def _copy(source: Path, target: Path) -> int:
+    crc = 0
+    with open(source, "rb") as src, open(target, "wb") as dst:
+        while chunk := src.read(CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            dst.write(chunk)
+    return crc
+
+
+def _report(plan: StagePlan, comm: Any, copied: int, seconds: float) -> StageReport:
+    node_bytes = plan.node.allreduce(copied)
+    node_seconds = plan.node.allreduce(seconds, op=_max())
+    leader = plan.node.Get_rank() == 0
+    node_rate = node_bytes / GIB / node_seconds if node_seconds > 0 else 0.0
+    rates = [r for r in comm.allgather(node_rate if leader else None) if r is not None]
+    plan.node.Free()
+    return StageReport(plan.dest, plan.mode, len(rates), comm.allreduce(len(plan.mine)),
+                       comm.allreduce(copied), comm.allreduce(seconds, op=_max()),
+                       min(rates))
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / (1 << 20):.1f} MiB"
+
+
+def _max() -> Any:
+    from mpi4py import MPI
+
+    return MPI.MAX

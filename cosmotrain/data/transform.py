@@ -1,0 +1,33 @@
+"""The input transform, applied when a batch is delivered (the store keeps raw counts).
+
+- ``log1p``: ``log(1 + x)``, MLPerf's default;
+- ``mean``: ``x / mean(x)`` with the sample's mean count over all channels and voxels
+  (MLPerf's alternative).  A rank holding one block cannot see the whole sample, so the
+  mean comes precomputed from the manifest; an all-zero sample is left at zero;
+- ``none``: the counts as float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+TRANSFORMS = ("log1p", "mean", "none")
+
+
+def apply_transform(raw: np.ndarray, name: str, means: np.ndarray | None = None
+                    ) -> np.ndarray:
+    """float32 blocks ``(rows, c, d, h, w)`` from stored values (float32 input may be reused).
+
+    ``means`` (one per row) is required by ``mean``.
+    """
+    if name == "log1p":
+        return np.log1p(raw, dtype=np.float32)
+    out = np.asarray(raw, dtype=np.float32)
+    if name == "mean":
+        if means is None or len(means) != len(raw):
+            raise ValueError("the mean transform needs one mean per row")
+        divisor = np.where(np.asarray(means) > 0, means, 1.0).astype(np.float32)
+        out = out / divisor.reshape((-1,) + (1,) * (raw.ndim - 1))
+    elif name != "none":
+        raise ValueError(f"unknown transform {name!r}; expected one of {TRANSFORMS}")
+    return out
