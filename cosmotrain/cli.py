@@ -150,6 +150,33 @@ def preload(
         print(report.describe())
 
 
+@app.command()
+def train(
+    config_file: ConfigOption = None,
+    overrides: SetOption = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue from the newest checkpoint in output.dir (any layout).")]
+    = False,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Check the config and print the plan (layout, spatial stop, "
+                          "channel algorithms, memory) without reading data or training.")]
+    = False,
+) -> None:
+    """Train a model: mpiexec -n P cosmotrain train --config configs/X.yaml [--set k=v]."""
+    from cosmotrain.comm import world
+    from cosmotrain.config import load_config
+    from cosmotrain.train.runner import describe_plan, run_training
+
+    cfg = load_config(config_file, overrides or [])
+    comm = world()
+    if dry_run:
+        text = describe_plan(cfg, comm)
+        if comm.Get_rank() == 0:
+            print(text)
+        return
+    run_training(cfg, comm, resume=resume)
+
+
 def _world_size() -> int:
     from cosmotrain.comm import world
 

@@ -129,6 +129,18 @@ class TrainConfig:
     max_steps: int | None = spec(None, "stop after this many steps (overrides epochs when "
                                  "reached first)", minimum=1, nullable=True)
     seed: int = spec(0, "seed of initialisation, data order and dropout", minimum=0)
+    validate_every: int = spec(1, "validate (MSE, MAE per target) every N epochs; 0 = never",
+                               minimum=0)
+    target_mae: float | None = spec(None, "stop early once the validation MAE (mean over "
+                                    "the targets) is at most this", minimum=0.0,
+                                    nullable=True)
+    checkpoint_every_epochs: int = spec(1, "write a checkpoint every N epochs (and at the "
+                                        "end); 0 = only at the end", minimum=0)
+    checkpoint_every_steps: int | None = spec(None, "also write a checkpoint every N steps",
+                                              minimum=1, nullable=True)
+    keep_checkpoints: int = spec(3, "checkpoints kept under output.dir/checkpoints (the "
+                                 "newest)", minimum=1)
+    log_every: int = spec(1, "write a metrics record every N steps", minimum=1)
 
 
 SCHEDULE_NAMES = ("constant", "step", "cosine")

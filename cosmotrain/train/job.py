@@ -1,0 +1,77 @@
+"""Everything a training (or prediction) run sets up before its first step.
+
+From a validated config and the job's communicator: BLAS threads per rank, the process
+grid, the output directory (with the resolved config), the dataset (generated first when
+``data.source`` is synthetic), the distributed model with its optimizer, and one reader
+per split placed on this rank's input block.  Collective: every rank builds the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.comm.threads import configure_threads
+from cosmotrain.config.load import save_resolved
+from cosmotrain.config.parallel import resolve_parallel
+from cosmotrain.config.schema import Config
+from cosmotrain.data import datagen
+from cosmotrain.data.manifest import Manifest
+from cosmotrain.data.placement import BlockPlacement
+from cosmotrain.data.reader import Reader
+from cosmotrain.data.readers import dataset_root, make_readers, open_dataset
+from cosmotrain.train.step import HybridStep, hybrid_step_from_config
+
+
+@dataclass
+class Job:
+    """A configured run: grid, model step, readers, output directory."""
+
+    cfg: Config
+    comm: Any
+    grid: ProcessGrid
+    step: HybridStep
+    manifest: Manifest
+    readers: dict[str, Reader]
+    out_dir: Path
+
+    @property
+    def rank(self) -> int:
+        return self.comm.Get_rank()
+
+    def input_shape(self, batch: int) -> tuple[int, ...]:
+        width = self.cfg.model.width
+        return (batch, self.cfg.model.channels, width, width, width)
+
+
+def ensure_synthetic_data(cfg: Config, comm: Any) -> None:
+    """Generate the built-in synthetic dataset under ``output.dir/data`` once (collective)."""
+    if cfg.data.source != "synthetic":
+        return
+    root = dataset_root(cfg)
+    if (root / datagen.MANIFEST_NAME).is_file():
+        return
+    syn = cfg.data.synthetic
+    datagen.generate_dataset(root, syn.samples, cfg.model.width, syn.seed,
+                             val_fraction=syn.val_fraction, comm=comm)
+
+
+def build_job(cfg: Config, comm: Any, splits: tuple[str, ...] | None = None,
+              save_config: bool = True) -> Job:
+    """Set up a run of ``cfg`` on ``comm`` (collective)."""
+    configure_threads(comm)
+    grid = ProcessGrid(comm, resolve_parallel(cfg, comm.Get_size()))
+    out_dir = Path(cfg.output.dir)
+    if save_config and comm.Get_rank() == 0:
+        save_resolved(cfg, out_dir)
+    ensure_synthetic_data(cfg, comm)
+    step = hybrid_step_from_config(cfg, grid)
+    manifest = open_dataset(cfg, comm)
+    width = cfg.model.width
+    dist, coord = step.model.input_distribution(
+        (cfg.train.batch_size, cfg.model.channels, width, width, width))
+    readers = make_readers(cfg, manifest, comm, BlockPlacement.from_distribution(dist, coord),
+                           splits)
+    return Job(cfg, comm, grid, step, manifest, readers, out_dir)

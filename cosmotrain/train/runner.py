@@ -1,0 +1,59 @@
+"""``cosmotrain train``: set up the job, resume if asked, train, report; and ``--dry-run``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.config.parallel import resolve_parallel
+from cosmotrain.config.schema import Config
+from cosmotrain.errors import UserError
+from cosmotrain.layers.channel_conv import ChannelConv3d
+from cosmotrain.train.job import build_job
+from cosmotrain.train.step import hybrid_step_from_config
+from cosmotrain.train.trainer import Trainer
+
+
+def run_training(cfg: Config, comm: Any, resume: bool = False) -> dict[str, Any]:
+    """Train ``cfg`` on ``comm`` (collective); returns the summary record."""
+    job = build_job(cfg, comm)
+    trainer = Trainer(job)
+    resumed = resume and trainer.resume()
+    if resume and not resumed and comm.Get_rank() == 0:
+        print(f"cosmotrain: no checkpoint under {job.out_dir}/checkpoints: starting afresh")
+    summary = trainer.run(resumed)
+    if comm.Get_rank() == 0:
+        print(baseline_line(trainer.outcome.best_mae, trainer.outcome.baseline_mae))
+    job.grid.free()
+    return summary
+
+
+def baseline_line(best: float | None, baseline: float | None) -> str:
+    """How the best validation MAE compares with predicting the training labels' mean."""
+    if best is None or not baseline:
+        return "no validation MAE (no validation split, or train.validate_every: 0)"
+    return (f"best validation MAE {best:.4f} = {best / baseline:.2f} x the predict-the-mean "
+            f"baseline ({baseline:.4f})")
+
+
+def describe_plan(cfg: Config, comm: Any) -> str:
+    """The run's plan without data: layout, spatial stop, channel algorithms, weights."""
+    grid = ProcessGrid(comm, resolve_parallel(cfg, comm.Get_size()))
+    try:
+        step = hybrid_step_from_config(cfg, grid)
+    except UserError:
+        grid.free()
+        raise
+    model = step.model
+    held = sum(p.data.nbytes for _, p in model.named_parameters())
+    lines = [f"layout: {grid.layout.describe()} on {comm.Get_size()} rank(s); model "
+             f"{cfg.model.name} at W={cfg.model.width}, batch {cfg.train.batch_size}",
+             f"first layer on whole samples: {model.stop or '(none)'}",
+             f"parameters held per rank: {held / 2**20:.1f} MiB (+ gradients and optimizer "
+             f"state)"]
+    algorithms = [f"{name}={layer.algorithm}" for name, layer in model.spatial.named_layers()
+                  if isinstance(layer, ChannelConv3d)]
+    if algorithms:
+        lines.append("channel/filter algorithms: " + ", ".join(algorithms))
+    grid.free()
+    return "\n".join(lines)

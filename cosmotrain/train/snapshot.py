@@ -1,0 +1,80 @@
+"""Training state as full arrays and back: what checkpoints store and resume restores.
+
+Under channel/filter parallelism each rank holds blocks of the split layers' parameters,
+buffers and optimizer state.  :func:`full_state` gathers them into full arrays in PyTorch
+layout (collective over the channel/filter group; every other rank of the job holds a
+replica), so a checkpoint does not depend on the layout it was written under;
+:func:`restore` cuts a checkpoint's arrays back into this rank's blocks under *any*
+layout, which is what lets ``--resume`` change the strategy or the rank count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from cosmotrain.errors import DataError
+from cosmotrain.layers.shards import Shard, gather_full
+from cosmotrain.train.step import HybridStep
+
+
+def full_state(step: HybridStep) -> tuple[dict, dict, dict]:
+    """``(params, buffers, optimizer state)`` as full host arrays (collective)."""
+    model, group = step.model, step.grid.group_comms["channel_filter"]
+    params = model.full_parameters()
+    buffers = model.full_buffers()
+    shards = {name: p.shard for name, p in model.named_parameters()}
+    items, scalars = [], {}
+    for name, slots in step.optimizer.state.items():
+        for key, value in slots.items():
+            if np.ndim(value):
+                items.append((f"{name}\0{key}", value, shards.get(name)))
+            else:
+                scalars.setdefault(name, {})[key] = value
+    gathered = gather_full(group, items)
+    optimizer: dict[str, dict[str, Any]] = {n: dict(s) for n, s in scalars.items()}
+    for joined, value in gathered.items():
+        name, key = joined.split("\0")
+        optimizer.setdefault(name, {})[key] = value
+    return params, buffers, optimizer
+
+
+def restore(step: HybridStep, params: dict, buffers: dict, optimizer: dict,
+            source: str = "checkpoint") -> None:
+    """Load full arrays into this rank's blocks (no communication)."""
+    model = step.model
+    for name, param in model.named_parameters():
+        full_shape = param.shard.global_shape if param.shard is not None else param.shape
+        param.data[...] = _block(_need(params, name, source), param.shard, full_shape, name,
+                                 source)
+    for name, layer, key in model.named_buffers():
+        shard = getattr(layer, "shard", None) if np.ndim(layer.buffers[key]) else None
+        current = np.asarray(layer.buffers[key])
+        full_shape = shard.global_shape if shard is not None else current.shape
+        value = _block(_need(buffers, name, source), shard, full_shape, name, source)
+        layer.buffers[key] = value.astype(np.asarray(layer.buffers[key]).dtype) \
+            if np.ndim(value) else type(layer.buffers[key])(value)
+    shapes = {name: (p.shard, p.shard.global_shape if p.shard is not None else p.shape)
+              for name, p in model.named_parameters()}
+    step.optimizer.state = {
+        name: {key: _block(value, *shapes[name], f"{name}.{key}", source)
+               if np.ndim(value) else value for key, value in slots.items()}
+        for name, slots in optimizer.items() if name in shapes}
+
+
+def _need(arrays: dict, name: str, source: str) -> Any:
+    if name not in arrays:
+        raise DataError(source, f"has no entry {name!r}",
+                        "resume with the config (model) the checkpoint was written with")
+    return arrays[name]
+
+
+def _block(full: Any, shard: Shard | None, expected: tuple[int, ...], name: str,
+           source: str) -> Any:
+    """My block of ``full`` (a copy); a shape that does not fit is a DataError."""
+    full = np.asarray(full)
+    if tuple(full.shape) != tuple(expected):
+        raise DataError(source, f"entry {name!r} has shape {tuple(full.shape)}, the model "
+                        f"needs {tuple(expected)}", "resume with the same model settings")
+    return shard.take(full) if shard is not None else full.copy()

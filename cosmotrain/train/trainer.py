@@ -1,0 +1,226 @@
+"""The training loop: epochs of hybrid-parallel steps, validation, checkpoints, metrics.
+
+The trajectory is a function of the config alone: data order of ``(seed, epoch)``,
+dropout masks of ``(seed, step, global index)``, the learning rate of the step.  So a run
+resumed from a checkpoint (full arrays, any layout) continues exactly where the
+uninterrupted run would be: same batches, same masks, same rates, same losses.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cosmotrain.config.load import dump_yaml
+from cosmotrain.errors import UserError
+from cosmotrain.nn.module import Context
+from cosmotrain.train import metrics
+from cosmotrain.train.checkpoint import (CheckpointState, checkpoint_dir, latest_checkpoint,
+                                         load_checkpoint, save_checkpoint)
+from cosmotrain.train.evaluate import Errors, evaluate
+from cosmotrain.train.job import Job
+from cosmotrain.train.progress import TrainProgress
+from cosmotrain.train.schedule import build_schedule
+from cosmotrain.train.snapshot import full_state, restore
+
+FAULT_ENV = "COSMOTRAIN_FAULT"  # "RANK:STEP": raise on that rank before that step (tests)
+
+
+@dataclass
+class Position:
+    """Where a run stands: optimizer steps taken, the epoch, samples seen so far."""
+
+    step: int = 0
+    epoch: int = 0
+    samples: int = 0
+
+
+@dataclass
+class Outcome:
+    """How a run ended, for the summary."""
+
+    reason: str = "completed"
+    final_loss: float | None = None
+    best_mae: float | None = None
+    best_epoch: int | None = None
+    baseline_mae: float | None = None
+    totals: dict[str, float] = field(default_factory=dict)
+
+
+class Trainer:
+    """Runs a :class:`Job` to its end: ``train.epochs`` or ``train.max_steps`` or the
+    target MAE, whichever comes first."""
+
+    def __init__(self, job: Job) -> None:
+        self.job, self.cfg = job, job.cfg
+        self.train_reader = job.readers["train"]
+        self.val_reader = job.readers.get("validation")
+        self.schedule = build_schedule(self.cfg)
+        self.per_epoch = self.train_reader.batches_per_epoch
+        if self.per_epoch == 0:
+            raise UserError(f"the training split has {self.train_reader.count} sample(s), "
+                            f"fewer than one batch of train.batch_size="
+                            f"{self.cfg.train.batch_size}; lower it or add data")
+        self.total = self._total_steps()
+        self.position = Position()
+        self.outcome = Outcome()
+
+    def _total_steps(self) -> int:
+        total = self.cfg.train.epochs * self.per_epoch
+        limit = self.cfg.train.max_steps
+        return min(total, limit) if limit is not None else total
+
+    def resume(self) -> bool:
+        """Continue from the newest checkpoint in ``output.dir``; False when there is none."""
+        path = latest_checkpoint(checkpoint_dir(self.job.out_dir))
+        if path is None:
+            return False
+        state = load_checkpoint(path)
+        restore(self.job.step, state.params, state.buffers, state.optimizer, str(path))
+        self.position = Position(state.step, state.epoch, state.samples_seen)
+        if float(state.rng.get("best_mae", -1.0)) >= 0:  # -1: no validation yet
+            self.outcome.best_mae = float(state.rng["best_mae"])
+            self.outcome.best_epoch = int(state.rng["best_epoch"])
+        return True
+
+    def run(self, resumed: bool = False) -> dict[str, Any]:
+        """Train to the end; returns the summary record (every rank)."""
+        job = self.job
+        log = metrics.MetricsLog(metrics.metrics_path(job.out_dir),
+                                 self.position.step if resumed else None) \
+            if job.rank == 0 else None
+        self.outcome.baseline_mae = self._baseline_mae()
+        self._first_samples = self.position.samples
+        start = time.perf_counter()
+        with TrainProgress(self.total, rank=job.rank) as progress:
+            self._loop(log, progress)
+            summary = self._summary(time.perf_counter() - start)
+            if log is not None:
+                log.write(summary)
+                log.close()
+            progress.finish(summary)
+        return summary
+
+    def _loop(self, log: Any, progress: TrainProgress) -> None:
+        pos = self.position
+        while pos.step < self.total:
+            index = pos.step - pos.epoch * self.per_epoch
+            self._train_step(pos, index, log, progress)
+            if pos.step - pos.epoch * self.per_epoch == self.per_epoch:
+                pos.epoch += 1
+                if self._end_of_epoch(log, progress):
+                    return
+            elif self._due(self.cfg.train.checkpoint_every_steps, pos.step):
+                self._checkpoint()
+        self.outcome.reason = "max_steps" if pos.step < self.cfg.train.epochs * \
+            self.per_epoch else "completed"
+        self._checkpoint()
+
+    def _train_step(self, pos: Position, index: int, log: Any,
+                    progress: TrainProgress) -> None:
+        job = self.job
+        _inject_fault(job.rank, pos.step)
+        started = time.perf_counter()
+        batch = self.train_reader.batch(pos.epoch, index)
+        lr = self.schedule(pos.step, self.per_epoch)
+        ctx = Context(step=pos.step, seed=self.cfg.train.seed)
+        out = job.step(batch.x, batch.targets, ctx, lr)
+        wall = time.perf_counter() - started
+        pos.step += 1
+        pos.samples += len(batch.indices)
+        self.outcome.final_loss = out.loss
+        times = metrics.time_breakdown(wall, job.grid.timers.take(),
+                                       self.train_reader.stats.last_wait_seconds)
+        for key, value in times.items():
+            self.outcome.totals[key] = self.outcome.totals.get(key, 0.0) + value
+        if pos.step % self.cfg.train.log_every == 0 or pos.step == self.total:
+            record = metrics.train_record(
+                step=pos.step, epoch=pos.epoch, samples=pos.samples, loss=out.loss, lr=lr,
+                samples_per_s=len(batch.indices) / wall, time_s=times,
+                memory_hwm_mib=self._memory())
+            self._emit(record, log, progress)
+
+    def _end_of_epoch(self, log: Any, progress: TrainProgress) -> bool:
+        """Validate and checkpoint as configured; True when the target MAE is reached."""
+        pos, train = self.position, self.cfg.train
+        reached = False
+        if self.val_reader is not None and self._due(train.validate_every, pos.epoch):
+            errors = self._validate(log, progress)
+            reached = train.target_mae is not None and errors.mean_mae <= train.target_mae
+        if reached:
+            self.outcome.reason = "target_mae"
+            self._checkpoint()
+        elif self._due(train.checkpoint_every_epochs, pos.epoch) and pos.step < self.total:
+            self._checkpoint()
+        return reached
+
+    def _validate(self, log: Any, progress: TrainProgress) -> Errors:
+        started = time.perf_counter()
+        errors = evaluate(self.job.step, self.val_reader, self.cfg.model.outputs)
+        if self.outcome.best_mae is None or errors.mean_mae < self.outcome.best_mae:
+            self.outcome.best_mae, self.outcome.best_epoch = errors.mean_mae, self.position.epoch
+        record = metrics.validation_record(
+            step=self.position.step, epoch=self.position.epoch, samples=errors.count,
+            mse_per_param=errors.mse.tolist(), mae_per_param=errors.mae.tolist(),
+            wall_s=time.perf_counter() - started)
+        self._emit(record, log, progress)
+        return errors
+
+    @staticmethod
+    def _due(every: int | None, count: int) -> bool:
+        return bool(every) and count % every == 0  # type: ignore[operator]
+
+    def _emit(self, record: dict, log: Any, progress: TrainProgress) -> None:
+        if log is not None:
+            log.write(record)
+        progress.update(record)
+
+    def _memory(self) -> list[float]:
+        return [float(m) for m in self.job.comm.allgather(metrics.memory_hwm_mib())]
+
+    def _checkpoint(self) -> None:
+        """Gather the full state (collective) and write it on rank 0."""
+        job, pos = self.job, self.position
+        params, buffers, optimizer = full_state(job.step)
+        if job.rank != 0:
+            return
+        best = self.outcome.best_mae
+        state = CheckpointState(
+            step=pos.step, epoch=pos.epoch, samples_seen=pos.samples, params=params,
+            buffers=buffers, optimizer=optimizer, config_yaml=dump_yaml(self.cfg),
+            rng={"seed": self.cfg.train.seed, "best_mae": -1.0 if best is None else best,
+                 "best_epoch": -1 if self.outcome.best_epoch is None else
+                 self.outcome.best_epoch},
+            layout={"strategy": job.grid.layout.describe(), "ranks": job.comm.Get_size()})
+        save_checkpoint(checkpoint_dir(job.out_dir), state, self.cfg.train.keep_checkpoints)
+
+    def _baseline_mae(self) -> float | None:
+        """MAE of predicting the training labels' mean on the validation set."""
+        if self.val_reader is None:
+            return None
+        manifest = self.job.manifest
+        train = manifest.targets("train", np.arange(manifest.count("train")))
+        val = manifest.targets("validation", np.arange(manifest.count("validation")))
+        return float(np.mean(np.abs(val - train.mean(axis=0))))
+
+    def _summary(self, wall: float) -> dict[str, Any]:
+        pos, out = self.position, self.outcome
+        return metrics.summary_record(
+            step=pos.step, epoch=pos.epoch, samples=pos.samples,
+            ranks=self.job.comm.Get_size(), wall_s=wall,
+            samples_per_s=(pos.samples - self._first_samples) / wall if wall > 0 else 0.0,
+            final_loss=out.final_loss, best_mae=out.best_mae, best_mae_epoch=out.best_epoch,
+            stop_reason=out.reason, time_s=out.totals or metrics.time_breakdown(0.0, {}),
+            memory_hwm_mib=self._memory())
+
+
+def _inject_fault(rank: int, step: int) -> None:
+    """Fault injection for the abort tests: ``COSMOTRAIN_FAULT=RANK:STEP`` makes that rank
+    raise before that step, as a bug would; the whole job must then end, not hang."""
+    fault = os.environ.get(FAULT_ENV)
+    if fault and fault == f"{rank}:{step}":
+        raise RuntimeError(f"fault injected by {FAULT_ENV}={fault}")
