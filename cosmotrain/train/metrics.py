@@ -42,6 +42,9 @@ _VALUES = {"type": "array", "minItems": 1, "items": _MAYBE}
 _PER_RANK = {"type": "array", "minItems": 1, "items": _SECONDS}
 _TIMES = {"type": "object", "required": list(TIME_KEYS), "additionalProperties": False,
           "properties": dict.fromkeys(TIME_KEYS, _SECONDS)}
+IO_KEYS = ("read_mib", "received_mib", "read_mib_per_s")
+_IO = {"type": "object", "required": list(IO_KEYS), "additionalProperties": False,
+       "properties": dict.fromkeys(IO_KEYS, _SECONDS)}
 
 
 def _record(kind: str, properties: dict[str, Any]) -> dict[str, Any]:
@@ -55,7 +58,7 @@ RECORD_SCHEMAS: dict[str, dict[str, Any]] = {
     "train": _record("train", {
         "steps": {"type": "integer", "minimum": 1}, "samples": _COUNT, "loss": _MAYBE,
         "lr": _SECONDS, "samples_per_s": _SECONDS, "step_time_s": _SECONDS,
-        "time_s": _TIMES, "memory_hwm_mib": _PER_RANK}),
+        "time_s": _TIMES, "io": _IO, "memory_hwm_mib": _PER_RANK}),
     "validation": _record("validation", {
         "samples": {"type": "integer", "minimum": 1}, "mse": _MAYBE, "mae": _MAYBE,
         "mse_per_param": _VALUES, "mae_per_param": _VALUES, "wall_s": _SECONDS}),
@@ -153,14 +156,20 @@ def time_breakdown(wall_s: float, phases: Mapping[str, float], io_wait_s: float 
 
 def train_record(*, step: int, epoch: int, samples: int, loss: float, lr: float,
                  samples_per_s: float, time_s: Mapping[str, float],
-                 memory_hwm_mib: Sequence[float], steps: int = 1) -> dict[str, Any]:
-    """A ``train`` record: means over the ``steps`` steps ending at ``step``."""
+                 memory_hwm_mib: Sequence[float], steps: int = 1,
+                 io: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """A ``train`` record: means over the ``steps`` steps ending at ``step``.
+
+    ``io``: this rank's data reading for the step (``IO_KEYS``: MiB read from files, MiB
+    received from other ranks, the reader's file bandwidth so far); zeros when omitted.
+    """
     times = {key: float(time_s[key]) for key in TIME_KEYS}
+    io_mib = {key: float((io or {}).get(key, 0.0)) for key in IO_KEYS}
     return _valid({"kind": "train", "time": time.time(), "step": int(step),
                    "epoch": int(epoch), "steps": int(steps), "samples": int(samples),
                    "loss": finite_or_none(loss), "lr": float(lr),
                    "samples_per_s": float(samples_per_s),
-                   "step_time_s": sum(times.values()), "time_s": times,
+                   "step_time_s": sum(times.values()), "time_s": times, "io": io_mib,
                    "memory_hwm_mib": [float(m) for m in memory_hwm_mib]})
 
 

@@ -141,7 +141,7 @@ class Trainer:
             record = metrics.train_record(
                 step=pos.step, epoch=pos.epoch, samples=pos.samples, loss=out.loss, lr=lr,
                 samples_per_s=len(batch.indices) / wall, time_s=times,
-                memory_hwm_mib=self._memory())
+                memory_hwm_mib=self._memory(), io=self._io())
             self._emit(record, log, progress)
 
     def _end_of_epoch(self, log: Any, progress: TrainProgress) -> bool:
@@ -178,6 +178,14 @@ class Trainer:
         if log is not None:
             log.write(record)
         progress.update(record)
+
+    def _io(self) -> dict[str, float]:
+        """This rank's reading for the last batch, and its file bandwidth so far."""
+        stats = self.train_reader.stats
+        rate = stats.bytes_read / stats.read_seconds if stats.read_seconds > 0 else 0.0
+        return {"read_mib": stats.last_bytes_read / 2**20,
+                "received_mib": stats.last_bytes_received / 2**20,
+                "read_mib_per_s": rate / 2**20}
 
     def _memory(self) -> list[float]:
         return [float(m) for m in self.job.comm.allgather(metrics.memory_hwm_mib())]
