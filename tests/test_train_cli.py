@@ -74,11 +74,15 @@ def test_resume_continues_the_same_trajectory(straight: Path, tmp_path: Path) ->
     assert np.array_equal(losses(tmp_path), losses(straight))
 
 
-def test_resume_under_another_layout(straight: Path, tmp_path: Path) -> None:
-    """Stop on 1 rank after epoch 1, resume on 2 ranks split along depth."""
-    first = train(tmp_path, "train.max_steps=4")
+@pytest.mark.parametrize("before,after", [
+    ((1, []), (2, ["parallel.depth=2"])),  # 1 rank -> spatial blocks
+    ((2, ["parallel.channel=2"]), (1, [])),  # sharded weights and Adam state -> 1 rank
+], ids=["N1-to-D2", "C2-to-N1"])
+def test_resume_under_another_layout(straight: Path, tmp_path: Path, before, after) -> None:
+    """Stop after epoch 1 under one layout, resume under another."""
+    first = train(tmp_path, "train.max_steps=4", *before[1], ranks=before[0])
     assert first.returncode == 0, first.stderr
-    second = train(tmp_path, "parallel.depth=2", ranks=2, resume=True)
+    second = train(tmp_path, *after[1], ranks=after[0], resume=True)
     assert second.returncode == 0, second.stderr
     got, want = losses(tmp_path), losses(straight)
     assert got.shape == want.shape

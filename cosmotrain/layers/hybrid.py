@@ -40,7 +40,7 @@ from cosmotrain.layers.pool import spatial_pool
 from cosmotrain.layers.to_samples import ToSamples
 from cosmotrain.nn.containers import Residual, Sequential
 from cosmotrain.nn.layers import BatchNorm3d, Conv3d, Dropout, LeakyReLU, Pool3d
-from cosmotrain.nn.module import Context, Layer, Parameter
+from cosmotrain.nn.module import Context, Layer, Parameter, layer_path
 from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.tensor.distribution import Distribution
 
@@ -112,7 +112,7 @@ class BlockTwins:
 
     def twin(self, layer: Layer, prefix: str = "") -> Layer:
         """The layer's twin on blocks; parameters shared, or my block of them."""
-        path = f"{prefix}{layer.name}" if layer.name else prefix.rstrip(".")
+        path = layer_path(prefix, layer.name)
         split = self.group.Get_size() > 1
         if isinstance(layer, Conv3d):
             return channel_conv(layer, self.grid, self.choices[path]) if split \
@@ -182,16 +182,17 @@ class HybridModel:
         return [(comms["data"], [p for _, p in self.spatial.named_parameters()]),
                 (comms["all"], [p for _, p in self.head.named_parameters()])]
 
-    def full_parameters(self) -> dict[str, Any]:
-        """Every parameter as the full array (collective over the channel/filter group)."""
+    def full_parameters(self, root: int | None = None) -> dict[str, Any] | None:
+        """Every parameter as the full array (collective over the channel/filter group;
+        on its rank ``root`` only when given, see :func:`gather_full`)."""
         items = [(name, p.data, p.shard) for name, p in self.named_parameters()]
-        return gather_full(self.grid.group_comms["channel_filter"], items)
+        return gather_full(self.grid.group_comms["channel_filter"], items, root)
 
-    def full_buffers(self) -> dict[str, Any]:
+    def full_buffers(self, root: int | None = None) -> dict[str, Any] | None:
         """Every buffer (batch-norm running statistics) as the full array (collective)."""
         items = [(name, layer.buffers[key], _buffer_shard(layer, key))
                  for name, layer, key in self.named_buffers()]
-        return gather_full(self.grid.group_comms["channel_filter"], items)
+        return gather_full(self.grid.group_comms["channel_filter"], items, root)
 
     @property
     def stop(self) -> str:

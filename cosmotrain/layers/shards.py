@@ -42,17 +42,27 @@ class Shard:
         full[self._mesh()] = block
 
 
-def gather_full(comm: Any, items: Iterable[tuple[str, Any, Shard | None]]) -> dict[str, Any]:
+def gather_full(comm: Any, items: Iterable[tuple[str, Any, Shard | None]],
+                root: int | None = None) -> dict[str, Any] | None:
     """Full arrays from every rank's blocks (collective over one channel/filter group).
 
     ``items`` are ``(name, local array, shard)``; unsharded arrays (shard None) are the
     same on every rank and returned as copies.  Every result is a new array, never a
-    view of live state (gradient buckets are reused by the next step).
+    view of live state (gradient buckets are reused by the next step).  With ``root``
+    only that rank assembles the arrays (the others get None): a checkpoint needs them
+    once, not a full copy of the model on every rank.
     """
     items = list(items)
     sharded = [(name, np.asarray(block), shard) for name, block, shard in items
                if shard is not None]
-    everyone = comm.allgather(sharded) if comm.Get_size() > 1 else [sharded]
+    if comm.Get_size() == 1:
+        everyone = [sharded]
+    elif root is None:
+        everyone = comm.allgather(sharded)
+    else:
+        everyone = comm.gather(sharded, root=root)
+        if everyone is None:
+            return None
     full = {name: np.array(block) for name, block, shard in items if shard is None}
     for name, block, shard in sharded:
         full[name] = np.zeros(shard.global_shape, dtype=block.dtype)

@@ -2,8 +2,8 @@
 
 Under channel/filter parallelism each rank holds blocks of the split layers' parameters,
 buffers and optimizer state.  :func:`full_state` gathers them into full arrays in PyTorch
-layout (collective over the channel/filter group; every other rank of the job holds a
-replica), so a checkpoint does not depend on the layout it was written under;
+layout (collective over the channel/filter group, assembled on one rank only; the other
+groups hold replicas and skip it), so a checkpoint does not depend on the layout it was written under;
 :func:`restore` cuts a checkpoint's arrays back into this rank's blocks under *any*
 layout, which is what lets ``--resume`` change the strategy or the rank count.
 """
@@ -19,11 +19,12 @@ from cosmotrain.layers.shards import Shard, gather_full
 from cosmotrain.train.step import HybridStep
 
 
-def full_state(step: HybridStep) -> tuple[dict, dict, dict]:
-    """``(params, buffers, optimizer state)`` as full host arrays (collective)."""
+def full_state(step: HybridStep, root: int = 0) -> tuple[dict, dict, dict] | None:
+    """``(params, buffers, optimizer state)`` as full host arrays on the channel/filter
+    group's rank ``root`` (collective over the group; None on its other ranks)."""
     model, group = step.model, step.grid.group_comms["channel_filter"]
-    params = model.full_parameters()
-    buffers = model.full_buffers()
+    params = model.full_parameters(root)
+    buffers = model.full_buffers(root)
     shards = {name: p.shard for name, p in model.named_parameters()}
     items, scalars = [], {}
     for name, slots in step.optimizer.state.items():
@@ -32,7 +33,9 @@ def full_state(step: HybridStep) -> tuple[dict, dict, dict]:
                 items.append((f"{name}\0{key}", value, shards.get(name)))
             else:
                 scalars.setdefault(name, {})[key] = value
-    gathered = gather_full(group, items)
+    gathered = gather_full(group, items, root)
+    if gathered is None:
+        return None
     optimizer: dict[str, dict[str, Any]] = {n: dict(s) for n, s in scalars.items()}
     for joined, value in gathered.items():
         name, key = joined.split("\0")

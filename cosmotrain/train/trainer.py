@@ -191,11 +191,15 @@ class Trainer:
         return [float(m) for m in self.job.comm.allgather(metrics.memory_hwm_mib())]
 
     def _checkpoint(self) -> None:
-        """Gather the full state (collective) and write it on rank 0."""
+        """Gather the full state onto rank 0 and write it there.  Only rank 0's
+        channel/filter group gathers: every other group holds replicas of its blocks."""
         job, pos = self.job, self.position
-        params, buffers, optimizer = full_state(job.step)
+        if job.grid.group_comms["data"].Get_rank() != 0:  # not rank 0's group
+            return
+        gathered = full_state(job.step, root=0)
         if job.rank != 0:
             return
+        params, buffers, optimizer = gathered
         best = self.outcome.best_mae
         state = CheckpointState(
             step=pos.step, epoch=pos.epoch, samples_seen=pos.samples, params=params,
