@@ -25,17 +25,13 @@ import json
 from typing import Any
 
 import numpy as np
-from bench_hybrid import input_block, run_steps, targets
+from bench_hybrid import run_steps, setup, targets
 from mpi4py import MPI
 
 from cosmotrain.comm.grid import ProcessGrid
-from cosmotrain.comm.threads import configure_threads
-from cosmotrain.config.load import load_config
-from cosmotrain.config.parallel import resolve_parallel
-from cosmotrain.kernels._parallel import set_blas_threads
 from cosmotrain.layers.channel_conv import ChannelConv3d
 from cosmotrain.layers.channel_split import comm_volume, halo_elements
-from cosmotrain.train.step import HybridStep, hybrid_step_from_config
+from cosmotrain.train.step import HybridStep
 
 
 def state_arrays(step: HybridStep, name: str) -> list[Any]:
@@ -107,15 +103,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     world = MPI.COMM_WORLD
-    configure_threads(world) if args.threads is None else set_blas_threads(args.threads)
-    cfg = load_config(args.config, args.overrides)
-    grid = ProcessGrid(world, resolve_parallel(cfg, world.Get_size()))
-    step = hybrid_step_from_config(cfg, grid)
-    width, batch = cfg.model.width, cfg.train.batch_size
-    dist, coord = step.model.input_distribution((batch, cfg.model.channels, width, width,
-                                                 width))
-    records = run_steps(step, input_block(dist, coord), targets(batch, cfg.model.outputs),
-                        args.steps, False)
+    cfg, step, x = setup(world, args)
+    grid, width, batch = step.grid, cfg.model.width, cfg.train.batch_size
+    records = run_steps(step, x, targets(batch, cfg.model.outputs), args.steps, False)
     result: dict[str, Any] = {
         "strategy": grid.layout.describe(), "ranks": world.Get_size(), "width": width,
         "batch": batch, "memory_per_rank": world.gather(memory(step), root=0),

@@ -103,6 +103,22 @@ def compare(full: dict, path: str) -> float:
                for n, p in full.items())
 
 
+def setup(world: Any, args: argparse.Namespace) -> tuple[Any, HybridStep, DistTensor]:
+    """BLAS threads (``--threads``), the config (``--config``, ``--set``), the model step
+    on the grid it asks for, and this rank's input block."""
+    if args.threads is None:
+        configure_threads(world)
+    else:
+        set_blas_threads(args.threads)
+    cfg = load_config(args.config, args.overrides)
+    step = hybrid_step_from_config(cfg, ProcessGrid(world, resolve_parallel(cfg,
+                                                                            world.Get_size())))
+    width = cfg.model.width
+    dist, coord = step.model.input_distribution((cfg.train.batch_size, cfg.model.channels,
+                                                 width, width, width))
+    return cfg, step, input_block(dist, coord)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=None)
@@ -119,17 +135,8 @@ def main() -> None:
     if args.memory:
         tracemalloc.start()  # before the model: parameters count as held
     world = MPI.COMM_WORLD
-    if args.threads is None:
-        configure_threads(world)
-    else:
-        set_blas_threads(args.threads)
-    cfg = load_config(args.config, args.overrides)
-    grid = ProcessGrid(world, resolve_parallel(cfg, world.Get_size()))
-    step = hybrid_step_from_config(cfg, grid)
-    width, batch = cfg.model.width, cfg.train.batch_size
-    dist, coord = step.model.input_distribution((batch, cfg.model.channels, width, width,
-                                                 width))
-    x = input_block(dist, coord)
+    cfg, step, x = setup(world, args)
+    grid, width, batch = step.grid, cfg.model.width, cfg.train.batch_size
     records = run_steps(step, x, targets(batch, cfg.model.outputs), args.steps, args.memory)
     result = summarise(world, records, args.warmup, args.memory)
     result.update(param_mib=sum(p.data.nbytes for _, p in step.model.named_parameters())

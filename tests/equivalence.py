@@ -195,3 +195,20 @@ def broadcast_refs(world, configs: dict, dtype) -> dict:
     refs = {key: reference(cfg, dtype) for key, cfg in configs.items()} \
         if world.rank == 0 else None
     return world.bcast(refs, root=0)
+
+
+def adam64_failures(world, models: dict, strategies: dict, pairs: list[tuple[str, str]],
+                    inspect=None, check=None) -> list[str]:
+    """Adam in float64 (1e-7) for ``(model, strategy)`` pairs: float32 Adam turns rounding
+    noise into full steps of arbitrary sign, on one rank as on many."""
+    refs = {(m, "adam"): make_config(models[m], optimizer=[]) for m, _ in pairs}
+    cases = [(ranks_of(strategies[s]), f"{m} {s} adam float64",
+              make_config(models[m], strategies[s], optimizer=[]), (m, "adam"))
+             for m, s in pairs]
+    return run_waves(world, cases, broadcast_refs(world, refs, np.float64), np.float64,
+                     1e-7, inspect, check)
+
+
+def everyone_failures(world, failures: list[str]) -> list[str]:
+    """Every rank's failures on every rank, so all reach the same verdict."""
+    return sorted(set(sum(world.allgather(failures), [])))

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import abort_on_error
+from equivalence import waves
 from test_data_manifest import expected_sample, write_universes
 
 from cosmotrain.config.load import load_config
@@ -139,18 +140,6 @@ def check_bytes(comm, reader, manifest, split, epochs, cfg) -> list[str]:
                         for e in range(epochs) for i in range(reader.batches_per_epoch))
         got, want = comm.allreduce(reader.stats.bytes_read), delivered * sample
     return [] if got == want else [f"{split}: {got} bytes read, expected {want}"]
-
-
-def waves(cases: list[tuple], world_size: int) -> list[list[tuple]]:
-    out: list[list[tuple]] = []
-    for case in sorted(cases, key=lambda c: -c[0]):
-        for wave in out:
-            if sum(c[0] for c in wave) + case[0] <= world_size:
-                wave.append(case)
-                break
-        else:
-            out.append([case])
-    return out
 
 
 @pytest.mark.parallel(nprocs=8)

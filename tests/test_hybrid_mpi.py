@@ -29,7 +29,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import abort_on_error
-from equivalence import broadcast_refs, make_config, ranks_of, run_waves
+from equivalence import (adam64_failures, broadcast_refs, everyone_failures,
+                         make_config, ranks_of, run_waves)
 
 from cosmotrain.kernels import _parallel
 
@@ -78,11 +79,6 @@ def test_hybrid_training_matches_one_process() -> None:
                       (model, tuple(extra))))
     failures = run_waves(world, cases, broadcast_refs(world, configs, np.float32),
                          np.float32, RTOL)
-    adam = {(m, "adam"): make_config(MODELS[m], optimizer=[]) for m, _ in ADAM64}
-    cases = [(ranks_of(STRATEGIES[s]), f"{m} {s} adam float64",
-              make_config(MODELS[m], STRATEGIES[s], optimizer=[]), (m, "adam"))
-             for m, s in ADAM64]
-    failures += run_waves(world, cases, broadcast_refs(world, adam, np.float64),
-                          np.float64, 1e-7)
-    failures = sorted(set(sum(world.allgather(failures), [])))
+    failures += adam64_failures(world, MODELS, STRATEGIES, ADAM64)
+    failures = everyone_failures(world, failures)
     assert not failures, f"{len(failures)} mismatches: {failures[:20]}"

@@ -18,7 +18,7 @@ from cosmotrain.layers.channel_split import (AUTO, Factor, algorithm_factor, cho
                                              halo_elements)
 from cosmotrain.nn.containers import Residual, Sequential
 from cosmotrain.nn.layers import Conv3d
-from cosmotrain.nn.module import Layer
+from cosmotrain.nn.module import Layer, layer_path
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class LayerChoice:
 def conv_inputs(layer: Layer, shape: tuple[int, ...], prefix: str = ""
                 ) -> Iterator[tuple[str, Conv3d, tuple[int, ...]]]:
     """``(dotted name, convolution, input shape)`` of every convolution inside ``layer``."""
-    path = f"{prefix}{layer.name}" if layer.name else prefix.rstrip(".")
+    path = layer_path(prefix, layer.name)
     inner = f"{path}." if path else ""
     if isinstance(layer, Conv3d):
         yield path, layer, shape

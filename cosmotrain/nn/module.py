@@ -15,6 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def layer_path(prefix: str, name: str) -> str:
+    """Dotted name of a layer ``name`` under ``prefix`` ('' or ending in '.'); an unnamed
+    layer (a residual block's body) takes its parent's name."""
+    return f"{prefix}{name}" if name else prefix.rstrip(".")
+
+
 class Parameter:
     """A trainable array with its gradient (``grad`` is None until backward sets it).
 
@@ -95,7 +101,7 @@ class Layer:
     def named_layers(self, prefix: str = "") -> Iterator[tuple[str, Layer]]:
         """``(dotted name, layer)`` of this layer and every layer below it (the names of
         ``named_parameters`` without the parameter key, e.g. ``layer1.0.conv1``)."""
-        path = f"{prefix}{self.name}" if self.name else prefix.rstrip(".")
+        path = layer_path(prefix, self.name)
         yield path, self
         for child in self.children():
             yield from child.named_layers(f"{path}." if path else "")

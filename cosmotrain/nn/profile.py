@@ -48,10 +48,5 @@ class LayerTimer:
         self.seconds.clear()
 
 
-def _named_leaves(layer: Layer, prefix: str = "") -> list[tuple[str, Layer]]:
-    name = f"{prefix}{layer.name}" if layer.name else prefix.rstrip(".")
-    children = layer.children()
-    if not children:
-        return [(name, layer)]
-    base = f"{name}." if name else ""
-    return [leaf for child in children for leaf in _named_leaves(child, base)]
+def _named_leaves(layer: Layer) -> list[tuple[str, Layer]]:
+    return [(name, leaf) for name, leaf in layer.named_layers() if not leaf.children()]

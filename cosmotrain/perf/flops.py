@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from cosmotrain.nn.containers import Residual, Sequential
 from cosmotrain.nn.layers import Conv3d, Linear
-from cosmotrain.nn.module import Layer
+from cosmotrain.nn.module import Layer, layer_path
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ def layer_costs(model: Layer, input_shape: tuple[int, ...]) -> list[LayerCost]:
 
 def _walk(layer: Layer, shape: tuple[int, ...], prefix: str, out: list[LayerCost]
           ) -> tuple[int, ...]:
-    name = f"{prefix}{layer.name}" if layer.name else prefix.rstrip(".")
+    name = layer_path(prefix, layer.name)
     base = f"{name}." if name else ""
     if isinstance(layer, Sequential):
         for child in layer.items:

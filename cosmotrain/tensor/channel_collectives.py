@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from cosmotrain.tensor.redistribute import displacements
+
 
 def _channel_major(block: Any) -> Any:
     return np.ascontiguousarray(np.moveaxis(block, 1, 0))
@@ -36,7 +38,7 @@ def allgather_channels(comm: Any, block: Any, pieces: Sequence[int]) -> Any:
     per_channel = n * int(np.prod(space))
     counts = _counts(pieces, per_channel)
     out = np.empty((sum(pieces), n, *space), dtype=block.dtype)
-    comm.Allgatherv(_channel_major(block), [out, (counts, _displacements(counts))])
+    comm.Allgatherv(_channel_major(block), [out, (counts, displacements(counts))])
     return _sample_major(out)
 
 
@@ -52,7 +54,3 @@ def reduce_scatter_channels(comm: Any, partial: Any, pieces: Sequence[int]) -> A
     out = np.empty((mine, n, *space), dtype=partial.dtype)
     comm.Reduce_scatter(_channel_major(partial), out, _counts(pieces, per_channel), op=MPI.SUM)
     return _sample_major(out)
-
-
-def _displacements(counts: list[int]) -> list[int]:
-    return [int(d) for d in np.concatenate([[0], np.cumsum(counts)[:-1]])]

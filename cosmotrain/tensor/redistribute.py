@@ -97,8 +97,8 @@ def alltoallv_boxes(comm: Any, block: Any, send: list[Box | None], recv: list[Bo
     sendbuf, send_counts = _pack(block, send)
     recv_counts = [_size(box) for box in recv]
     recvbuf = np.empty(sum(recv_counts), dtype=block.dtype)
-    comm.Alltoallv([sendbuf, (send_counts, _displacements(send_counts))],
-                   [recvbuf, (recv_counts, _displacements(recv_counts))])
+    comm.Alltoallv([sendbuf, (send_counts, displacements(send_counts))],
+                   [recvbuf, (recv_counts, displacements(recv_counts))])
     out = np.empty(out_shape, dtype=block.dtype)
     start = 0
     for box, count in zip(recv, recv_counts):
@@ -119,5 +119,6 @@ def _pack(block: Any, boxes: list[Box | None]) -> tuple[Any, list[int]]:
     return buf, counts
 
 
-def _displacements(counts: list[int]) -> list[int]:
+def displacements(counts: list[int]) -> list[int]:
+    """Offsets of consecutive pieces of ``counts`` elements (MPI's ``displs``)."""
     return [int(d) for d in np.concatenate([[0], np.cumsum(counts)[:-1]])]

@@ -41,10 +41,6 @@ class Job:
     def rank(self) -> int:
         return self.comm.Get_rank()
 
-    def input_shape(self, batch: int) -> tuple[int, ...]:
-        width = self.cfg.model.width
-        return (batch, self.cfg.model.channels, width, width, width)
-
 
 def ensure_synthetic_data(cfg: Config, comm: Any) -> None:
     """Generate the built-in synthetic dataset under ``output.dir/data`` once (collective)."""
