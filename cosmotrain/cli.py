@@ -177,6 +177,31 @@ def train(
     run_training(cfg, comm, resume=resume)
 
 
+@app.command()
+def predict(
+    checkpoint: Annotated[Path, typer.Option(
+        help="A checkpoint written by cosmotrain train (output.dir/checkpoints/*.h5).")],
+    data: Annotated[Path, typer.Option(
+        help="Dataset directory to predict (labelled or not; any layout the readers know).")],
+    out: Annotated[Path, typer.Option(help="HDF5 file to write the predictions to.")],
+    split: Annotated[Optional[list[str]], typer.Option(
+        help="Only this split of the dataset (repeatable; default: every split).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(
+        help="Samples per global batch (default: the training batch, rounded up to a "
+             "multiple of the sample groups).", min=1)] = None,
+    overrides: SetOption = None,
+) -> None:
+    """Per-sample predictions in dataset order at any rank count (and MAE when labelled)."""
+    from cosmotrain.comm import world
+    from cosmotrain.train.predict import describe, run_prediction
+
+    extra = [f"train.batch_size={batch_size}"] if batch_size is not None else []
+    comm = world()
+    results = run_prediction(checkpoint, data, out, comm, [*(overrides or []), *extra], split)
+    if results is not None:
+        print("\n".join(describe(results, out)))
+
+
 def _world_size() -> int:
     from cosmotrain.comm import world
 
@@ -191,12 +216,14 @@ def _rank() -> int:
 
 def report_user_error(err: UserError) -> None:
     """Print the one-line message; a rank-local error then aborts the whole job."""
-    from cosmotrain.comm import abort_job
+    from cosmotrain.comm import abort_job, settle_exit
 
     collective = getattr(err, "collective", True)
     if not collective or _rank_if_initialised() == 0:
         print(f"cosmotrain: error: {err}", file=sys.stderr, flush=True)
-    if not collective:
+    if collective:
+        settle_exit()
+    else:
         abort_job(EXIT_USER_ERROR)
 
 

@@ -10,6 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
+from cosmotrain import atomic
 from cosmotrain.config.schema import ModelConfig
 from cosmotrain.errors import DataError
 from cosmotrain.models import build_model
@@ -122,7 +123,7 @@ def test_failed_rename_keeps_the_previous_checkpoint(
 
     def no_rename(src: object, dst: object) -> None:
         raise OSError("EIO")
-    monkeypatch.setattr(ck.os, "replace", no_rename)
+    monkeypatch.setattr(atomic.os, "replace", no_rename)
     with pytest.raises(OSError):
         save_checkpoint(tmp_path, make_state(200), keep_last=1)
     assert [p.name for p in tmp_path.iterdir()] == [first.name]

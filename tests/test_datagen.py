@@ -98,10 +98,20 @@ def test_read_sample_infers_layout_without_attribute(tmp_path: Path) -> None:
         np.testing.assert_array_equal(volume, cdhw.astype(np.int16))
 
 
+def test_a_file_without_labels_reads_as_nan_labels(tmp_path: Path) -> None:
+    path = tmp_path / "unlabelled.hdf5"
+    with h5py.File(path, "w") as handle:
+        handle["full"] = np.ones((8, 8, 8, 4), np.int16)
+    volume, labels = formats.read_sample(path)
+    assert volume.shape == (4, 8, 8, 8) and np.isnan(labels).all() and labels.shape == (4,)
+    assert np.isnan(formats.probe(path)[1]).all()
+
+
 def test_read_sample_names_the_file_on_bad_input(tmp_path: Path) -> None:
     path = tmp_path / "bad.hdf5"
     with h5py.File(path, "w") as handle:
         handle["full"] = np.zeros((8, 8, 8, 4), np.int16)
+        handle["unitPar"] = np.zeros(3, np.float32)
     with pytest.raises(DataError, match="bad.hdf5.*unitPar"):
         formats.read_sample(path)
     with pytest.raises(DataError, match="missing.hdf5"):

@@ -1,4 +1,4 @@
-"""MPI communication: the world communicator and (later) the Cartesian process grid.
+"""MPI communication: the world communicator, job-wide exits; the process grid is in grid.py.
 
 mpi4py is imported lazily so that importing cosmotrain never initialises MPI; commands
 ask for the communicator when they need it.
@@ -22,3 +22,25 @@ def abort_job(code: int) -> None:
 
     if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
         MPI.COMM_WORLD.Abort(code)
+
+
+def settle_exit(timeout: float = 10.0) -> None:
+    """Wait (at most ``timeout`` s) until every rank reaches its exit after a collective error.
+
+    Every rank raises a collective error alike and rank 0 prints it; a rank that exited at
+    once could make the launcher kill rank 0 before its message is out.  A non-blocking
+    barrier with a deadline keeps the message without risking a hang when an error was
+    marked collective but raised on some ranks only.
+    """
+    import time
+
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
+        return
+    request = MPI.COMM_WORLD.Ibarrier()
+    deadline = time.monotonic() + timeout
+    while not request.Test():
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.005)

@@ -28,6 +28,11 @@ _FALSE_WORDS = {"false", "no", "off", "0"}
 def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> Config:
     """Read ``path`` (or start from the defaults when None), apply overrides, validate."""
     raw = read_yaml(Path(path)) if path is not None else {}
+    return config_from_mapping(raw, overrides)
+
+
+def config_from_mapping(raw: dict[str, Any], overrides: Iterable[str] = ()) -> Config:
+    """Validate a parsed config (e.g. a checkpoint's) after applying ``key=value`` overrides."""
     for assignment in overrides:
         key, value = parse_assignment(assignment)
         set_dotted(raw, key, value)

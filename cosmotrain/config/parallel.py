@@ -63,6 +63,13 @@ def resolve_parallel(cfg: Config, world_size: int, min_block: int = 1) -> Parall
     return layout
 
 
+def sample_groups(cfg: Config, world_size: int) -> int:
+    """How many sample groups ``cfg.parallel`` makes of ``world_size`` ranks."""
+    par = cfg.parallel
+    others = par.channel * par.filter * par.depth * par.height * par.width
+    return _resolve_sample(par.sample, others, world_size)
+
+
 def _resolve_sample(sample: int | str, others: int, world_size: int) -> int:
     if sample != AUTO:
         return int(sample)

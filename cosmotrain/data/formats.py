@@ -6,7 +6,8 @@ One sample is one HDF5 file with two datasets:
   ``channels-last`` ``[W, W, W, 4]`` (D, H, W, C; the original CosmoFlow and MLPerf layout, the
   default) or ``channels-first`` ``[4, W, W, W]`` (C, D, H, W; LBANN's split files), stored as
   ``int16`` (counts clipped to 32767, the default) or ``float32``;
-- ``unitPar``: the 4 normalised cosmological parameters, float32 in ``[-1, 1]``.
+- ``unitPar``: the 4 normalised cosmological parameters, float32 in ``[-1, 1]``.  Training
+  needs it; a file without it (data to predict on) reads as NaN labels.
 
 Files written here record their layout in the ``layout`` attribute of the root group, so a
 reader never has to guess; files from elsewhere are recognised by their shape.  In memory the
@@ -155,7 +156,7 @@ def probe(path: Path, expect: VolumeInfo | None = None) -> tuple[VolumeInfo, np.
         with h5py.File(path, "r") as handle:
             volume, labels = _datasets(path, handle)
             info = _volume_info(path, handle, volume)
-            label_values = np.asarray(labels[()], dtype=np.float32)
+            label_values = _label_values(labels)
     except (OSError, ValueError, KeyError) as err:
         raise DataError(path, str(err), FORMAT_HINT) from err
     if expect is not None:
@@ -179,11 +180,10 @@ def read_sample(path: Path, layout: str | None = None, box: Box | None = None,
             volume, labels = _datasets(path, handle)
             layout = layout or detect_layout(volume.shape, handle.attrs.get(LAYOUT_ATTR))
             block = _hyperslab(path, volume, layout, box, origin, slice(0, NUM_CHANNELS))
-            label_values = labels[()]
+            label_values = _label_values(labels)
     except (OSError, ValueError, KeyError) as err:
         raise DataError(path, str(err), FORMAT_HINT) from err
-    return (np.ascontiguousarray(block, dtype=np.float32),
-            np.asarray(label_values, dtype=np.float32))
+    return np.ascontiguousarray(block, dtype=np.float32), label_values
 
 
 def read_block(path: Path, expect: VolumeInfo, box: Box | None = None,
@@ -229,16 +229,24 @@ def _check_expected(path: Path, info: VolumeInfo, expect: VolumeInfo) -> None:
                         f"are {expect.dtype}", REPLACE_HINT)
 
 
-def _datasets(path: Path, handle: h5py.File) -> tuple[h5py.Dataset, h5py.Dataset]:
-    for name in (VOLUME_DATASET, LABELS_DATASET):
-        if name not in handle:
-            raise DataError(path, f"no dataset '{name}'", FORMAT_HINT)
-    volume, labels = handle[VOLUME_DATASET], handle[LABELS_DATASET]
+def _datasets(path: Path, handle: h5py.File) -> tuple[h5py.Dataset, h5py.Dataset | None]:
+    """The volume and the labels (None when the file has none: unlabelled data)."""
+    if VOLUME_DATASET not in handle:
+        raise DataError(path, f"no dataset '{VOLUME_DATASET}'", FORMAT_HINT)
+    volume = handle[VOLUME_DATASET]
+    labels = handle[LABELS_DATASET] if LABELS_DATASET in handle else None
     if volume.dtype.name not in DTYPES:
         raise DataError(path, f"'{VOLUME_DATASET}' is {volume.dtype.name}", FORMAT_HINT)
-    if labels.shape != (NUM_LABELS,):
+    if labels is not None and labels.shape != (NUM_LABELS,):
         raise DataError(path, f"'{LABELS_DATASET}' has shape {labels.shape}, expected (4,)")
     return volume, labels
+
+
+def _label_values(labels: h5py.Dataset | None) -> np.ndarray:
+    """float32 ``(4,)``: the labels, or NaN for a file without them."""
+    if labels is None:
+        return np.full(NUM_LABELS, np.nan, dtype=np.float32)
+    return np.asarray(labels[()], dtype=np.float32)
 
 
 def _region(path: Path, box: Box, origin: tuple[int, int, int],

@@ -93,6 +93,19 @@ class Manifest:
         """float32 ``[len(indices), 4]``: the labels of those samples (their files')."""
         return self.labels[split][np.asarray(indices, dtype=np.int64) // self.cubes_per_file]
 
+    def unlabelled_files(self, split: str) -> tuple[str, ...]:
+        """Files of ``split`` without ``unitPar`` labels (their label rows are NaN)."""
+        missing = np.isnan(self.labels[split]).any(axis=1)
+        return tuple(name for name, bad in zip(self._files(split), missing) if bad)
+
+    def require_labels(self, split: str) -> None:
+        """Training and validation need labels: name the first file that has none."""
+        missing = self.unlabelled_files(split)
+        if missing:
+            raise DataError(self.root / missing[0], f"has no '{formats.LABELS_DATASET}' labels "
+                            f"({len(missing)} of the {split} split's files lack them)",
+                            "train on labelled files; cosmotrain predict reads unlabelled ones")
+
     def sample_means(self, split: str, indices: np.ndarray) -> np.ndarray:
         """float64 mean count of each sample (opened with ``means=True``)."""
         if self.means is None:

@@ -27,7 +27,6 @@ leaves the previous checkpoints untouched and at worst a ``.tmp`` that
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,12 +36,12 @@ from typing import Any, Union
 import h5py
 import numpy as np
 
+from cosmotrain.atomic import TMP_SUFFIX, write_atomically
 from cosmotrain.errors import DataError
 
 FORMAT = "cosmotrain-checkpoint"
 FORMAT_VERSION = 1
 CHECKPOINT_DIR = "checkpoints"
-TMP_SUFFIX = ".tmp"
 _NAME = re.compile(r"^ckpt_step(\d+)\.h5$")
 
 Scalar = Union[bool, int, float, str]
@@ -108,16 +107,8 @@ def save_checkpoint(directory: str | Path, state: CheckpointState,
         raise ValueError(f"a checkpoint's step must be >= 0, got {state.step}")
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
-    final = folder / checkpoint_name(state.step)
-    tmp = final.with_name(final.name + TMP_SUFFIX)
-    try:
-        write_state(tmp, state)
-        _fsync_path(tmp)
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_path(folder)
+    final = write_atomically(folder / checkpoint_name(state.step),
+                             lambda tmp: write_state(tmp, state))
     _prune(folder, final, keep_last)
     return final
 
@@ -232,20 +223,6 @@ def _read_scalars(node: h5py.Group) -> dict[str, Scalar]:
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return text[0] if text else type(err).__name__
-
-
-def _fsync_path(path: Path) -> None:
-    """Flush a file's (or a directory's entries') data to disk before relying on it."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return  # directories cannot be opened on some platforms; the rename still holds
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on directories
-    finally:
-        os.close(fd)
 
 
 def _prune(folder: Path, newest: Path, keep_last: int | None) -> None:

@@ -55,8 +55,12 @@ def ensure_synthetic_data(cfg: Config, comm: Any) -> None:
 
 
 def build_job(cfg: Config, comm: Any, splits: tuple[str, ...] | None = None,
-              save_config: bool = True) -> Job:
-    """Set up a run of ``cfg`` on ``comm`` (collective)."""
+              save_config: bool = True, training: bool = True) -> Job:
+    """Set up a run of ``cfg`` on ``comm`` (collective).
+
+    ``training`` requires labels in every split read; prediction (False) reads each split
+    in dataset order, never shuffled, and accepts unlabelled files.
+    """
     configure_threads(comm)
     grid = ProcessGrid(comm, resolve_parallel(cfg, comm.Get_size()))
     out_dir = Path(cfg.output.dir)
@@ -68,6 +72,9 @@ def build_job(cfg: Config, comm: Any, splits: tuple[str, ...] | None = None,
     width = cfg.model.width
     dist, coord = step.model.input_distribution(
         (cfg.train.batch_size, cfg.model.channels, width, width, width))
+    for split in (splits or manifest.splits) if training else ():
+        manifest.require_labels(split)
+    shuffle = None if training else {split: False for split in splits or manifest.splits}
     readers = make_readers(cfg, manifest, comm, BlockPlacement.from_distribution(dist, coord),
-                           splits)
+                           splits, shuffle=shuffle)
     return Job(cfg, comm, grid, step, manifest, readers, out_dir)

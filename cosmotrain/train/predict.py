@@ -1,0 +1,192 @@
+"""``cosmotrain predict``: a checkpoint's per-sample predictions on a dataset, in dataset order.
+
+The model and its input transform come from the resolved config stored in the checkpoint;
+the samples from ``--data``, any dataset directory the readers understand, labelled or not
+(a file without ``unitPar`` reads as NaN labels).  Prediction runs under any layout: by
+default every rank is a sample group and the direct reader streams each split once, never
+shuffled; ``--set parallel.depth=2`` (and so on) splits volumes too big for one rank.
+
+Each rank predicts the rows it holds once the model has gathered whole samples; rank 0
+collects ``(index, prediction)`` pairs, puts them in dataset order and checks that every
+sample came back exactly once, so the file is the same at any rank count.
+
+Output (HDF5, written atomically; docs/TRAINING.md has the table)::
+
+    /                   attrs: format, checkpoint, step, data, width, transform
+    /<split>/prediction float32 [N, 4]  sample i of the split in row i
+    /<split>/target     float32 [N, 4]  the files' unitPar (NaN where a file has none)
+    /<split>/file       str [N]         the sample's file, relative to the dataset
+    /<split>/cube       int32 [N]       which sub-cube of that file (0 for whole samples)
+    /<split>            attrs: count, labelled, mae[4], mse[4], mean_mae (labelled rows)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import yaml
+
+from cosmotrain.atomic import write_atomically
+from cosmotrain.config.load import config_from_mapping
+from cosmotrain.config.parallel import sample_groups
+from cosmotrain.config.schema import AUTO, Config
+from cosmotrain.data.manifest import Manifest
+from cosmotrain.data.reader import Reader
+from cosmotrain.errors import UserError
+from cosmotrain.train.checkpoint import CheckpointState, load_checkpoint
+from cosmotrain.train.evaluate import Errors, predictions
+from cosmotrain.train.job import Job, build_job
+from cosmotrain.train.snapshot import restore
+
+FORMAT = "cosmotrain-predictions"
+PREDICT_DATA = {"source": "files", "reader": "direct", "shuffle": "global", "drop_last": False}
+
+
+@dataclass
+class SplitPredictions:
+    """One split's predictions in dataset order, with the labels where files have them."""
+
+    split: str
+    prediction: np.ndarray  # float32 [N, outputs]
+    target: np.ndarray  # float32 [N, outputs], NaN rows for unlabelled files
+    file: list[str]
+    cube: np.ndarray  # int32 [N]
+
+    @property
+    def labelled(self) -> np.ndarray:
+        return ~np.isnan(self.target).any(axis=1)
+
+    def errors(self) -> Errors | None:
+        """MSE and MAE per target over the labelled samples (None when there are none)."""
+        rows = self.labelled
+        if not rows.any():
+            return None
+        diff = self.prediction[rows].astype(np.float64) - self.target[rows]
+        return Errors(int(rows.sum()), (diff ** 2).mean(axis=0), np.abs(diff).mean(axis=0))
+
+
+def predict_config(config_yaml: str, data: Path, overrides: list[str], world_size: int
+                   ) -> Config:
+    """The checkpoint's config, reading ``data`` in order, every rank a sample group unless
+    ``overrides`` say otherwise; the batch is rounded up to fill the sample groups."""
+    raw = yaml.safe_load(config_yaml) or {}
+    raw.pop("parallel", None)  # the training layout need not fit this job
+    raw.setdefault("data", {}).update(PREDICT_DATA, path=str(data))
+    user_batch = any(item.split("=", 1)[0].strip() == "train.batch_size" for item in overrides)
+    cfg = config_from_mapping(raw, overrides)
+    if cfg.parallel.sample == AUTO and not user_batch:
+        groups = sample_groups(cfg, world_size)
+        cfg.train.batch_size = -(-cfg.train.batch_size // groups) * groups
+    return cfg
+
+
+def run_prediction(checkpoint: Path, data: Path, out: Path, comm: Any,
+                   overrides: list[str] | None = None, splits: list[str] | None = None
+                   ) -> dict[str, SplitPredictions] | None:
+    """Predict every sample of ``splits`` (default: all) and write ``out`` (collective).
+
+    Returns the results on rank 0, None elsewhere.
+    """
+    state = load_checkpoint(checkpoint)
+    cfg = predict_config(state.config_yaml, data, list(overrides or []), comm.Get_size())
+    job = build_job(cfg, comm, tuple(splits) if splits else None, save_config=False,
+                    training=False)
+    try:
+        restore(job.step, state.params, state.buffers, {}, str(checkpoint))
+        results = {split: collect(job, split, reader) for split, reader in job.readers.items()}
+    finally:
+        for reader in job.readers.values():
+            reader.close()
+        job.grid.free()
+    if comm.Get_rank() != 0:
+        return None
+    final = {split: result for split, result in results.items() if result is not None}
+    write_predictions(out, final, state, checkpoint, cfg)
+    return final
+
+
+def collect(job: Job, split: str, reader: Reader) -> SplitPredictions | None:
+    """Run the split and gather ``(index, prediction)`` rows in dataset order on rank 0."""
+    outputs = job.cfg.model.outputs
+    indices, rows = [np.empty(0, np.int64)], [np.empty((0, outputs), np.float32)]
+    for index, prediction, _ in predictions(job.step, reader):
+        indices.append(np.asarray(index, np.int64))
+        rows.append(np.asarray(prediction, np.float32))
+    gathered = job.comm.gather((np.concatenate(indices), np.concatenate(rows)), root=0)
+    if gathered is None:
+        return None
+    index = np.concatenate([i for i, _ in gathered])
+    prediction = np.concatenate([p for _, p in gathered])
+    order = np.argsort(index, kind="stable")
+    count = job.manifest.count(split)
+    if not np.array_equal(index[order], np.arange(count)):
+        raise RuntimeError(f"split {split!r}: predictions cover {len(np.unique(index))} "
+                           f"distinct sample(s) in {len(index)} row(s), expected each of "
+                           f"{count} exactly once")
+    return in_dataset_order(job.manifest, split, prediction[order])
+
+
+def in_dataset_order(manifest: Manifest, split: str, prediction: np.ndarray
+                     ) -> SplitPredictions:
+    """Attach labels and provenance to predictions already in dataset order."""
+    samples = np.arange(len(prediction))
+    per_file = manifest.cubes_per_file
+    names = manifest.files[split]
+    return SplitPredictions(split, prediction, manifest.targets(split, samples),
+                            [names[i // per_file] for i in samples],
+                            (samples % per_file).astype(np.int32))
+
+
+def write_predictions(out: Path, results: dict[str, SplitPredictions],
+                      state: CheckpointState, checkpoint: Path, cfg: Config) -> Path:
+    """Write the prediction file atomically (rank 0)."""
+    out = Path(out)
+    if out.is_dir():
+        raise UserError(f"--out '{out}' is a directory; name an HDF5 file such as "
+                        f"{out / 'predictions.h5'}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(path: Path) -> None:
+        with h5py.File(path, "w", track_order=True) as f:
+            f.attrs.update({"format": FORMAT, "format_version": 1,
+                            "checkpoint": str(Path(checkpoint).resolve()),
+                            "step": state.step, "data": str(Path(cfg.data.path).resolve()),
+                            "width": cfg.model.width, "transform": cfg.data.transform})
+            for split, result in results.items():
+                _write_split(f.create_group(split), result)
+
+    return write_atomically(out, write)
+
+
+def _write_split(group: h5py.Group, result: SplitPredictions) -> None:
+    group.create_dataset("prediction", data=result.prediction)
+    group.create_dataset("target", data=result.target)
+    group.create_dataset("file", data=result.file, dtype=h5py.string_dtype())
+    group.create_dataset("cube", data=result.cube)
+    group.attrs.update({"count": len(result.prediction),
+                        "labelled": int(result.labelled.sum())})
+    errors = result.errors()
+    if errors is not None:
+        group.attrs.update({"mae": errors.mae, "mse": errors.mse,
+                            "mean_mae": errors.mean_mae})
+
+
+def describe(results: dict[str, SplitPredictions], out: Path) -> list[str]:
+    """One line per split: samples, labelled share, MAE per target; then the file."""
+    lines = []
+    for split, result in results.items():
+        errors = result.errors()
+        line = f"{split}: {len(result.prediction)} sample(s)"
+        if errors is None:
+            line += ", no labels (no MAE)"
+        else:
+            per_target = " ".join(f"{v:.4f}" for v in errors.mae)
+            line += (f", {errors.count} labelled: MAE {errors.mean_mae:.4f} "
+                     f"(per parameter {per_target})")
+        lines.append(line)
+    lines.append(f"predictions written to {out}")
+    return lines

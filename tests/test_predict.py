@@ -1,0 +1,143 @@
+"""``cosmotrain predict`` end to end: dataset order, values, labels, at 1 and 4 ranks.
+
+The reference is a direct forward pass: the serial model with the checkpoint's arrays
+loaded by name, run in evaluation mode on each sample file read on its own.  Predict
+must give the same rows in the same order under every layout (sample parallel with a
+partial last batch, spatial blocks), and the MAE of the labelled rows.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from conftest import REPO, mpiexec, subprocess_env
+
+from cosmotrain.config.load import config_from_mapping
+from cosmotrain.data import formats
+from cosmotrain.data.transform import apply_transform
+from cosmotrain.models import build_model
+from cosmotrain.nn.module import Context
+from cosmotrain.train.checkpoint import load_checkpoint
+
+TRAIN = ["model.name=tiny", "model.width=12", "model.batchnorm=true", "data.source=synthetic",
+         "data.synthetic.samples=19", "data.synthetic.val_fraction=0.2", "train.batch_size=4",
+         "train.epochs=1", "optimizer.name=adam"]
+
+
+def run_cli(*args: str, ranks: int = 1) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "cosmotrain", *args]
+    if ranks > 1:
+        command = [mpiexec(), "-n", str(ranks), *command]
+    return subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A run directory with a checkpoint (BN statistics updated) and its dataset."""
+    out = tmp_path_factory.mktemp("trained")
+    sets = [arg for item in [*TRAIN, f"output.dir={out}"] for arg in ("--set", item)]
+    done = run_cli("train", *sets)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def checkpoint_of(run: Path) -> Path:
+    return sorted((run / "checkpoints").glob("ckpt_step*.h5"))[-1]
+
+
+def direct_forward(checkpoint: Path, files: list[Path]) -> np.ndarray:
+    """Each file through the serial model with the checkpoint's arrays, one at a time."""
+    import yaml
+
+    state = load_checkpoint(checkpoint)
+    cfg = config_from_mapping(yaml.safe_load(state.config_yaml))
+    model = build_model(cfg.model, seed=123)  # every array is overwritten below
+    for name, param in model.named_parameters():
+        param.data[...] = state.params[name]
+    for name, layer, key in model.named_buffers():
+        layer.buffers[key] = np.asarray(state.buffers[name]).astype(
+            np.asarray(layer.buffers[key]).dtype)
+    rows = []
+    for path in files:
+        volume, _ = formats.read_sample(path)
+        x = apply_transform(volume[None], cfg.data.transform)
+        rows.append(model.forward(x, Context(training=False, seed=0))[0])
+    return np.array(rows, dtype=np.float32)
+
+
+def read_predictions(path: Path) -> dict[str, dict]:
+    with h5py.File(path, "r") as f:
+        return {split: {"prediction": g["prediction"][()], "target": g["target"][()],
+                        "file": list(g["file"].asstr()[()]), "cube": g["cube"][()],
+                        "attrs": dict(g.attrs)} for split, g in f.items()}
+
+
+@pytest.mark.parametrize("ranks,sets", [
+    (1, []),
+    (4, []),  # every rank a sample group: 15 training rows = 3 batches of 4 + 3
+    (4, ["parallel.depth=2", "parallel.height=2"]),  # spatial blocks, gathered to samples
+], ids=["1-rank", "N4", "D2H2"])
+def test_predictions_match_a_direct_forward_pass_in_dataset_order(
+        trained: Path, tmp_path: Path, ranks: int, sets: list[str]) -> None:
+    out = tmp_path / "preds.h5"
+    done = run_cli("predict", "--checkpoint", str(checkpoint_of(trained)), "--data",
+                   str(trained / "data"), "--out", str(out),
+                   *[arg for item in sets for arg in ("--set", item)], ranks=ranks)
+    assert done.returncode == 0, done.stderr
+    assert "validation: 4 sample(s), 4 labelled: MAE" in done.stdout
+    found = read_predictions(out)
+    assert sorted(found) == ["train", "validation"]
+    for split, result in found.items():
+        files = [trained / "data" / name for name in result["file"]]
+        assert [p.name for p in files] == sorted(p.name for p in files)  # dataset order
+        assert len(set(files)) == len(files) == {"train": 15, "validation": 4}[split]
+        expected = direct_forward(checkpoint_of(trained), files)
+        np.testing.assert_allclose(result["prediction"], expected, rtol=1e-4, atol=1e-5)
+        labels = np.array([formats.probe(p)[1] for p in files])
+        np.testing.assert_array_equal(result["target"], labels)
+        mae = np.abs(expected.astype(np.float64) - labels).mean(axis=0)
+        np.testing.assert_allclose(result["attrs"]["mae"], mae, rtol=1e-4)
+        assert result["attrs"]["labelled"] == len(files)
+
+
+def test_unlabelled_files_get_predictions_and_no_mae(trained: Path, tmp_path: Path) -> None:
+    data = tmp_path / "unlabelled"
+    data.mkdir()
+    sources = sorted((trained / "data" / "validation").glob("*.hdf5"))
+    for source in sources:
+        shutil.copy(source, data / source.name)
+        with h5py.File(data / source.name, "a") as f:
+            del f[formats.LABELS_DATASET]
+    out = tmp_path / "preds.h5"
+    done = run_cli("predict", "--checkpoint", str(checkpoint_of(trained)), "--data",
+                   str(data), "--out", str(out), "--batch-size", "3")
+    assert done.returncode == 0, done.stderr
+    assert "no labels (no MAE)" in done.stdout
+    result = read_predictions(out)["train"]  # a flat directory is one split
+    assert np.isnan(result["target"]).all() and "mae" not in result["attrs"]
+    np.testing.assert_allclose(result["prediction"],
+                               direct_forward(checkpoint_of(trained), sources),
+                               rtol=1e-4, atol=1e-5)
+    sets = [arg for item in [*TRAIN, "data.source=files", f"data.path={data}",
+                             f"output.dir={tmp_path / 'run'}"] for arg in ("--set", item)]
+    refused = run_cli("train", *sets)
+    assert refused.returncode == 2
+    assert "has no 'unitPar' labels" in refused.stderr
+
+
+def test_bad_predict_arguments_exit_2(trained: Path, tmp_path: Path) -> None:
+    data = str(trained / "data")
+    missing = run_cli("predict", "--checkpoint", str(tmp_path / "nope.h5"), "--data", data,
+                      "--out", str(tmp_path / "p.h5"))
+    assert missing.returncode == 2 and "checkpoint not found" in missing.stderr
+    split = run_cli("predict", "--checkpoint", str(checkpoint_of(trained)), "--data", data,
+                    "--out", str(tmp_path / "p.h5"), "--split", "test")
+    assert split.returncode == 2 and "no split 'test'" in split.stderr
+    assert not (tmp_path / "p.h5").exists()
