@@ -202,6 +202,73 @@ def predict(
         print("\n".join(describe(results, out)))
 
 
+@app.command()
+def calibrate(
+    config_file: ConfigOption = None,
+    overrides: SetOption = None,
+    out: Annotated[Optional[Path], typer.Option(
+        help="Machine file to write (default: $COSMOTRAIN_MACHINE, else "
+             "~/.cache/cosmotrain/machine.json).")] = None,
+    max_ranks: Annotated[Optional[int], typer.Option(
+        help="Time the layer shapes of strategies up to this many ranks (default: the "
+             "job size).", min=1)] = None,
+    repeats: Annotated[int, typer.Option(help="Timings per measurement (median).", min=1)]
+    = 3,
+) -> None:
+    """Fit the performance model's constants on this machine (run under mpiexec -n P)."""
+    from cosmotrain.comm import world
+    from cosmotrain.config import load_config
+    from cosmotrain.perf.calibrate import Settings, calibrate as run_calibration
+    from cosmotrain.perf.planner import default_machine_path
+
+    cfg = load_config(config_file, overrides or [])
+    comm = world()
+    rank = comm.Get_rank()
+    settings = Settings(repeats, max_ranks or comm.Get_size())
+    machine = run_calibration(cfg, comm, settings,
+                              lambda line: print(line, flush=True) if rank == 0 else None)
+    if machine is not None:
+        path = machine.save(out or default_machine_path())
+        print(f"machine model written to {path}")
+
+
+@app.command()
+def plan(
+    config_file: ConfigOption = None,
+    overrides: SetOption = None,
+    ranks: Annotated[int, typer.Option(help="Ranks to plan for.", min=1)] = 1,
+    memory_per_rank: Annotated[Optional[float], typer.Option(
+        help="Drop strategies needing more than this many GiB per rank.", min=0.0)] = None,
+    machine: Annotated[Optional[str], typer.Option(
+        help="Machine model: a calibrated JSON file or a preset (v100-abci, a100, h100); "
+             "default: the calibrated file.")] = None,
+    ranks_per_node: Annotated[Optional[int], typer.Option(
+        help="Ranks per node (default: the machine's cores or GPUs per node).", min=1)]
+    = None,
+    top: Annotated[int, typer.Option(help="Rows to show.", min=1)] = 15,
+    apply: Annotated[Optional[Path], typer.Option(
+        "--apply", help="Write the config with the best strategy's parallel section here.")]
+    = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Rank the parallel strategies for a config on P ranks by predicted step time."""
+    from cosmotrain.config import load_config
+    from cosmotrain.perf.plan_report import plan_json, plan_table, write_applied
+    from cosmotrain.perf.planner import load_machine, plan as make_plan
+
+    cfg = load_config(config_file, overrides or [])
+    model = load_machine(machine)
+    planned = make_plan(cfg, ranks, model, ranks_per_node,
+                        memory_per_rank * 2**30 if memory_per_rank is not None else None)
+    if as_json:
+        print(json.dumps(plan_json(planned[:top], model), indent=1))
+    else:
+        plan_table(planned[:top], cfg, ranks, model)
+    if apply is not None:
+        print(f"wrote {write_applied(cfg, planned[0].strategy, apply)} "
+              f"(parallel: {planned[0].strategy.describe()})")
+
+
 def _world_size() -> int:
     from cosmotrain.comm import world
 

@@ -35,7 +35,11 @@ def config_from_mapping(raw: dict[str, Any], overrides: Iterable[str] = ()) -> C
     """Validate a parsed config (e.g. a checkpoint's) after applying ``key=value`` overrides."""
     for assignment in overrides:
         key, value = parse_assignment(assignment)
+        if key.startswith("parallel.") and raw.get("parallel") == AUTO:
+            raw["parallel"] = {"auto": True}
         set_dotted(raw, key, value)
+    if raw.get("parallel") == AUTO:  # `parallel: auto`: the planner chooses
+        raw["parallel"] = {"auto": True}
     return build(Config, raw, prefix="")
 
 

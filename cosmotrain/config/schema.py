@@ -120,6 +120,12 @@ class ParallelConfig:
                               "(local)", choices=("global", "local"))
     bucket_mb: float = spec(25.0, "size of the gradient allreduce buckets (MiB)",
                             minimum=0.0)
+    auto: bool = spec(False, "let the planner choose sample, channel, filter, depth, height, "
+                      "width and the channel algorithm at start-up (cosmotrain plan); "
+                      "`parallel: auto` is short for `parallel: {auto: true}`")
+    machine: str | None = spec(None, "machine model for auto: a file from cosmotrain "
+                               "calibrate or a preset (v100-abci, a100, h100); default: the "
+                               "calibrated file", nullable=True)
 
 
 @dataclass

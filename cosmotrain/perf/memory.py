@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cosmotrain.nn.module import Layer
 from cosmotrain.perf.flops import LayerCost, layer_costs
+
+if TYPE_CHECKING:
+    from cosmotrain.perf.workload import Workload
 
 FLOAT = 4
 _SAVES_INPUT = {"Conv3d": FLOAT, "BatchNorm3d": FLOAT, "Linear": FLOAT, "Dropout": 1}
@@ -51,3 +55,24 @@ def _backward_arrays(cost: LayerCost, first: bool) -> int:
     if first or cost.kind in _IN_PLACE_BACKWARD:
         return dy
     return dy + FLOAT * math.prod(cost.in_shape)
+
+
+def workload_memory(work: Workload) -> float:
+    """Bytes the busiest rank of a :class:`~cosmotrain.perf.workload.Workload` holds at peak.
+
+    Parameters, gradients and optimizer state of what it holds; the input block; what the
+    layers save for backward on their local shapes (a convolution's saved input includes
+    its halo margins); the largest gradient pair alive in backward; the all-gathered input
+    of a channel-split convolution is counted as its saved input.
+    """
+    held = FLOAT * work.params_held * (2 + work.optimizer_slots)
+    saved = 0.0
+    for layer in work.layers:
+        margins = sum(t.elements for t in layer.transfers if t.kind == "halo") / \
+            (2.0 if layer.input_grad else 1.0)
+        saved += _SAVES_INPUT.get(layer.kind, 0) * (math.prod(layer.in_shape) + margins)
+        saved += _SAVES_OUTPUT.get(layer.kind, 0) * math.prod(layer.out_shape)
+    transient = max((FLOAT * (math.prod(layer.out_shape) +
+                              (math.prod(layer.in_shape) if layer.input_grad else 0))
+                     for layer in work.layers), default=0)
+    return held + saved + transient + FLOAT * work.input_elements

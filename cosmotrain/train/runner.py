@@ -9,6 +9,7 @@ from cosmotrain.config.parallel import resolve_parallel
 from cosmotrain.config.schema import Config
 from cosmotrain.errors import UserError
 from cosmotrain.layers.channel_conv import ChannelConv3d
+from cosmotrain.perf.planner import choose_parallel
 from cosmotrain.train.job import build_job
 from cosmotrain.train.step import hybrid_step_from_config
 from cosmotrain.train.trainer import Trainer
@@ -16,6 +17,9 @@ from cosmotrain.train.trainer import Trainer
 
 def run_training(cfg: Config, comm: Any, resume: bool = False) -> dict[str, Any]:
     """Train ``cfg`` on ``comm`` (collective); returns the summary record."""
+    cfg, chosen = choose_parallel(cfg, comm)
+    if chosen and comm.Get_rank() == 0:
+        print(chosen, flush=True)
     job = build_job(cfg, comm)
     trainer = Trainer(job)
     resumed = resume and trainer.resume()
@@ -38,6 +42,7 @@ def baseline_line(best: float | None, baseline: float | None) -> str:
 
 def describe_plan(cfg: Config, comm: Any) -> str:
     """The run's plan without data: layout, spatial stop, channel algorithms, weights."""
+    cfg, chosen = choose_parallel(cfg, comm)
     grid = ProcessGrid(comm, resolve_parallel(cfg, comm.Get_size()))
     try:
         step = hybrid_step_from_config(cfg, grid)
@@ -46,7 +51,8 @@ def describe_plan(cfg: Config, comm: Any) -> str:
         raise
     model = step.model
     held = sum(p.data.nbytes for _, p in model.named_parameters())
-    lines = [f"layout: {grid.layout.describe()} on {comm.Get_size()} rank(s); model "
+    lines = [chosen] if chosen else []
+    lines += [f"layout: {grid.layout.describe()} on {comm.Get_size()} rank(s); model "
              f"{cfg.model.name} at W={cfg.model.width}, batch {cfg.train.batch_size}",
              f"first layer on whole samples: {model.stop or '(none)'}",
              f"parameters held per rank: {held / 2**20:.1f} MiB (+ gradients and optimizer "

@@ -1,0 +1,116 @@
+"""Predicted step time of a :class:`~cosmotrain.perf.workload.Workload` on a machine.
+
+The busiest rank's step is the sum of its phases, named as in ``metrics.jsonl``:
+
+- ``compute``: each layer's forward + backward at its calibrated one-thread cost
+  (:func:`layer_seconds`), times the node's ``concurrency`` factor for the ranks sharing
+  it (threads speed a lone rank up, oversubscription and shared bandwidth slow each down);
+- ``halo``: point-to-point ``alpha * messages + beta * bytes`` per layer, less the share the
+  machine overlaps with the interior computation;
+- ``channel``: the all-gathers and reduce-scatters of channel/filter parallel layers;
+- ``redistribution``: ToSamples' all-to-all;
+- ``allreduce``: gradient buckets per reduction group (less the overlapped share) and
+  batch-norm statistics;
+- ``other``: the optimizer update of the parameters this rank holds and the input
+  transform.
+
+Communication inside a node uses the intra-node constants, between nodes the inter-node
+ones (a communicator is taken as intra-node when it fits in ``ranks_per_node``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cosmotrain.perf.machine import MachineModel
+from cosmotrain.perf.strategy import Strategy
+from cosmotrain.perf.workload import LayerWork, Transfer, Workload
+
+PHASES = ("compute", "halo", "channel", "redistribution", "allreduce", "other")
+PHASE_OF = {"halo": "halo", "allgather": "channel", "reduce_scatter": "channel",
+            "alltoall": "redistribution", "allreduce": "allreduce",
+            "bn_allreduce": "allreduce"}
+OVERLAPPED = {"halo", "allreduce"}
+BYTES = 4  # float32 activations and gradients
+
+
+@dataclass
+class Prediction:
+    """Predicted seconds per phase of one step, and what follows from them."""
+
+    strategy: Strategy
+    batch: int
+    seconds: dict[str, float]
+    memory_bytes: float = 0.0
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.seconds.values())
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.batch / self.step_s if self.step_s > 0 else 0.0
+
+    @property
+    def comm_share(self) -> float:
+        """Share of the step spent communicating."""
+        comm = sum(v for k, v in self.seconds.items() if k not in ("compute", "other"))
+        return comm / self.step_s if self.step_s > 0 else 0.0
+
+
+def layer_key(layer: LayerWork) -> str:
+    """The calibration key: kind and the channels the local kernel sees."""
+    if layer.kind == "Conv3d":
+        return (f"Conv3d:{layer.in_shape[1]}x{layer.out_shape[1]}:"
+                f"k{layer.kernel[0]}s{layer.stride[0]}:{'dx' if layer.input_grad else 'nodx'}")
+    if layer.kind == "Linear":
+        return f"Linear:{math.prod(layer.in_shape[1:])}x{layer.out_shape[1]}"
+    return layer.kind
+
+
+def layer_elements(layer: LayerWork) -> float:
+    """The size a layer's cost grows with: its local output (input for reductions)."""
+    return float(max(math.prod(layer.out_shape), math.prod(layer.in_shape)
+                     if layer.kind not in ("Conv3d", "Linear") else 0))
+
+
+def layer_seconds(layer: LayerWork, machine: MachineModel) -> float:
+    """Forward + backward of one layer on one thread, the node otherwise idle."""
+    if math.prod(layer.out_shape) == 0:
+        return 0.0
+    fit = machine.layers.get(layer_key(layer))
+    if fit is not None:
+        return max(fit(layer_elements(layer)), 0.0)
+    flops = layer.forward_flops + layer.backward_flops
+    if flops and layer.kind in machine.flop_rate:
+        return flops / machine.flop_rate[layer.kind]
+    return machine.element_time.get(layer.kind, 0.0) * layer_elements(layer)
+
+
+def transfer_seconds(transfer: Transfer, machine: MachineModel, ranks_per_node: int) -> float:
+    """alpha-beta cost of one transfer on the busiest rank."""
+    link = machine.link(ranks_per_node, transfer.group)
+    nbytes = transfer.elements * BYTES
+    if transfer.kind == "halo":
+        return transfer.calls * link.p2p.a + nbytes * link.p2p.b if nbytes else 0.0
+    return link.collective(transfer.kind, transfer.group, nbytes, transfer.calls)
+
+
+def predict(work: Workload, machine: MachineModel, ranks_per_node: int | None = None
+            ) -> Prediction:
+    """Seconds per phase of ``work``'s step on ``machine``."""
+    per_node = min(work.ranks, ranks_per_node or machine.cores_per_node)
+    slow = machine.slowdown(per_node)
+    seconds = dict.fromkeys(PHASES, 0.0)
+    seconds["compute"] = slow * sum(layer_seconds(layer, machine) for layer in work.layers)
+    for transfer in work.transfers():
+        phase = PHASE_OF[transfer.kind]
+        cost = transfer_seconds(transfer, machine, per_node)
+        if phase in OVERLAPPED and transfer.kind != "bn_allreduce":
+            cost *= 1.0 - machine.overlap
+        seconds[phase] += cost
+    seconds["other"] = slow * (
+        machine.element_time.get("optimizer", 0.0) * work.params_held +
+        machine.element_time.get("input", 0.0) * work.input_elements)
+    return Prediction(work.strategy, work.batch, seconds)
