@@ -1,0 +1,83 @@
+"""``cosmotrain calibrate``, ``plan`` and ``parallel: auto`` end to end (subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, mpiexec, subprocess_env
+
+from cosmotrain.config import load_config
+from cosmotrain.perf.machine import MachineModel
+
+TINY = ["model.name=tiny", "model.width=16", "train.batch_size=4"]
+
+
+def run(*args: str, ranks: int = 1, env: dict | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "cosmotrain", *args]
+    if ranks > 1:
+        command = [mpiexec(), "-n", str(ranks), *command]
+    return subprocess.run(command, cwd=REPO, env={**subprocess_env(), **(env or {})},
+                          capture_output=True, text=True, timeout=180)
+
+
+def sets(*items: str) -> list[str]:
+    return [arg for item in items for arg in ("--set", item)]
+
+
+@pytest.fixture(scope="module")
+def machine_file(tmp_path_factory) -> Path:
+    """A calibration of the tiny model on 2 ranks (layers, concurrency, links)."""
+    path = tmp_path_factory.mktemp("machine") / "machine.json"
+    done = run("calibrate", *sets(*TINY), "--out", str(path), "--repeats", "1", ranks=2)
+    assert done.returncode == 0, done.stderr
+    return path
+
+
+def test_calibration_measures_layers_concurrency_and_links(machine_file: Path) -> None:
+    machine = MachineModel.load(machine_file)
+    convs = [key for key in machine.layers if key.startswith("Conv3d:")]
+    assert convs and all(fit.a >= 0 and fit.b >= 0 for fit in machine.layers.values())
+    assert any(machine.layers[key].b > 0 for key in convs)
+    assert set(machine.concurrency) == {1, 2} and all(v > 0 for v in
+                                                       machine.concurrency.values())
+    assert machine.flop_rate["Conv3d"] > 1e6
+    assert set(machine.intra.collectives) == {"allreduce", "allgather", "reduce_scatter",
+                                              "alltoall"}
+    assert machine.intra.collectives["allreduce"][2].b > 0 and machine.intra.p2p.b > 0
+    assert machine.element_time["optimizer"] > 0
+
+
+def test_plan_ranks_applies_and_auto_uses_it(machine_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "planned.yaml"
+    done = run("plan", *sets(*TINY), "--ranks", "4", "--machine", str(machine_file),
+               "--ranks-per-node", "4", "--json", "--apply", str(out))  # as mpiexec here
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout[:done.stdout.rindex("}") + 1])
+    steps = [row["step_s"] for row in report["strategies"]]
+    assert steps == sorted(steps) and len(steps) >= 5
+    best = report["strategies"][0]
+    applied = load_config(out)
+    assert yaml.safe_load(out.read_text())["parallel"] == best["parallel"] | {
+        "bn_statistics": "global", "bucket_mb": 25.0}
+    assert applied.model.name == "tiny"
+    auto = run("train", *sets(*TINY, "parallel=auto", f"parallel.machine={machine_file}"),
+               "--dry-run", ranks=4)
+    assert auto.returncode == 0, auto.stderr
+    assert f"parallel: auto chose {best['strategy']} for 4 rank(s)" in auto.stdout
+
+
+def test_plan_errors_exit_2(tmp_path: Path) -> None:
+    missing = run("plan", *sets(*TINY), "--ranks", "2",
+                  env={"COSMOTRAIN_MACHINE": str(tmp_path / "none.json")})
+    assert missing.returncode == 2 and "run `cosmotrain calibrate`" in missing.stderr
+    (tmp_path / "bad.json").write_text("{}")
+    bad = run("plan", *sets(*TINY), "--ranks", "2", "--machine", str(tmp_path / "bad.json"))
+    assert bad.returncode == 2 and "unreadable machine file" in bad.stderr
+    none = run("plan", *sets(*TINY), "--ranks", "3", "--machine", "h100",
+               "--memory-per-rank", "0.000001")
+    assert none.returncode == 2 and "no strategy for 3 rank(s) fits" in none.stderr
