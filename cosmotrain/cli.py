@@ -269,6 +269,89 @@ def plan(
               f"(parallel: {planned[0].strategy.describe()})")
 
 
+class StudyMode(str, Enum):
+    strong = "strong"
+    weak = "weak"
+
+
+class StudyLauncher(str, Enum):
+    auto = "auto"
+    srun = "srun"
+    mpiexec = "mpiexec"
+
+
+@app.command("scale-study")
+def scale_study(
+    config_file: ConfigOption = None,
+    ranks: Annotated[Optional[str], typer.Option(
+        help="Rank counts to measure, e.g. 1,2,4,8.")] = None,
+    mode: Annotated[StudyMode, typer.Option(
+        help="strong: the global batch stays train.batch_size; weak: the batch is "
+             "train.batch_size x P.")] = StudyMode.strong,
+    strategies: Annotated[Optional[str], typer.Option(
+        help="Comma-separated strategies, each measured at the rank count it fits: names "
+             "(N4, D2H2, C2F2:w, D2H2@pool4) or, for every P, data (N{P}), spatial (P over "
+             "depth, height, width), depth/height/width, plan (the planner's choice). "
+             "Default: data, spatial and (with a machine model) plan.")] = None,
+    out: Annotated[Optional[Path], typer.Option(
+        help="Output directory: results.json/.csv/.md, plots, points/, data/.")] = None,
+    steps: Annotated[int, typer.Option(help="Training steps per point.", min=2)] = 6,
+    warmup: Annotated[int, typer.Option(
+        help="Steps left out before the median (at least the first).", min=1)] = 1,
+    overrides: SetOption = None,
+    machine: Annotated[Optional[str], typer.Option(
+        help="Machine model for predicted times and 'plan': a preset (h100, ...), a JSON "
+             "file, or none (default: the calibrated file, if any).")] = None,
+    ranks_per_node: Annotated[Optional[int], typer.Option(
+        help="Ranks per node of the points (srun layout and predictions; default: the "
+             "allocation's --ntasks-per-node under Slurm, else all on one node).",
+        min=1)] = None,
+    launcher: Annotated[StudyLauncher, typer.Option(
+        help="auto: srun inside a Slurm allocation, else mpiexec.")] = StudyLauncher.auto,
+    data: Annotated[Optional[Path], typer.Option(
+        help="Use this dataset instead of generating a synthetic one in OUT/data.")] = None,
+    timeout: Annotated[Optional[float], typer.Option(
+        help="Seconds after which a point is stopped and recorded as failed.",
+        min=1)] = None,
+    report: Annotated[Optional[Path], typer.Option(
+        "--report", help="Only re-render results.csv/.md and the plots of the study in "
+                         "this directory from its results.json.")] = None,
+) -> None:
+    """Measured strong or weak scaling: one short training run per point, tables, plots,
+    measured vs predicted."""
+    from cosmotrain.perf.study import StudySpec, run_study
+    from cosmotrain.perf.study_points import parse_ranks, parse_strategy_names
+    from cosmotrain.perf.study_report import load_results, render
+
+    if report is not None:
+        for path in render(load_results(report), report):
+            print(f"scale-study: wrote {path}")
+        return
+    missing = [name for name, value in (("--config", config_file), ("--ranks", ranks),
+                                        ("--out", out)) if value is None]
+    if missing:
+        raise UserError(f"scale-study needs {', '.join(missing)} (or --report DIR); e.g. "
+                        f"cosmotrain scale-study --config configs/tiny.yaml --ranks 1,2 "
+                        f"--out runs/study")
+    if warmup >= steps:
+        raise UserError(f"--warmup {warmup} leaves none of --steps {steps}; use more steps")
+    spec = StudySpec(
+        config=config_file, ranks=parse_ranks(ranks), mode=mode.value, out=out,
+        strategies=parse_strategy_names(strategies) if strategies is not None else None,
+        overrides=tuple(overrides or ()), steps=steps, warmup=warmup, machine=machine,
+        ranks_per_node=ranks_per_node, launcher=launcher.value, data=data,
+        timeout_s=timeout)
+    results = run_study(spec)
+    failed = [p.name for p in results["points"] if p.status == "failed"]
+    if failed:
+        print(f"cosmotrain: error: scale-study: {len(failed)} point(s) failed: "
+              f"{', '.join(failed)}; see {out / 'results.md'}", file=sys.stderr)
+        raise typer.Exit(1)
+    if not any(p.status == "ok" for p in results["points"]):
+        raise UserError(f"scale-study: no point could run; the reasons are in "
+                        f"{out / 'results.md'}")
+
+
 def _world_size() -> int:
     from cosmotrain.comm import world
 

@@ -299,6 +299,24 @@ def test_scale_study_dry_run_without_slurm(tmp_path: Path) -> None:
     assert "export" not in done.stdout  # each point shares the cores itself
 
 
+def test_scale_study_runs_for_real_without_slurm(tmp_path: Path) -> None:
+    """The batch script end to end with plain bash: cosmotrain scale-study starts every
+    point itself with mpiexec and writes its results."""
+    mpiexec()
+    out = tmp_path / "study"
+    env = clean_env(CONFIG="configs/tiny.yaml", RANKS="1 2", STRATEGIES="data",
+                    OUT=str(out), EXTRA_ARGS="--steps 3 --machine none --set model.width=12")
+    done = run("scale_study.sbatch", env, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"+ {COSMOTRAIN} scale-study --config {REPO / 'configs/tiny.yaml'} --ranks 1,2 " \
+        in done.stdout
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["launcher"] == "mpiexec" and doc["mode"] == "strong"
+    assert [(p["ranks"], p["strategy"], p["status"]) for p in doc["points"]] == \
+        [(1, "N1", "ok"), (2, "N2", "ok")]
+    assert (out / "results.md").is_file() and (out / "results.csv").is_file()
+
+
 def test_dry_run_without_slurm_prints_mpiexec(tmp_path: Path) -> None:
     env = clean_env(TASKS_PER_NODE="3", CPUS_PER_TASK="2", DRY_RUN="1",
                     SETS="output.dir=/tmp/x y=1", MPIEXEC_ARGS="-bind-to core")
