@@ -58,7 +58,8 @@ class Trainer:
     def __init__(self, job: Job) -> None:
         self.job, self.cfg = job, job.cfg
         self.train_reader = job.readers["train"]
-        self.val_reader = job.readers.get("validation")
+        val = job.readers.get("validation")
+        self.val_reader = val if val is not None and val.count > 0 else None
         self.schedule = build_schedule(self.cfg)
         self.per_epoch = self.train_reader.batches_per_epoch
         if self.per_epoch == 0:
