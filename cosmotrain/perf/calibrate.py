@@ -61,7 +61,8 @@ def calibrate(cfg: Config, comm: Any, settings: Settings, log: Callable[[str], N
     """Measure and fit (collective); the model on rank 0, None elsewhere."""
     rank, size = comm.Get_rank(), comm.Get_size()
     cores = os.cpu_count() or 1
-    machine = MachineModel(name=os.uname().nodename, cores_per_node=cores)
+    machine = MachineModel(name=os.uname().nodename, cores_per_node=cores,
+                           memory_per_node_gib=_node_memory_gib())
     _parallel.set_blas_threads(1)
     if rank == 0:
         log("layers: timing every layer key on one thread")
@@ -80,6 +81,14 @@ def calibrate(cfg: Config, comm: Any, settings: Settings, log: Callable[[str], N
         machine.notes = (f"calibrated with {size} rank(s) on one node; inter-node links "
                          "copy the intra-node ones (calibrate across nodes to measure them)")
     return machine if rank == 0 else None
+
+
+def _node_memory_gib() -> float:
+    """Physical memory of this node (0 when the platform does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return 0.0
 
 
 def _run_alone(comm: Any, work: Callable[[], Any]) -> Any:

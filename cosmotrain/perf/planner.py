@@ -70,10 +70,28 @@ def price(cfg: Config, strategy: Strategy, machine: MachineModel,
     return Planned(prediction, memory, work.stop)
 
 
+MEMORY_RESERVE = 0.1  # the share of a node's memory left to the runtime, MPI, workspaces
+
+
+def default_memory_per_rank(machine: MachineModel, ranks: int,
+                            ranks_per_node: int | None = None) -> float | None:
+    """Bytes a rank may use: its share of the node's memory, less the reserve."""
+    if machine.memory_per_node_gib <= 0:
+        return None
+    per_node = min(ranks, ranks_per_node or machine.cores_per_node)
+    return machine.memory_per_node_gib * 2**30 * (1 - MEMORY_RESERVE) / per_node
+
+
 def plan(cfg: Config, ranks: int, machine: MachineModel, ranks_per_node: int | None = None,
          memory_per_rank: float | None = None, algorithms: tuple[str, ...] = ("x", "y", "w")
          ) -> list[Planned]:
-    """Every feasible strategy for ``ranks``, fastest first (memory in bytes, None = any)."""
+    """Every feasible strategy for ``ranks``, fastest first.
+
+    ``memory_per_rank`` (bytes) defaults to the machine's memory per node shared by its
+    ranks, less a tenth for the runtime (None: no limit when the machine says nothing).
+    """
+    if memory_per_rank is None:
+        memory_per_rank = default_memory_per_rank(machine, ranks, ranks_per_node)
     model = build_model(cfg.model, cfg.train.seed)
     narrowest = min(layer.out_channels for _, layer in model.named_layers()
                     if hasattr(layer, "out_channels"))
