@@ -107,6 +107,11 @@ def test_plan_ranks_by_predicted_time_and_respects_memory() -> None:
     with pytest.raises(UserError, match="no strategy"):
         plan(cfg, 8, load_machine("h100"), memory_per_rank=1.0)
     assert set(PRESETS) == {"v100-abci", "a100", "h100"}
+    v100 = load_machine("v100-abci")  # one GPU per rank: never more than one card's memory
+    big = config("model.width=512", "train.batch_size=1")
+    with pytest.raises(UserError, match="no strategy for 1 rank"):
+        plan(big, 1, v100)  # a 512^3 sample needs about 32 GiB
+    assert all(p.memory_bytes <= 0.9 * 16 * 2**30 for p in plan(big, 4, v100))
 
 
 @pytest.mark.parallel(nprocs=4)

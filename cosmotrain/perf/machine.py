@@ -75,6 +75,7 @@ class MachineModel:
     inter: LinkModel = field(default_factory=lambda: LinkModel(Fit(5e-6, 1 / 10e9)))
     overlap: float = 0.0
     memory_per_node_gib: float = 0.0
+    memory_per_device_gib: float = 0.0  # GPUs: a rank never has more than its device's
     notes: str = ""
 
     def slowdown(self, ranks_on_node: int) -> float:
@@ -117,6 +118,7 @@ class MachineModel:
             intra=_link(data["intra"]), inter=_link(data["inter"]),
             overlap=float(data.get("overlap", 0.0)),
             memory_per_node_gib=float(data.get("memory_per_node_gib", 0.0)),
+            memory_per_device_gib=float(data.get("memory_per_device_gib", 0.0)),
             notes=str(data.get("notes", "")))
 
     @classmethod

@@ -75,7 +75,10 @@ MEMORY_RESERVE = 0.1  # the share of a node's memory left to the runtime, MPI, w
 
 def default_memory_per_rank(machine: MachineModel, ranks: int,
                             ranks_per_node: int | None = None) -> float | None:
-    """Bytes a rank may use: its share of the node's memory, less the reserve."""
+    """Bytes a rank may use, less the reserve: its device's memory (one rank per GPU),
+    else its share of the node's."""
+    if machine.memory_per_device_gib > 0:
+        return machine.memory_per_device_gib * 2**30 * (1 - MEMORY_RESERVE)
     if machine.memory_per_node_gib <= 0:
         return None
     per_node = min(ranks, ranks_per_node or machine.cores_per_node)
