@@ -35,3 +35,26 @@ def test_configure_threads_sets_the_kernel_workers() -> None:
         assert _parallel.num_workers() == threads
     finally:
         _parallel.set_blas_threads(before)
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, None), ({"OPENBLAS_NUM_THREADS": "3"}, 3), ({"OMP_NUM_THREADS": "2"}, 2),
+    ({"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "8"}, 1),
+    ({"OPENBLAS_NUM_THREADS": "lots"}, None), ({"OMP_NUM_THREADS": "0"}, None)])
+def test_an_explicit_thread_count_caps_the_share(env: dict, expected: int | None) -> None:
+    from cosmotrain.comm.threads import env_thread_limit
+
+    assert env_thread_limit(env) == expected
+
+
+def test_configure_threads_respects_openblas_num_threads(monkeypatch) -> None:
+    from mpi4py import MPI
+
+    if _parallel._blas() is None:  # noqa: SLF001
+        pytest.skip("no controllable OpenBLAS in this process")
+    before = _parallel.num_workers()
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    try:
+        assert configure_threads(MPI.COMM_SELF) == 1
+    finally:
+        _parallel.set_blas_threads(before)

@@ -5,8 +5,9 @@ and OpenBLAS's idle threads spin: 2 ranks on 2 cores (cosmoflow W=128, D2) took 
 step with 2 BLAS threads each against 0.639 s with 1 (``bench_hybrid.py --threads``).
 Each rank therefore gets ``cores / local ranks`` threads (at least one), unless the
 launcher already bound it to fewer cores than the node has (``srun --cpus-per-task``),
-in which case its own affinity mask is the budget.  The chunked kernels use as many
-workers as BLAS has threads (``kernels/_parallel.py``).
+in which case its own affinity mask is the budget.  An explicit ``OPENBLAS_NUM_THREADS``
+or ``OMP_NUM_THREADS`` (the Slurm scripts set them from ``--cpus-per-task``) caps it.  The
+chunked kernels use as many workers as BLAS has threads (``kernels/_parallel.py``).
 """
 
 from __future__ import annotations
@@ -37,5 +38,18 @@ def configure_threads(comm: Any) -> int:
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
         (os.cpu_count() or 1)
     threads = threads_per_rank(local_ranks, usable, os.cpu_count() or usable)
+    limit = env_thread_limit()
+    if limit is not None:
+        threads = min(threads, limit)
     _parallel.set_blas_threads(threads)
     return threads
+
+
+def env_thread_limit(env: Any = None) -> int | None:
+    """The thread count the user set (OPENBLAS_NUM_THREADS, else OMP_NUM_THREADS), if any."""
+    env = os.environ if env is None else env
+    for key in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = env.get(key, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
