@@ -315,16 +315,21 @@ def scale_study(
         min=1)] = None,
     report: Annotated[Optional[Path], typer.Option(
         "--report", help="Only re-render results.csv/.md and the plots of the study in "
-                         "this directory from its results.json.")] = None,
+                         "this directory from its results.json (with --machine: price the "
+                         "measured points again on that model first).")] = None,
 ) -> None:
     """Measured strong or weak scaling: one short training run per point, tables, plots,
     measured vs predicted."""
-    from cosmotrain.perf.study import StudySpec, run_study
+    from cosmotrain.perf.study import StudySpec, reprice, run_study
     from cosmotrain.perf.study_points import parse_ranks, parse_strategy_names
-    from cosmotrain.perf.study_report import load_results, render
+    from cosmotrain.perf.study_report import load_results, render, write_results
 
     if report is not None:
-        for path in render(load_results(report), report):
+        results = load_results(report)
+        if machine is not None:  # price the measured points again on this machine model
+            results = reprice(results, machine)
+            write_results(results, report)
+        for path in render(results, report):
             print(f"scale-study: wrote {path}")
         return
     missing = [name for name, value in (("--config", config_file), ("--ranks", ranks),

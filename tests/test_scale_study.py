@@ -156,6 +156,23 @@ def test_report_rerenders_from_results_json_alone(strong: Path, tmp_path: Path, 
     assert "wrote" in out and "results.md" in out
 
 
+def test_report_with_a_machine_prices_the_points_again(strong: Path, tmp_path: Path,
+                                                       cli) -> None:
+    shutil.copy(strong / "results.json", tmp_path / "results.json")
+    before = json.loads((tmp_path / "results.json").read_text())
+    code, _, err = cli("scale-study", "--report", str(tmp_path), "--machine", "a100")
+    assert code == 0, err
+    after = json.loads((tmp_path / "results.json").read_text())
+    assert after["machine"] == "a100" and after["notes"][-1].endswith("on a100")
+    for old, new in zip(before["points"], after["points"]):
+        assert new["measured"] == old["measured"]  # nothing was run again
+        if new["status"] == "ok":
+            assert new["predicted"]["step_s"] > 0
+            assert new["predicted"] != old.get("predicted")
+    code, _, _ = cli("scale-study", "--report", str(tmp_path), "--machine", "a100")
+    assert json.loads((tmp_path / "results.json").read_text())["notes"] == after["notes"]
+
+
 def test_without_matplotlib_everything_but_the_plots(strong: Path, tmp_path: Path, cli,
                                                      monkeypatch) -> None:
     for name in [n for n in sys.modules if n.split(".")[0] == "matplotlib"] + ["matplotlib"]:

@@ -44,8 +44,9 @@ from cosmotrain.perf.strategy import Strategy, distinct, enumerate_strategies
 from cosmotrain.perf.workload import LayerWork, build_workload
 from cosmotrain.train.optim import build_optimizer
 
-MAX_ELEMENTS = 4_000_000  # largest local output timed per key (keeps calibration short)
+MAX_ELEMENTS = 40_000_000  # largest local output timed per key (W=64, batch 8: conv1 is 34 M)
 MESSAGE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 23)
+BLOCKS = 3  # timed blocks per concurrency level
 
 
 @dataclass
@@ -193,12 +194,17 @@ def time_layer(layer: LayerWork, cfg: Config, repeats: int) -> float:
     x = rng.standard_normal(layer.in_shape, dtype=np.float32)
     if layer.kind == "Linear":
         x = x.reshape(layer.in_shape[0], -1)
-    times = []
+    times, dy = [], None
     for step in range(repeats + 1):
         ctx = Context(training=True, step=step, seed=0)
+        fresh = x.copy()  # activations work in place: each repetition gets its own input
         started = time.perf_counter()
-        y = engine.forward(x.copy(), ctx)
-        engine.backward(np.ones_like(y), ctx)
+        y = engine.forward(fresh, ctx)
+        if dy is None:  # the same shape every repetition: allocated once, like a buffer
+            paused = time.perf_counter()
+            dy = np.ones_like(y)
+            started += time.perf_counter() - paused
+        engine.backward(dy, ctx)
         times.append(time.perf_counter() - started)
         for param in engine.params.values():
             param.grad = None
@@ -259,34 +265,60 @@ def _median_time(work: Callable[[], Any], repeats: int) -> float:
 # --- concurrency ------------------------------------------------------------------------
 
 def reference_layers(cfg: Config) -> list[LayerWork]:
-    """The model's first two convolutions on one sample at up to 32^3: the reference."""
-    sized = replace(cfg, model=replace(cfg.model, width=min(cfg.model.width, 32)),
+    """The model's first two convolutions on one sample at up to 64^3: the reference.
+
+    Large enough that a lone rank's threads speed it up as they do the real step (at
+    32^3 two threads gained 1.2x where the W=64 step gains 1.8x)."""
+    sized = replace(cfg, model=replace(cfg.model, width=min(cfg.model.width, 64)),
                     train=replace(cfg.train, batch_size=1))
     work = build_workload(sized, Strategy(1))
     return [layer for layer in work.layers if layer.kind == "Conv3d"][:2]
 
 
 def concurrency(cfg: Config, comm: Any, cores: int, settings: Settings) -> dict[int, float]:
-    """``k -> time of the reference on k ranks at once / alone on one thread``."""
-    reference = reference_layers(cfg)
+    """``k -> time of the reference on k ranks at once / alone on one thread``.
+
+    Each rank times its whole block of repetitions from a common start: timing single
+    repetitions would miss the contention, as oversubscribed ranks take turns on a core.
+    """
+    reference = [(make_layer(layer, cfg), layer) for layer in reference_layers(cfg)]
+    rounds = 2 * settings.repeats
 
     def run() -> float:
-        return sum(time_layer(layer, cfg, settings.repeats) for layer in reference)
+        _reference_block(reference, 1)  # warm-up: buffers, caches
+        started = time.perf_counter()
+        _reference_block(reference, rounds)
+        return time.perf_counter() - started
 
-    alone = _run_alone(comm, run)
-    alone = comm.bcast(alone, root=0)
+    alone = comm.bcast(_run_alone(comm, lambda: statistics.median(
+        run() for _ in range(BLOCKS))), root=0)
     result = {}
     for k in range(1, comm.Get_size() + 1):
         busy = comm.Get_rank() < k
-        if busy:
-            _parallel.set_blas_threads(threads_per_rank(k, cores, cores))
-        _quiet_barrier(comm)
-        seconds = run() if busy else 0.0
-        _quiet_barrier(comm)
-        _parallel.set_blas_threads(1)
-        slowest = comm.allreduce(seconds, op=_max())
-        result[k] = slowest / alone
+        slowest = []
+        for _ in range(BLOCKS):  # the median of a few blocks: single blocks vary by 10-20%
+            if busy:
+                _parallel.set_blas_threads(threads_per_rank(k, cores, cores))
+            _quiet_barrier(comm)
+            seconds = run() if busy else 0.0
+            _quiet_barrier(comm)
+            _parallel.set_blas_threads(1)
+            slowest.append(comm.allreduce(seconds, op=_max()))
+        result[k] = statistics.median(slowest) / alone
     return result
+
+
+def _reference_block(reference: list[tuple[Layer, LayerWork]], rounds: int) -> None:
+    """Forward + backward of the reference layers, ``rounds`` times."""
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal(work.in_shape, dtype=np.float32) for _, work in reference]
+    for step in range(rounds):
+        ctx = Context(training=True, step=step, seed=0)
+        for (layer, _), x in zip(reference, inputs):
+            y = layer.forward(x.copy(), ctx)
+            layer.backward(np.ones_like(y), ctx)
+            for param in layer.params.values():
+                param.grad = None
 
 
 def _max() -> Any:

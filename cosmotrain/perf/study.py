@@ -293,3 +293,30 @@ def describe_point(point: Point) -> str:
     if point.predicted:
         text += f" (predicted {point.predicted['step_s']:.4g} s/step)"
     return head + text
+
+
+def reprice(results: dict[str, Any], machine_spec: str) -> dict[str, Any]:
+    """``results`` with every runnable point priced again on another machine model.
+
+    What ``scale-study --report DIR --machine M`` does: compare a study measured once with
+    a new calibration (or a preset) without running it again.
+    """
+    import yaml
+
+    from cosmotrain.config.load import config_from_mapping
+
+    machine = load_machine(machine_spec)
+    per_node = results.get("ranks_per_node")
+    for point in results["points"]:
+        if point["status"] == "skipped":
+            continue
+        cfg = config_from_mapping(yaml.safe_load(results["config_yaml"]),
+                                  [f"train.batch_size={point['batch']}"])
+        planned = price(cfg, parse_strategy(point["strategy"]), machine,
+                        _per_node(point["ranks"], per_node))
+        point["predicted"] = predicted_dict(planned.prediction, planned.memory_bytes)
+    results["machine"] = machine.name
+    notes = [n for n in results.get("notes", []) if not n.startswith("predictions re-priced")]
+    results["notes"] = [*notes, f"predictions re-priced on {machine_spec}"]
+    return results
+
