@@ -68,7 +68,8 @@ def broken_files(tmp_path: Path) -> dict[str, Path]:
     garbage = tmp_path / "garbage.hdf5"
     garbage.write_bytes(b"not an HDF5 file at all" * 10)
     files["corrupt"] = garbage
-    for name, content in {"missing key": {"full": volume.astype(np.int16)},
+    for name, content in {"missing key": {"unitPar": labels},  # no volume (labels are
+                          # optional: a file without them is unlabelled data)
                           "wrong shape": {"full": np.zeros((6, 6, 6), np.int16),
                                           "unitPar": labels},
                           "wrong dtype": {"full": np.zeros((6, 6, 6, 4), np.int64),
