@@ -39,14 +39,14 @@ from pathlib import Path
 
 from cosmotrain.config import load_config
 from cosmotrain.config.schema import Config
-from cosmotrain.errors import ConfigError
 from cosmotrain.models import build_model
 from cosmotrain.perf.cost import predict
 from cosmotrain.perf.flops import training_flops
 from cosmotrain.perf.machine import Fit, LinkModel, MachineModel
 from cosmotrain.perf.memory import workload_memory
-from cosmotrain.perf.planner import Planned, default_memory_per_rank, load_machine
-from cosmotrain.perf.strategy import Strategy, distinct, enumerate_strategies, parse_strategy
+from cosmotrain.perf.planner import (REFUSED, Planned, candidates, default_memory_per_rank,
+                                     load_machine)
+from cosmotrain.perf.strategy import Strategy, parse_strategy
 from cosmotrain.perf.workload import build_workload
 
 GiB = 2.0 ** 30
@@ -137,7 +137,7 @@ def _priced(cfg: Config, strategy: Strategy, machines: list[Target], model
     """``strategy`` priced on every target from one workload (None: the engine refuses)."""
     try:
         work = build_workload(cfg, strategy, model)
-    except (ConfigError, ValueError):
+    except REFUSED:
         return None
     memory = workload_memory(work)
     priced = {}
@@ -155,13 +155,9 @@ def plan_targets(cfg: Config, ranks: int, machines: list[Target]) -> dict[str, l
     workload is built once and priced on every preset (the workload does not depend on
     the machine), and nothing is dropped for memory: the callers filter per preset.
     """
-    model = build_model(cfg.model, cfg.train.seed)
-    narrowest = min(layer.out_channels for _, layer in model.named_layers()
-                    if hasattr(layer, "out_channels"))
-    candidates = distinct(list(enumerate_strategies(
-        ranks, cfg.train.batch_size, cfg.model.width, narrowest)))
+    model, strategies = candidates(cfg, ranks)
     ranked: dict[str, list[Planned]] = {t.name: [] for t in machines}
-    for strategy in candidates:
+    for strategy in strategies:
         for name, item in (_priced(cfg, strategy, machines, model) or {}).items():
             ranked[name].append(item)
     return {name: sorted(items, key=lambda i: i.prediction.step_s)

@@ -16,6 +16,16 @@ def world() -> Any:
     return MPI.COMM_WORLD
 
 
+def node_ranks(comm: Any) -> int:
+    """How many ranks of ``comm`` share this rank's node (collective)."""
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    size = local.Get_size()
+    local.Free()
+    return size
+
+
 def abort_job(code: int) -> None:
     """End every rank of the job when MPI is running with more than one rank."""
     from mpi4py import MPI

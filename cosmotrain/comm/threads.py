@@ -30,11 +30,9 @@ def threads_per_rank(local_ranks: int, usable_cores: int, node_cores: int) -> in
 
 def configure_threads(comm: Any) -> int:
     """Set this rank's BLAS threads from the ranks sharing its node (collective)."""
-    from mpi4py import MPI
+    from cosmotrain.comm import node_ranks
 
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    local_ranks = local.Get_size()
-    local.Free()
+    local_ranks = node_ranks(comm)
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
         (os.cpu_count() or 1)
     threads = threads_per_rank(local_ranks, usable, os.cpu_count() or usable)

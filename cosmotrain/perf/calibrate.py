@@ -34,13 +34,13 @@ from cosmotrain.comm.threads import threads_per_rank
 from cosmotrain.config.schema import Config
 from cosmotrain.kernels import _parallel
 from cosmotrain.kernels.geometry import normalize_padding
-from cosmotrain.models import build_model
 from cosmotrain.nn import factory
 from cosmotrain.nn.layers import Dropout, Flatten, LeakyReLU, Pool3d
 from cosmotrain.nn.module import Context, Layer, Parameter
 from cosmotrain.perf.cost import layer_elements, layer_key
 from cosmotrain.perf.machine import Fit, LinkModel, MachineModel
-from cosmotrain.perf.strategy import Strategy, distinct, enumerate_strategies
+from cosmotrain.perf.planner import REFUSED, candidates
+from cosmotrain.perf.strategy import Strategy
 from cosmotrain.perf.workload import LayerWork, build_workload
 from cosmotrain.train.optim import build_optimizer
 
@@ -67,9 +67,10 @@ def calibrate(cfg: Config, comm: Any, settings: Settings, log: Callable[[str], N
     _parallel.set_blas_threads(1)
     if rank == 0:
         log("layers: timing every layer key on one thread")
-        machine.layers = _run_alone(comm, lambda: fit_layers(cfg, settings, log))
+        samples = layer_samples(cfg, settings.max_ranks)
+        machine.layers = _run_alone(comm, lambda: fit_layers(samples, cfg, settings, log))
         machine.element_time = _run_alone(comm, lambda: element_times(cfg, settings))
-        machine.flop_rate = flop_rates(machine.layers, cfg, settings)
+        machine.flop_rate = flop_rates(machine.layers, samples)
     else:
         _run_alone(comm, lambda: None)
         _run_alone(comm, lambda: None)
@@ -110,14 +111,13 @@ def _quiet_barrier(comm: Any) -> None:
 
 def layer_samples(cfg: Config, max_ranks: int) -> dict[str, list[LayerWork]]:
     """Every layer key of every strategy up to ``max_ranks`` ranks, with its local shapes."""
-    model = build_model(cfg.model, cfg.train.seed)
     found: dict[str, dict[tuple[int, ...], LayerWork]] = {}
     for ranks in range(1, max_ranks + 1):
-        for strategy in distinct(list(enumerate_strategies(
-                ranks, cfg.train.batch_size, cfg.model.width, 1 << 30))):
+        model, strategies = candidates(cfg, ranks)
+        for strategy in strategies:
             try:
                 work = build_workload(cfg, strategy, model)
-            except Exception:  # noqa: BLE001 - a split the engine refuses is not timed
+            except REFUSED:  # a split the engine refuses is not timed
                 continue
             for layer in work.layers:
                 if math.prod(layer.out_shape):
@@ -125,11 +125,11 @@ def layer_samples(cfg: Config, max_ranks: int) -> dict[str, list[LayerWork]]:
     return {key: list(shapes.values()) for key, shapes in found.items()}
 
 
-def fit_layers(cfg: Config, settings: Settings, log: Callable[[str], None]
-               ) -> dict[str, Fit]:
+def fit_layers(samples: dict[str, list[LayerWork]], cfg: Config, settings: Settings,
+               log: Callable[[str], None]) -> dict[str, Fit]:
     """``a + b * elements`` per layer key, from its smallest and largest local size."""
     fits = {}
-    for key, layers in sorted(layer_samples(cfg, settings.max_ranks).items()):
+    for key, layers in sorted(samples.items()):
         chosen = _extremes(layers)
         points = [(layer_elements(layer), time_layer(layer, cfg, settings.repeats))
                   for layer in chosen]
@@ -143,11 +143,10 @@ def _extremes(layers: list[LayerWork]) -> list[LayerWork]:
     ordered = sorted(layers, key=layer_elements)
     capped = [layer for layer in ordered if layer_elements(layer) <= MAX_ELEMENTS] or \
         [_shrink(ordered[0])]
-    picks = [capped[0], capped[-1]]
-    if layer_elements(picks[0]) == layer_elements(picks[1]) and len(capped) == 1:
-        picks = [_shrink(capped[0]), capped[0]] if _shrink(capped[0]) != capped[0] \
-            else [capped[0]]
-    return picks
+    if len(capped) > 1:
+        return [capped[0], capped[-1]]
+    smaller = _shrink(capped[0])  # one size only: add a smaller one if the shape allows
+    return [smaller, capped[0]] if smaller != capped[0] else capped
 
 
 def _shrink(layer: LayerWork) -> LayerWork:
@@ -200,10 +199,8 @@ def time_layer(layer: LayerWork, cfg: Config, repeats: int) -> float:
         fresh = x.copy()  # activations work in place: each repetition gets its own input
         started = time.perf_counter()
         y = engine.forward(fresh, ctx)
-        if dy is None:  # the same shape every repetition: allocated once, like a buffer
-            paused = time.perf_counter()
+        if dy is None:  # allocated once, in the warm-up repetition that is not counted
             dy = np.ones_like(y)
-            started += time.perf_counter() - paused
         engine.backward(dy, ctx)
         times.append(time.perf_counter() - started)
         for param in engine.params.values():
@@ -221,10 +218,11 @@ def _fit(points: list[tuple[float, float]]) -> Fit:
     return Fit(max(t0 - b * x0, 0.0), b)
 
 
-def flop_rates(fits: dict[str, Fit], cfg: Config, settings: Settings) -> dict[str, float]:
+def flop_rates(fits: dict[str, Fit], samples: dict[str, list[LayerWork]]
+               ) -> dict[str, float]:
     """Median FLOP/s of the fitted convolutions and linear layers (fallback for new keys)."""
     rates: dict[str, list[float]] = {}
-    for key, layers in layer_samples(cfg, settings.max_ranks).items():
+    for key, layers in samples.items():
         kind = key.split(":")[0]
         if kind not in ("Conv3d", "Linear") or key not in fits:
             continue

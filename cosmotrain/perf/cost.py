@@ -70,9 +70,11 @@ def layer_key(layer: LayerWork) -> str:
 
 
 def layer_elements(layer: LayerWork) -> float:
-    """The size a layer's cost grows with: its local output (input for reductions)."""
-    return float(max(math.prod(layer.out_shape), math.prod(layer.in_shape)
-                     if layer.kind not in ("Conv3d", "Linear") else 0))
+    """The size a layer's cost grows with: a convolution's or linear layer's output, the
+    larger of input and output for the others (a pooling's input is 8x its output)."""
+    if layer.kind in ("Conv3d", "Linear"):
+        return float(math.prod(layer.out_shape))
+    return float(max(math.prod(layer.out_shape), math.prod(layer.in_shape)))
 
 
 def layer_seconds(layer: LayerWork, machine: MachineModel) -> float:

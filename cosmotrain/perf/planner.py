@@ -17,6 +17,7 @@ from typing import Any
 from cosmotrain.config.schema import Config
 from cosmotrain.errors import ConfigError, UserError
 from cosmotrain.models import build_model
+from cosmotrain.nn.containers import Sequential
 from cosmotrain.perf.cost import Prediction, predict
 from cosmotrain.perf.machine import MachineModel
 from cosmotrain.perf.memory import workload_memory
@@ -70,6 +71,20 @@ def price(cfg: Config, strategy: Strategy, machine: MachineModel,
     return Planned(prediction, memory, work.stop)
 
 
+REFUSED = (ConfigError, ValueError)  # what the engine raises for a split it cannot run
+
+
+def candidates(cfg: Config, ranks: int, algorithms: tuple[str, ...] = ("x", "y", "w")
+               ) -> tuple[Sequential, list[Strategy]]:
+    """The serial model and the distinct strategies the planner considers for ``ranks``
+    (channel/filter groups no wider than the model's narrowest convolution)."""
+    model = build_model(cfg.model, cfg.train.seed)
+    narrowest = min(layer.out_channels for _, layer in model.named_layers()
+                    if hasattr(layer, "out_channels"))
+    return model, distinct(list(enumerate_strategies(
+        ranks, cfg.train.batch_size, cfg.model.width, narrowest, algorithms)))
+
+
 MEMORY_RESERVE = 0.1  # the share of a node's memory left to the runtime, MPI, workspaces
 
 
@@ -95,16 +110,12 @@ def plan(cfg: Config, ranks: int, machine: MachineModel, ranks_per_node: int | N
     """
     if memory_per_rank is None:
         memory_per_rank = default_memory_per_rank(machine, ranks, ranks_per_node)
-    model = build_model(cfg.model, cfg.train.seed)
-    narrowest = min(layer.out_channels for _, layer in model.named_layers()
-                    if hasattr(layer, "out_channels"))
-    candidates = distinct(list(enumerate_strategies(
-        ranks, cfg.train.batch_size, cfg.model.width, narrowest, algorithms)))
+    model, strategies = candidates(cfg, ranks, algorithms)
     planned = []
-    for strategy in candidates:
+    for strategy in strategies:
         try:
             item = price(cfg, strategy, machine, ranks_per_node, model)
-        except (ConfigError, ValueError):
+        except REFUSED:
             continue  # a split the engine refuses (e.g. a halo wider than a block)
         if memory_per_rank is None or item.memory_bytes <= memory_per_rank:
             planned.append(item)
@@ -126,13 +137,10 @@ def choose_parallel(cfg: Config, comm: Any) -> tuple[Config, str]:
     """
     if not cfg.parallel.auto:
         return cfg, ""
-    from mpi4py import MPI
-
+    from cosmotrain.comm import node_ranks
     from cosmotrain.data.collective import on_root
 
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    per_node = local.Get_size()
-    local.Free()
+    per_node = node_ranks(comm)
 
     def best() -> tuple[Strategy, float, str]:
         machine = load_machine(cfg.parallel.machine)

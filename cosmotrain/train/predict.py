@@ -31,7 +31,7 @@ import numpy as np
 import yaml
 
 from cosmotrain.atomic import write_atomically
-from cosmotrain.config.load import config_from_mapping
+from cosmotrain.config.load import config_from_mapping, parse_assignment
 from cosmotrain.config.parallel import sample_groups
 from cosmotrain.config.schema import AUTO, Config
 from cosmotrain.data.manifest import Manifest
@@ -76,7 +76,7 @@ def predict_config(config_yaml: str, data: Path, overrides: list[str], world_siz
     raw = yaml.safe_load(config_yaml) or {}
     raw.pop("parallel", None)  # the training layout need not fit this job
     raw.setdefault("data", {}).update(PREDICT_DATA, path=str(data))
-    user_batch = any(item.split("=", 1)[0].strip() == "train.batch_size" for item in overrides)
+    user_batch = any(parse_assignment(item)[0] == "train.batch_size" for item in overrides)
     cfg = config_from_mapping(raw, overrides)
     if cfg.parallel.sample == AUTO and not user_batch:
         groups = sample_groups(cfg, world_size)
