@@ -15,7 +15,7 @@ import pytest
 from cosmotrain.config import load_config
 from cosmotrain.errors import UserError
 from cosmotrain.perf.cost import layer_key, predict
-from cosmotrain.perf.machine import Fit, LinkModel, MachineModel
+from cosmotrain.perf.machine import Curve, Fit, LinkModel, MachineModel
 from cosmotrain.perf.planner import load_machine, plan
 from cosmotrain.perf.presets import PRESETS
 from cosmotrain.perf.strategy import (Strategy, enumerate_strategies, factorisations,
@@ -73,7 +73,7 @@ def test_strategy_names_round_trip_and_enumeration_is_complete() -> None:
 
 def test_costs_add_up_and_follow_the_machine() -> None:
     machine = MachineModel("test", 4, flop_rate={"Conv3d": 1e9, "Linear": 1e9},
-                           element_time={"LeakyReLU": 1e-9},
+                           element_time={"LeakyReLU": 1e-9, "copy": 1e-10},
                            intra=LinkModel(Fit(1e-5, 1e-9)))
     cfg = config("model.width=32", "train.batch_size=4")
     work = build_workload(cfg, Strategy(1, depth=2))
@@ -82,18 +82,41 @@ def test_costs_add_up_and_follow_the_machine() -> None:
                 if layer.kind in ("Conv3d", "Linear"))
     relus = sum(math.prod(layer.out_shape) for layer in work.layers
                 if layer.kind == "LeakyReLU")
-    assert prediction.seconds["compute"] == pytest.approx(flops / 1e9 + relus * 1e-9)
+    split = [layer for layer in work.layers if layer.forward_calls]
+    assert split and all(layer.copied > 0 for layer in split)
+    overlap = sum(layer.forward_flops / 1e9 *  # the forward's extra calls, and the copies
+                  (sum(layer.forward_calls) / math.prod(layer.out_shape) - 1) +
+                  layer.copied * 1e-10 for layer in split)
+    assert overlap > 0
+    assert prediction.seconds["compute"] == pytest.approx(flops / 1e9 + relus * 1e-9 +
+                                                          overlap)
     halo = [t for layer in work.layers for t in layer.transfers if t.kind == "halo"]
     assert prediction.seconds["halo"] == pytest.approx(
         sum(t.calls * 1e-5 + 4 * t.elements * 1e-9 for t in halo))
+    work = build_workload(cfg, Strategy(2))  # no spatial split: one call per layer
+    prediction = predict(work, machine, 2)
     conv1 = work.layers[0]
-    machine.layers[layer_key(conv1)] = Fit(1.0, 0.0)  # a calibrated key wins
-    assert predict(work, machine, 2).seconds["compute"] == pytest.approx(
+    elements = math.prod(conv1.out_shape)
+    machine.layers[1] = {layer_key(conv1): Curve([(elements / 2, 0.5), (elements * 2, 2.0)])}
+    assert predict(work, machine, 1).seconds["compute"] == pytest.approx(  # curve wins
         prediction.seconds["compute"] - (conv1.forward_flops + conv1.backward_flops) / 1e9
-        + 1.0)
+        + 1.0)  # interpolated between its points
     machine.concurrency = {1: 1.0, 2: 2.0}
     doubled = predict(work, machine, 2).seconds["compute"]
     assert doubled == pytest.approx(2 * predict(work, machine, 1).seconds["compute"])
+    machine.layers[2] = {layer_key(conv1): Curve([(elements, 1.25)])}  # measured at k=2
+    assert predict(work, machine, 2).seconds["compute"] == pytest.approx(
+        doubled - 2 * 1.0 + 1.25)
+
+
+def test_curves_interpolate_and_extrapolate() -> None:
+    curve = Curve([(40, 3.0), (10, 1.0), (20, 1.5)])
+    assert [curve(x) for x in (10, 15, 30)] == pytest.approx([1.0, 1.25, 2.25])
+    assert curve(5) == pytest.approx(0.75)  # below: the line through the two smallest
+    assert curve(80) == pytest.approx(6.0)  # above: the largest point's rate
+    assert Curve([(10, 1.0), (20, 5.0)])(1) == 0.0  # never negative
+    with pytest.raises(ValueError):
+        Curve([])
 
 
 def test_plan_ranks_by_predicted_time_and_respects_memory() -> None:

@@ -40,11 +40,15 @@ def machine_file(tmp_path_factory) -> Path:
 
 def test_calibration_measures_layers_concurrency_and_links(machine_file: Path) -> None:
     machine = MachineModel.load(machine_file)
-    convs = [key for key in machine.layers if key.startswith("Conv3d:")]
-    assert convs and all(fit.a >= 0 and fit.b >= 0 for fit in machine.layers.values())
-    assert any(machine.layers[key].b > 0 for key in convs)
-    assert set(machine.concurrency) == {1, 2} and all(v > 0 for v in
-                                                       machine.concurrency.values())
+    assert set(machine.layers) == {1, 2}  # every level of ranks per node up to the job
+    convs = [key for key in machine.layers[1] if key.startswith("Conv3d:")]
+    assert convs and set(machine.layers[2]) == set(machine.layers[1])
+    for curve in machine.layers[1].values():  # timed at >= 2 sizes, never negative
+        assert len(curve.points) >= 2 and all(t >= 0 for _, t in curve.points)
+    assert any(curve.points[-1][1] > 0 for key, curve in machine.layers[1].items()
+               if key in convs)
+    assert set(machine.concurrency) == {1, 2} and machine.concurrency[1] == 1.0
+    assert machine.concurrency[2] > 0
     assert machine.flop_rate["Conv3d"] > 1e6
     assert set(machine.intra.collectives) == {"allreduce", "allgather", "reduce_scatter",
                                               "alltoall"}

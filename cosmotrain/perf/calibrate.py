@@ -3,16 +3,22 @@
 Run it with as many ranks as a node will run (``mpiexec -n 4 cosmotrain calibrate -c F``):
 
 1. *layers*: every layer key (kind and local channels) that any strategy for up to that many
-   ranks gives the config's model is timed, forward + backward, on rank 0 with one thread
-   while the other ranks sleep, at the smallest and the largest local size the strategies
-   produce (capped); ``seconds = a + b * elements`` is fitted per key;
-2. *concurrency*: a reference of the model's first convolutions runs on ``k`` ranks at once
-   (each with the threads the trainer would give it) for every ``k`` up to the job size;
-   ``concurrency(k)`` is its time over the lone one-thread time;
-3. *elements*: the optimizer update and the input transform, seconds per element;
+   ranks gives the config's model is timed, forward + backward, at up to ``MAX_POINTS`` of
+   the local sizes the strategies produce, with ``k`` ranks running it at once (each with
+   the threads the trainer would give it) for ``k`` = 1, 2, 4, ... and the job size: one
+   :class:`~cosmotrain.perf.machine.Curve` per level and key.  Timing every level is what
+   makes the model hold for data-parallel and spatial steps alike: how much sharing a node
+   slows a layer depends on the layer (memory-bound pooling and thin convolutions suffer
+   most), which a single node-wide factor cannot express;
+2. *concurrency*: per level, the summed time of every measured point over its time on one
+   rank, for keys and levels the model has no curve for;
+3. *elements*: the optimizer update, the input transform and a fresh copy (halo buffers),
+   seconds per element;
 4. *links*: point-to-point exchanges between rank pairs and each collective the engine
    uses, on every power-of-two communicator size up to the job, all groups at once (as
-   segmented collectives run): ``alpha + beta * bytes`` per kind and size.
+   segmented collectives run), up to the largest message the strategies send:
+   ``alpha + beta * bytes`` per kind and size.  Channel all-gathers and reduce-scatters go
+   through the engine's own functions, copies to and from channel-major order included.
 
 Everything runs the engine's own layers and MPI calls, so the constants price what
 training does.  The result is one JSON file (``MachineModel``).
@@ -37,16 +43,17 @@ from cosmotrain.kernels.geometry import normalize_padding
 from cosmotrain.nn import factory
 from cosmotrain.nn.layers import Dropout, Flatten, LeakyReLU, Pool3d
 from cosmotrain.nn.module import Context, Layer, Parameter
-from cosmotrain.perf.cost import layer_elements, layer_key
-from cosmotrain.perf.machine import Fit, LinkModel, MachineModel
+from cosmotrain.perf.cost import BYTES, layer_elements, layer_key
+from cosmotrain.perf.machine import Curve, Fit, LinkModel, MachineModel
 from cosmotrain.perf.planner import REFUSED, candidates
-from cosmotrain.perf.strategy import Strategy
 from cosmotrain.perf.workload import LayerWork, build_workload
+from cosmotrain.tensor.channel_collectives import allgather_channels, reduce_scatter_channels
 from cosmotrain.train.optim import build_optimizer
 
 MAX_ELEMENTS = 40_000_000  # largest local output timed per key (W=64, batch 8: conv1 is 34 M)
+MAX_POINTS = 5  # local sizes timed per key and level
 MESSAGE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 23)
-BLOCKS = 3  # timed blocks per concurrency level
+MAX_MESSAGE_BYTES = 1 << 27  # the largest collective timed (larger ones extrapolate)
 
 
 @dataclass
@@ -65,24 +72,25 @@ def calibrate(cfg: Config, comm: Any, settings: Settings, log: Callable[[str], N
     machine = MachineModel(name=os.uname().nodename, cores_per_node=cores,
                            memory_per_node_gib=_node_memory_gib())
     _parallel.set_blas_threads(1)
-    if rank == 0:
-        log("layers: timing every layer key on one thread")
-        samples = layer_samples(cfg, settings.max_ranks)
-        machine.layers = _run_alone(comm, lambda: fit_layers(samples, cfg, settings, log))
-        machine.element_time = _run_alone(comm, lambda: element_times(cfg, settings))
-        machine.flop_rate = flop_rates(machine.layers, samples)
-    else:
-        _run_alone(comm, lambda: None)
-        _run_alone(comm, lambda: None)
-    log("concurrency: the reference on 1.." + str(size) + " ranks at once")
-    machine.concurrency = concurrency(cfg, comm, cores, settings)
+    samples = layer_samples(cfg, settings.max_ranks)
+    for k in levels(size):
+        log(f"layers: every layer key with {k} rank(s) at once")
+        machine.layers[k] = layer_curves(samples, cfg, comm, k, cores, settings, log)
+    machine.concurrency = concurrency_of(machine.layers)
+    machine.flop_rate = flop_rates(machine.layers[1], samples)
+    machine.element_time = _run_alone(comm, lambda: element_times(cfg, settings))
     if size > 1:
         log("links: point-to-point and collectives")
-        machine.intra = measure_links(comm, settings)
+        machine.intra = measure_links(comm, settings, message_sizes(cfg, settings.max_ranks))
         machine.inter = machine.intra
         machine.notes = (f"calibrated with {size} rank(s) on one node; inter-node links "
                          "copy the intra-node ones (calibrate across nodes to measure them)")
     return machine if rank == 0 else None
+
+
+def levels(size: int) -> list[int]:
+    """The ranks-per-node counts timed: powers of two up to the job, and the job."""
+    return sorted({1 << i for i in range(size.bit_length()) if 1 << i <= size} | {size})
 
 
 def _node_memory_gib() -> float:
@@ -125,28 +133,41 @@ def layer_samples(cfg: Config, max_ranks: int) -> dict[str, list[LayerWork]]:
     return {key: list(shapes.values()) for key, shapes in found.items()}
 
 
-def fit_layers(samples: dict[str, list[LayerWork]], cfg: Config, settings: Settings,
-               log: Callable[[str], None]) -> dict[str, Fit]:
-    """``a + b * elements`` per layer key, from its smallest and largest local size."""
-    fits = {}
+def layer_curves(samples: dict[str, list[LayerWork]], cfg: Config, comm: Any, k: int,
+                 cores: int, settings: Settings, log: Callable[[str], None]
+                 ) -> dict[str, Curve]:
+    """Every key's curve with ranks ``0..k-1`` running each layer at once (collective)."""
+    busy = comm.Get_rank() < k
+    curves = {}
     for key, layers in sorted(samples.items()):
-        chosen = _extremes(layers)
-        points = [(layer_elements(layer), time_layer(layer, cfg, settings.repeats))
-                  for layer in chosen]
-        fits[key] = _fit(points)
+        points = []
+        for layer in timed_sizes(layers):
+            if busy:
+                _parallel.set_blas_threads(threads_per_rank(k, cores, cores))
+                times = time_layer(layer, cfg, settings.repeats, lambda: _quiet_barrier(comm))
+            else:
+                times = [_quiet_barrier(comm) or 0.0 for _ in range(settings.repeats)]
+            _parallel.set_blas_threads(1)
+            slowest = comm.allreduce(np.array(times), op=_max())
+            points.append((layer_elements(layer), float(np.median(slowest))))
+        curves[key] = Curve(points)
         log(f"  {key}: {', '.join(f'{n:.0f} el {t * 1e3:.2f} ms' for n, t in points)}")
-    return fits
+    return curves
 
 
-def _extremes(layers: list[LayerWork]) -> list[LayerWork]:
-    """The smallest and the largest (capped) local size of a key."""
-    ordered = sorted(layers, key=layer_elements)
+def timed_sizes(layers: list[LayerWork]) -> list[LayerWork]:
+    """Up to ``MAX_POINTS`` local sizes of a key, spread from the smallest to the largest
+    (capped; a key with one size gets a smaller second one, so the curve has a slope)."""
+    by_size = {layer_elements(layer): layer for layer in layers}
+    ordered = [by_size[n] for n in sorted(by_size)]
     capped = [layer for layer in ordered if layer_elements(layer) <= MAX_ELEMENTS] or \
         [_shrink(ordered[0])]
-    if len(capped) > 1:
-        return [capped[0], capped[-1]]
-    smaller = _shrink(capped[0])  # one size only: add a smaller one if the shape allows
-    return [smaller, capped[0]] if smaller != capped[0] else capped
+    if len(capped) == 1:
+        smaller = _shrink(capped[0])
+        return [smaller, capped[0]] if smaller != capped[0] else capped
+    picks = np.unique(np.linspace(0, len(capped) - 1, min(MAX_POINTS, len(capped)))
+                      .round().astype(int))
+    return [capped[i] for i in picks]
 
 
 def _shrink(layer: LayerWork) -> LayerWork:
@@ -186,48 +207,48 @@ def make_layer(layer: LayerWork, cfg: Config) -> Layer:
     return LeakyReLU(name=layer.name, slope=cfg.model.leaky_slope or 0.01)
 
 
-def time_layer(layer: LayerWork, cfg: Config, repeats: int) -> float:
-    """Median seconds of forward + backward of ``layer`` on random local data."""
+def time_layer(layer: LayerWork, cfg: Config, repeats: int,
+               sync: Callable[[], None] = lambda: None) -> list[float]:
+    """Seconds of each of ``repeats`` forward + backward passes of ``layer`` on random local
+    data, after a warm-up; ``sync`` (a barrier) starts every pass together with the other
+    busy ranks, so that ranks sharing a core are timed sharing it.  The caller takes the
+    slowest rank per pass and the median pass (robust to a passing disturbance)."""
     engine = make_layer(layer, cfg)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal(layer.in_shape, dtype=np.float32)
+    x = np.random.default_rng(0).standard_normal(layer.in_shape, dtype=np.float32)
     if layer.kind == "Linear":
         x = x.reshape(layer.in_shape[0], -1)
-    times, dy = [], None
-    for step in range(repeats + 1):
-        ctx = Context(training=True, step=step, seed=0)
-        fresh = x.copy()  # activations work in place: each repetition gets its own input
+    dy = _forward_backward(engine, x.copy(), None, 0)  # warm-up: buffers, caches
+    times = []
+    for step in range(1, repeats + 1):
+        fresh = x.copy()  # activations work in place: each pass gets its own input
+        sync()
         started = time.perf_counter()
-        y = engine.forward(fresh, ctx)
-        if dy is None:  # allocated once, in the warm-up repetition that is not counted
-            dy = np.ones_like(y)
-        engine.backward(dy, ctx)
+        _forward_backward(engine, fresh, dy, step)
         times.append(time.perf_counter() - started)
-        for param in engine.params.values():
-            param.grad = None
-    return statistics.median(times[1:])
+    return times
 
 
-def _fit(points: list[tuple[float, float]]) -> Fit:
-    """Least squares ``a + b x`` through the points (a through-origin rate for one point)."""
-    if len(points) == 1 or points[0][0] == points[-1][0]:
-        x, t = points[-1]
-        return Fit(0.0, t / x if x else 0.0)
-    (x0, t0), (x1, t1) = points[0], points[-1]
-    b = max((t1 - t0) / (x1 - x0), 0.0)
-    return Fit(max(t0 - b * x0, 0.0), b)
+def _forward_backward(engine: Layer, x: Any, dy: Any, step: int) -> Any:
+    """One training pass of ``engine``; returns the output gradient it used."""
+    ctx = Context(training=True, step=step, seed=0)
+    y = engine.forward(x, ctx)
+    dy = np.ones_like(y) if dy is None else dy
+    engine.backward(dy, ctx)
+    for param in engine.params.values():
+        param.grad = None
+    return dy
 
 
-def flop_rates(fits: dict[str, Fit], samples: dict[str, list[LayerWork]]
+def flop_rates(curves: dict[str, Curve], samples: dict[str, list[LayerWork]]
                ) -> dict[str, float]:
-    """Median FLOP/s of the fitted convolutions and linear layers (fallback for new keys)."""
+    """Median FLOP/s of one rank's convolutions and linear layers (fallback for new keys)."""
     rates: dict[str, list[float]] = {}
     for key, layers in samples.items():
         kind = key.split(":")[0]
-        if kind not in ("Conv3d", "Linear") or key not in fits:
+        if kind not in ("Conv3d", "Linear") or key not in curves:
             continue
         layer = max(layers, key=layer_elements)
-        seconds = fits[key](layer_elements(layer))
+        seconds = curves[key](layer_elements(layer))
         if seconds > 0:
             rates.setdefault(kind, []).append(
                 (layer.forward_flops + layer.backward_flops) / seconds)
@@ -245,9 +266,11 @@ def element_times(cfg: Config, settings: Settings) -> dict[str, float]:
         optimizer.step([("p", param)], cfg.optimizer.lr)
 
     raw = np.random.default_rng(0).integers(0, 8, count).astype(np.int16)
+    block = np.ones(16 * count, np.float32)  # halo buffers: far larger than the caches
     return {"optimizer": _median_time(update, settings.repeats) / count,
             "input": _median_time(lambda: np.log1p(raw, dtype=np.float32),
-                                  settings.repeats) / count}
+                                  settings.repeats) / count,
+            "copy": _median_time(lambda: block.copy(), settings.repeats) / block.size}
 
 
 def _median_time(work: Callable[[], Any], repeats: int) -> float:
@@ -262,61 +285,16 @@ def _median_time(work: Callable[[], Any], repeats: int) -> float:
 
 # --- concurrency ------------------------------------------------------------------------
 
-def reference_layers(cfg: Config) -> list[LayerWork]:
-    """The model's first two convolutions on one sample at up to 64^3: the reference.
-
-    Large enough that a lone rank's threads speed it up as they do the real step (at
-    32^3 two threads gained 1.2x where the W=64 step gains 1.8x)."""
-    sized = replace(cfg, model=replace(cfg.model, width=min(cfg.model.width, 64)),
-                    train=replace(cfg.train, batch_size=1))
-    work = build_workload(sized, Strategy(1))
-    return [layer for layer in work.layers if layer.kind == "Conv3d"][:2]
-
-
-def concurrency(cfg: Config, comm: Any, cores: int, settings: Settings) -> dict[int, float]:
-    """``k -> time of the reference on k ranks at once / alone on one thread``.
-
-    Each rank times its whole block of repetitions from a common start: timing single
-    repetitions would miss the contention, as oversubscribed ranks take turns on a core.
-    """
-    reference = [(make_layer(layer, cfg), layer) for layer in reference_layers(cfg)]
-    rounds = 2 * settings.repeats
-
-    def run() -> float:
-        _reference_block(reference, 1)  # warm-up: buffers, caches
-        started = time.perf_counter()
-        _reference_block(reference, rounds)
-        return time.perf_counter() - started
-
-    alone = comm.bcast(_run_alone(comm, lambda: statistics.median(
-        run() for _ in range(BLOCKS))), root=0)
+def concurrency_of(curves: dict[int, dict[str, Curve]]) -> dict[int, float]:
+    """Per level, the summed seconds of every measured point over one rank's: how much
+    ``k`` busy ranks slow each other on the whole, for what has no curve of its own."""
+    base = curves[1]
     result = {}
-    for k in range(1, comm.Get_size() + 1):
-        busy = comm.Get_rank() < k
-        slowest = []
-        for _ in range(BLOCKS):  # the median of a few blocks: single blocks vary by 10-20%
-            if busy:
-                _parallel.set_blas_threads(threads_per_rank(k, cores, cores))
-            _quiet_barrier(comm)
-            seconds = run() if busy else 0.0
-            _quiet_barrier(comm)
-            _parallel.set_blas_threads(1)
-            slowest.append(comm.allreduce(seconds, op=_max()))
-        result[k] = statistics.median(slowest) / alone
+    for k, keys in curves.items():
+        pairs = [(t, base[key](x)) for key, curve in keys.items() if key in base
+                 for x, t in curve.points]
+        result[k] = sum(t for t, _ in pairs) / max(sum(t1 for _, t1 in pairs), 1e-12)
     return result
-
-
-def _reference_block(reference: list[tuple[Layer, LayerWork]], rounds: int) -> None:
-    """Forward + backward of the reference layers, ``rounds`` times."""
-    rng = np.random.default_rng(0)
-    inputs = [rng.standard_normal(work.in_shape, dtype=np.float32) for _, work in reference]
-    for step in range(rounds):
-        ctx = Context(training=True, step=step, seed=0)
-        for (layer, _), x in zip(reference, inputs):
-            y = layer.forward(x.copy(), ctx)
-            layer.backward(np.ones_like(y), ctx)
-            for param in layer.params.values():
-                param.grad = None
 
 
 def _max() -> Any:
@@ -327,11 +305,32 @@ def _max() -> Any:
 
 # --- links ------------------------------------------------------------------------------
 
-def measure_links(comm: Any, settings: Settings) -> LinkModel:
+def message_sizes(cfg: Config, max_ranks: int) -> tuple[int, ...]:
+    """``MESSAGE_BYTES``, extended by factors of 4 up to the largest single collective any
+    strategy sends (capped at ``MAX_MESSAGE_BYTES``): beyond the caches a byte costs more,
+    and a fit through small messages under-prices a 100 MiB reduce-scatter threefold."""
+    largest = 0.0
+    for ranks in range(2, max_ranks + 1):
+        model, strategies = candidates(cfg, ranks)
+        for strategy in strategies:
+            try:
+                work = build_workload(cfg, strategy, model)
+            except REFUSED:
+                continue
+            largest = max([largest] + [t.elements * BYTES / t.calls
+                                       for t in work.transfers() if t.calls])
+    sizes = list(MESSAGE_BYTES)
+    while sizes[-1] < largest and sizes[-1] * 4 <= MAX_MESSAGE_BYTES:
+        sizes.append(sizes[-1] * 4)
+    return tuple(sizes)
+
+
+def measure_links(comm: Any, settings: Settings,
+                  sizes: tuple[int, ...] = MESSAGE_BYTES) -> LinkModel:
     """Point-to-point and collective alpha-beta fits on this job's ranks."""
     size = comm.Get_size()
     p2p = _fit_sizes([(nbytes, _pair_exchange(comm, nbytes, settings.repeats))
-                      for nbytes in MESSAGE_BYTES])
+                      for nbytes in sizes])
     collectives: dict[str, dict[int, Fit]] = {}
     group = 2
     while group <= size:
@@ -339,7 +338,7 @@ def measure_links(comm: Any, settings: Settings) -> LinkModel:
                          else size, comm.Get_rank())
         for kind in ("allreduce", "allgather", "reduce_scatter", "alltoall"):
             points = [(nbytes, _collective_time(comm, sub, kind, nbytes, settings.repeats))
-                      for nbytes in MESSAGE_BYTES]
+                      for nbytes in sizes]
             collectives.setdefault(kind, {})[group] = _fit_sizes(points)
         sub.Free()
         group *= 2
@@ -382,14 +381,15 @@ def _collective_time(comm: Any, sub: Any, kind: str, nbytes: int, repeats: int) 
     if kind == "allreduce":
         buf = np.ones(count, np.float32)
         work = lambda: sub.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)  # noqa: E731
-    elif kind == "allgather":  # nbytes received: (g - 1) blocks of count / (g - 1)
-        block = max(count // (g - 1), 1)
-        mine, every = np.ones(block, np.float32), np.empty(block * g, np.float32)
-        work = lambda: sub.Allgather(mine, every)  # noqa: E731
+    elif kind == "allgather":  # nbytes received: (g - 1) blocks, as channel layers send them
+        mine = np.ones((2, max(count // (2 * (g - 1)), 1), 1, 1, 1), np.float32)
+        pieces = [mine.shape[1]] * g
+        work = lambda: allgather_channels(sub, mine, pieces)  # noqa: E731
     elif kind == "reduce_scatter":  # nbytes sent: the buffer less my block
-        block = max(count // (g - 1), 1)
-        full, mine = np.ones(block * g, np.float32), np.empty(block, np.float32)
-        work = lambda: sub.Reduce_scatter_block(full, mine, op=MPI.SUM)  # noqa: E731
+        block = max(count // (2 * (g - 1)), 1)
+        full = np.ones((2, block * g, 1, 1, 1), np.float32)
+        pieces = [block] * g
+        work = lambda: reduce_scatter_channels(sub, full, pieces)  # noqa: E731
     else:  # alltoall: nbytes sent to the others
         block = max(count // (g - 1), 1)
         out, into = np.ones(block * g, np.float32), np.empty(block * g, np.float32)

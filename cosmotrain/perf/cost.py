@@ -2,9 +2,9 @@
 
 The busiest rank's step is the sum of its phases, named as in ``metrics.jsonl``:
 
-- ``compute``: each layer's forward + backward at its calibrated one-thread cost
-  (:func:`layer_seconds`), times the node's ``concurrency`` factor for the ranks sharing
-  it (threads speed a lone rank up, oversubscription and shared bandwidth slow each down);
+- ``compute``: each layer's forward + backward as calibrated with as many ranks busy on
+  the node as the strategy puts there (:func:`layer_seconds`; threads speed a lone rank
+  up, oversubscription and shared bandwidth slow each of several down);
 - ``halo``: point-to-point ``alpha * messages + beta * bytes`` per layer, less the share the
   machine overlaps with the interior computation;
 - ``channel``: the all-gathers and reduce-scatters of channel/filter parallel layers;
@@ -77,17 +77,41 @@ def layer_elements(layer: LayerWork) -> float:
     return float(max(math.prod(layer.out_shape), math.prod(layer.in_shape)))
 
 
-def layer_seconds(layer: LayerWork, machine: MachineModel) -> float:
-    """Forward + backward of one layer on one thread, the node otherwise idle."""
-    if math.prod(layer.out_shape) == 0:
+def layer_seconds(layer: LayerWork, machine: MachineModel, ranks_on_node: int = 1) -> float:
+    """Forward + backward of one layer with ``ranks_on_node`` ranks busy on the node.
+
+    A spatially split convolution also pays for the way it overlaps its halo exchange:
+    the forward share of its extra kernel calls (a recomputed shell, or interior and shell
+    apart, each call paying its own fixed cost) and the copies of its halo handling."""
+    elements = layer_elements(layer)
+    if elements == 0:
         return 0.0
-    fit = machine.layers.get(layer_key(layer))
-    if fit is not None:
-        return max(fit(layer_elements(layer)), 0.0)
+    seconds = kernel_seconds(layer, elements, machine, ranks_on_node)
+    if layer.forward_calls:
+        total = layer.forward_flops + layer.backward_flops
+        share = layer.forward_flops / total if total else 0.0
+        calls = sum(kernel_seconds(layer, n, machine, ranks_on_node)
+                    for n in layer.forward_calls)
+        seconds += share * (calls - seconds)
+    if layer.copied:
+        seconds += (machine.slowdown(ranks_on_node) * layer.copied *
+                    machine.element_time.get("copy", 0.0))
+    return max(seconds, 0.0)
+
+
+def kernel_seconds(layer: LayerWork, elements: float, machine: MachineModel,
+                   ranks_on_node: int) -> float:
+    """One forward + backward kernel pass of ``layer``'s key at ``elements`` output elements:
+    the calibrated curve of its key, else the kind's one-rank rate times the slowdown."""
+    measured = machine.layer_time(layer_key(layer), elements, ranks_on_node)
+    if measured is not None:
+        return measured
+    slow = machine.slowdown(ranks_on_node)
+    scale = elements / layer_elements(layer)
     flops = layer.forward_flops + layer.backward_flops
     if flops and layer.kind in machine.flop_rate:
-        return flops / machine.flop_rate[layer.kind]
-    return machine.element_time.get(layer.kind, 0.0) * layer_elements(layer)
+        return slow * scale * flops / machine.flop_rate[layer.kind]
+    return slow * machine.element_time.get(layer.kind, 0.0) * elements
 
 
 def transfer_seconds(transfer: Transfer, machine: MachineModel, ranks_per_node: int) -> float:
@@ -105,7 +129,7 @@ def predict(work: Workload, machine: MachineModel, ranks_per_node: int | None = 
     per_node = min(work.ranks, ranks_per_node or machine.cores_per_node)
     slow = machine.slowdown(per_node)
     seconds = dict.fromkeys(PHASES, 0.0)
-    seconds["compute"] = slow * sum(layer_seconds(layer, machine) for layer in work.layers)
+    seconds["compute"] = sum(layer_seconds(layer, machine, per_node) for layer in work.layers)
     for transfer in work.transfers():
         phase = PHASE_OF[transfer.kind]
         cost = transfer_seconds(transfer, machine, per_node)

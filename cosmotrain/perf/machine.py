@@ -1,14 +1,19 @@
 """The machine constants the cost model uses, saved as JSON by ``cosmotrain calibrate``.
 
-Compute is priced per layer: ``seconds = a + b * elements`` for the layer's forward +
-backward on one thread with the node otherwise idle, fitted per *layer key* (the kind and
-the channel counts the kernel sees, e.g. ``Conv3d:16x32:k3s1``; ``elements`` is the
-output's).  A key the calibration never saw falls back to the kind's rate in FLOP/s
-(convolutions, linear layers) or seconds per element (the rest).
+Compute is priced per layer from ``layers[k][key]``: a :class:`Curve` of the seconds of
+the layer's forward + backward against its output elements, measured with ``k`` ranks on
+the node running it at once, each with the threads the trainer gives it, for every *layer
+key* (the kind and the channel counts the kernel sees, e.g. ``Conv3d:16x32:k3s1:dx``).
+Measuring per ``k`` matters: a lone rank's threads speed a thin convolution up less than
+a thick one, and ranks that share a node slow memory-bound layers (pooling, activations,
+thin convolutions) more than compute-bound ones, so no single factor fits every layer
+(one factor from the first two convolutions over-priced data-parallel steps by 30-40%).
 
-Running ``k`` ranks at once on a node costs each of them ``concurrency(k)`` times its
-one-thread time: below 1 when a lone rank's threads speed it up, about ``k / cores`` once
-the node is oversubscribed, above that when memory bandwidth is shared.  Messages cost
+A key or ``k`` the calibration never saw falls back to the nearest measured ``k`` scaled
+by ``concurrency`` (the node's slowdown with ``k`` ranks, relative to one), then to the
+kind's rate in FLOP/s (convolutions, linear layers) or seconds per element (the rest),
+which are one-rank rates.  ``concurrency(k)`` is below ``k`` while idle cores absorb new
+ranks and about ``k / cores`` once the node is oversubscribed.  Messages cost
 ``alpha + beta * bytes`` per call, fitted per collective and communicator size
 (point-to-point for halos), within a node and between nodes.  ``overlap`` is the share of
 halo and gradient-allreduce time hidden behind computation (0 where the MPI library only
@@ -25,7 +30,7 @@ from typing import Any
 
 from cosmotrain.errors import DataError
 
-FORMAT = "cosmotrain-machine"
+FORMAT = "cosmotrain-machine-2"  # 2: per-k layer curves (1 had one-thread fits)
 COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "alltoall", "bn_allreduce")
 
 
@@ -38,6 +43,32 @@ class Fit:
 
     def __call__(self, x: float) -> float:
         return self.a + self.b * x
+
+
+@dataclass
+class Curve:
+    """Seconds against elements through measured points, piecewise linear between them.
+
+    Below the smallest point it follows the line through the two smallest (whose intercept
+    is the per-call cost a small kernel call still pays), never below zero; above the
+    largest it keeps the largest point's seconds per element."""
+
+    points: list[tuple[float, float]]
+
+    def __post_init__(self) -> None:
+        self.points = sorted((float(x), float(t)) for x, t in self.points)
+        if not self.points:
+            raise ValueError("a curve needs at least one measured point")
+
+    def __call__(self, x: float) -> float:
+        pts = self.points
+        if x >= pts[-1][0]:
+            return pts[-1][1] * x / pts[-1][0] if pts[-1][0] else pts[-1][1]
+        if len(pts) == 1:
+            return pts[0][1] * x / pts[0][0]
+        upper = next(i for i, (px, _) in enumerate(pts) if px > x)
+        (x0, t0), (x1, t1) = pts[max(upper - 1, 0)], pts[max(upper, 1)]
+        return max(t0 + (t1 - t0) * (x - x0) / (x1 - x0), 0.0)
 
 
 @dataclass
@@ -67,7 +98,7 @@ class MachineModel:
 
     name: str
     cores_per_node: int
-    layers: dict[str, Fit] = field(default_factory=dict)
+    layers: dict[int, dict[str, Curve]] = field(default_factory=dict)  # k -> key -> curve
     flop_rate: dict[str, float] = field(default_factory=dict)  # kind -> FLOP/s, 1 thread
     element_time: dict[str, float] = field(default_factory=dict)  # kind -> s per element
     concurrency: dict[int, float] = field(default_factory=lambda: {1: 1.0})
@@ -92,12 +123,27 @@ class MachineModel:
         t = (k - below) / (above - below)
         return self.concurrency[below] * (1 - t) + self.concurrency[above] * t
 
+    def layer_time(self, key: str, elements: float, ranks_on_node: int) -> float | None:
+        """Measured seconds of ``key`` at ``elements`` with ``ranks_on_node`` ranks busy, from
+        that level's curve or the nearest level's scaled by ``concurrency``; None when the
+        key was never measured."""
+        k = max(1, ranks_on_node)
+        levels = sorted(level for level, keys in self.layers.items() if key in keys)
+        if not levels:
+            return None
+        level = max((n for n in levels if n <= k), default=levels[0])
+        seconds = self.layers[level][key](elements)
+        return seconds if level == k else seconds * self.slowdown(k) / self.slowdown(level)
+
     def link(self, ranks_on_node: int, group: int) -> LinkModel:
         """Intra-node costs when the communicator fits on one node."""
         return self.intra if group <= ranks_on_node else self.inter
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
+        data["layers"] = {str(k): {key: [list(p) for p in curve.points]
+                                   for key, curve in sorted(keys.items())}
+                          for k, keys in sorted(self.layers.items())}
         data["format"] = FORMAT
         return data
 
@@ -111,7 +157,9 @@ class MachineModel:
     def from_json(cls, data: dict[str, Any]) -> MachineModel:
         return cls(
             name=str(data["name"]), cores_per_node=int(data["cores_per_node"]),
-            layers={k: Fit(**v) for k, v in data.get("layers", {}).items()},
+            layers={int(k): {key: Curve([tuple(p) for p in points])
+                             for key, points in keys.items()}
+                    for k, keys in data.get("layers", {}).items()},
             flop_rate={k: float(v) for k, v in data.get("flop_rate", {}).items()},
             element_time={k: float(v) for k, v in data.get("element_time", {}).items()},
             concurrency={int(k): float(v) for k, v in data.get("concurrency", {1: 1}).items()},
@@ -126,6 +174,8 @@ class MachineModel:
         path = Path(path)
         try:
             data = json.loads(path.read_text())
+            if data.get("format") == "cosmotrain-machine":
+                raise ValueError("written by an older cosmotrain (one-thread layer fits)")
             if data.get("format") != FORMAT:
                 raise ValueError("not a cosmotrain machine file")
             return cls.from_json(data)

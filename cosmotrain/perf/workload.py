@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 from cosmotrain.config.schema import Config
 from cosmotrain.layers.channel_plan import LayerChoice, plan_channels
 from cosmotrain.layers.channel_split import ChannelBlocks, Factor, fine_block
+from cosmotrain.layers.conv import REDO_SHELL_MAX
 from cosmotrain.layers.hybrid import spatial_stop
+from cosmotrain.layers.interior import box_shape, conv_dim, overlap_plan
 from cosmotrain.models import build_model
 from cosmotrain.nn.containers import Sequential
 from cosmotrain.nn.layers import BatchNorm3d, Conv3d, Pool3d
@@ -30,7 +32,7 @@ from cosmotrain.nn.module import Layer
 from cosmotrain.perf.flops import LayerCost, layer_costs
 from cosmotrain.perf.strategy import Strategy
 from cosmotrain.tensor.distribution import block_range
-from cosmotrain.tensor.windows import WindowHalo, window_halos
+from cosmotrain.tensor.windows import WindowHalo, halo_plans, window_halos
 
 BLOCKS, SAMPLES = "blocks", "samples"
 ADAM_SLOTS = {"adam": 2, "sgd": 1}  # optimizer state arrays per parameter
@@ -66,6 +68,8 @@ class LayerWork:
     kernel: tuple[int, ...] = (1, 1, 1)
     transfers: tuple[Transfer, ...] = ()
     stride: tuple[int, ...] = (1, 1, 1)
+    forward_calls: tuple[float, ...] = ()  # spatial conv: output elements of each kernel call
+    copied: float = 0.0  # spatial conv: elements its halo handling copies (fwd + bwd)
 
     @property
     def forward_flops(self) -> float:
@@ -162,9 +166,15 @@ class _Builder:
         if isinstance(layer, Conv3d) and s.group > 1:
             channels_in, channels_out, transfers, lead_total = self._channel_conv(
                 cost, layer, samples, spatial_in, spatial_out, first)
+        calls: tuple[float, ...] = ()
+        copied = 0.0
         if isinstance(layer, (Conv3d, Pool3d)) and any(w > 1 for w in s.spatial):
             transfers.append(_halo(cost.in_shape, layer, s, samples * channels_in,
                                    lead_total, backward=not first))
+            if isinstance(layer, Conv3d):
+                calls, copied = _spatial_conv_calls(cost.in_shape, layer, s,
+                                                    samples * channels_in,
+                                                    samples * channels_out)
         if isinstance(layer, BatchNorm3d):
             group = s.size // s.group if self.bn_statistics == "global" else \
                 s.size // (s.group * s.sample)
@@ -173,7 +183,7 @@ class _Builder:
         return LayerWork(cost.name, cost.kind, BLOCKS,
                          (samples, channels_in, *spatial_in),
                          (samples, channels_out, *spatial_out), not first,
-                         _kernel(layer), tuple(transfers), _stride(layer))
+                         _kernel(layer), tuple(transfers), _stride(layer), calls, copied)
 
     def head_layer(self, cost: LayerCost, layer: Layer, samples: int, first: bool
                    ) -> LayerWork:
@@ -269,6 +279,38 @@ def _halo(in_shape: tuple[int, ...], layer: Layer, s: Strategy, lead: int,
     worst = max(counts, key=lambda c: c[0])
     total = sum(c[0] for c in counts) * lead_total
     return Transfer("halo", 2, scale * lead * worst[0], scale * total, scale * worst[1])
+
+
+def _spatial_conv_calls(in_shape: tuple[int, ...], layer: Conv3d, s: Strategy,
+                        lead_in: int, lead_out: int) -> tuple[tuple[float, ...], float]:
+    """The forward kernel calls of a spatially split convolution on its busiest rank (output
+    elements of each, as ``SpatialConv3d`` makes them: one call over the whole output plus
+    the recomputed shell, or the interior and the shell apart) and the input elements its
+    halo handling copies: the block into the halo buffer (forward), the extended block
+    rebuilt for the weight gradient and the margin gradients sent back (backward)."""
+    per_dim = [window_halos(size, ways, k, st, tuple(p)) for size, ways, k, st, p in
+               zip(in_shape[2:], s.spatial, layer.kernel, layer.stride, layer.padding)]
+    plans = [halo_plans(halos) for halos in per_dim]
+    worst: tuple[tuple[float, ...], float] = ((), 0.0)
+    for coord in itertools.product(*[range(len(h)) for h in per_dim]):
+        dims = tuple(conv_dim(per_dim[d][c], plans[d][c], layer.kernel[d], layer.stride[d])
+                     for d, c in enumerate(coord))
+        out = math.prod(d.out_len for d in dims)
+        if not out:
+            continue
+        plan = overlap_plan(dims)
+        shell = [math.prod(box_shape(sub.out)) for sub in plan.shell]
+        if plan.interior is None:
+            calls = [out]
+        elif plan.shell_fraction <= REDO_SHELL_MAX:
+            calls = [out] + shell
+        else:
+            calls = [math.prod(box_shape(plan.interior.out))] + shell
+        extended = math.prod(d.ext_len for d in dims)
+        candidate = (tuple(float(lead_out * n) for n in calls), 3.0 * lead_in * extended)
+        if (sum(candidate[0]), len(candidate[0])) > (sum(worst[0]), len(worst[0])):
+            worst = candidate
+    return worst
 
 
 def _rank_halo_counts(coord: tuple[int, ...], per_dim: list[list[WindowHalo]]
