@@ -184,3 +184,12 @@ def test_volumes_equal_what_a_run_sends() -> None:
             grid.free()
     finally:
         halo.HaloExchange.__post_init__ = original  # type: ignore[method-assign]
+
+
+def test_collectives_priced_alone_or_beside_other_groups() -> None:
+    link = LinkModel(Fit(1e-5, 1e-9), {"allgather": {2: Fit(0.0, 3e-9)}},
+                     {"allgather": {2: Fit(0.0, 1e-9)}})
+    assert link.collective("allgather", 2, 1e6, 1, ranks_on_node=2) == pytest.approx(1e-3)
+    assert link.collective("allgather", 2, 1e6, 1, ranks_on_node=4) == pytest.approx(3e-3)
+    assert link.collective("allgather", 2, 1e6, 1) == pytest.approx(3e-3)  # as calibrated
+    assert link.collective("allgather", 1, 1e6, 1, ranks_on_node=2) == 0.0

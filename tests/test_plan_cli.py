@@ -53,6 +53,7 @@ def test_calibration_measures_layers_concurrency_and_links(machine_file: Path) -
     assert set(machine.intra.collectives) == {"allreduce", "allgather", "reduce_scatter",
                                               "alltoall"}
     assert machine.intra.collectives["allreduce"][2].b > 0 and machine.intra.p2p.b > 0
+    assert set(machine.intra.alone) == set(machine.intra.collectives)
     assert machine.element_time["optimizer"] > 0
 
 

@@ -16,7 +16,8 @@ Run it with as many ranks as a node will run (``mpiexec -n 4 cosmotrain calibrat
    seconds per element;
 4. *links*: point-to-point exchanges between rank pairs and each collective the engine
    uses, on every power-of-two communicator size up to the job, all groups at once (as
-   segmented collectives run), up to the largest message the strategies send:
+   segmented collectives run) and with the first group alone (as a job of that many ranks
+   per node runs them), up to the largest message the strategies send:
    ``alpha + beta * bytes`` per kind and size.  Channel all-gathers and reduce-scatters go
    through the engine's own functions, copies to and from channel-major order included.
 
@@ -148,7 +149,8 @@ def layer_curves(samples: dict[str, list[LayerWork]], cfg: Config, comm: Any, k:
             else:
                 times = [_quiet_barrier(comm) or 0.0 for _ in range(settings.repeats)]
             _parallel.set_blas_threads(1)
-            slowest = comm.allreduce(np.array(times), op=_max())
+            slowest = np.empty(settings.repeats)
+            comm.Allreduce(np.array(times, dtype=np.float64), slowest, op=_max())
             points.append((layer_elements(layer), float(np.median(slowest))))
         curves[key] = Curve(points)
         log(f"  {key}: {', '.join(f'{n:.0f} el {t * 1e3:.2f} ms' for n, t in points)}")
@@ -332,17 +334,25 @@ def measure_links(comm: Any, settings: Settings,
     p2p = _fit_sizes([(nbytes, _pair_exchange(comm, nbytes, settings.repeats))
                       for nbytes in sizes])
     collectives: dict[str, dict[int, Fit]] = {}
+    alone: dict[str, dict[int, Fit]] = {}
     group = 2
     while group <= size:
-        sub = comm.Split(comm.Get_rank() // group if comm.Get_rank() < size // group * group
-                         else size, comm.Get_rank())
+        rank = comm.Get_rank()
+        every = comm.Split(rank // group if rank < size // group * group else size, rank)
+        first = comm.Split(0 if rank < group else 1, rank)  # the first group, the rest idle
         for kind in ("allreduce", "allgather", "reduce_scatter", "alltoall"):
-            points = [(nbytes, _collective_time(comm, sub, kind, nbytes, settings.repeats))
-                      for nbytes in sizes]
-            collectives.setdefault(kind, {})[group] = _fit_sizes(points)
-        sub.Free()
+            for table, sub in ((collectives, every), (alone, first)):
+                if table is alone and group == size:  # one group is every group
+                    alone.setdefault(kind, {})[group] = collectives[kind][group]
+                    continue
+                idle = table is alone and rank >= group
+                points = [(nbytes, _collective_time(comm, sub, kind, nbytes, settings.repeats,
+                                                    idle)) for nbytes in sizes]
+                table.setdefault(kind, {})[group] = _fit_sizes(points)
+        every.Free()
+        first.Free()
         group *= 2
-    return LinkModel(p2p, collectives)
+    return LinkModel(p2p, collectives, alone)
 
 
 def _fit_sizes(points: list[tuple[int, float]]) -> Fit:
@@ -370,12 +380,14 @@ def _pair_exchange(comm: Any, nbytes: int, repeats: int) -> float:
     return _synchronised(comm, work, repeats)
 
 
-def _collective_time(comm: Any, sub: Any, kind: str, nbytes: int, repeats: int) -> float:
-    """Seconds of one collective whose transfer (cost.py's convention) is ``nbytes``."""
+def _collective_time(comm: Any, sub: Any, kind: str, nbytes: int, repeats: int,
+                     idle: bool = False) -> float:
+    """Seconds of one collective whose transfer (cost.py's convention) is ``nbytes``
+    (``idle``: this rank only takes part in the timing's barriers)."""
     from mpi4py import MPI
 
     g = sub.Get_size()
-    if g < 2:
+    if g < 2 or idle:
         return _synchronised(comm, lambda: None, repeats)
     count = max(nbytes // 4, g)
     if kind == "allreduce":

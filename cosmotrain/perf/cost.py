@@ -120,7 +120,8 @@ def transfer_seconds(transfer: Transfer, machine: MachineModel, ranks_per_node: 
     nbytes = transfer.elements * BYTES
     if transfer.kind == "halo":
         return transfer.calls * link.p2p.a + nbytes * link.p2p.b if nbytes else 0.0
-    return link.collective(transfer.kind, transfer.group, nbytes, transfer.calls)
+    return link.collective(transfer.kind, transfer.group, nbytes, transfer.calls,
+                           ranks_per_node)
 
 
 def predict(work: Workload, machine: MachineModel, ranks_per_node: int | None = None

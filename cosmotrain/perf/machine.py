@@ -73,16 +73,26 @@ class Curve:
 
 @dataclass
 class LinkModel:
-    """alpha-beta costs: point-to-point, and per collective per communicator size."""
+    """alpha-beta costs: point-to-point, and per collective per communicator size.
+
+    ``collectives`` were measured with every group of the node busy at once (segmented
+    collectives); ``alone`` with one group alone on the node, which is what a job of that
+    many ranks per node sees (a 2-rank job's reduce-scatter ran 3x faster per byte than
+    the same call beside a second pair on the 2-core development machine)."""
 
     p2p: Fit
     collectives: dict[str, dict[int, Fit]] = field(default_factory=dict)
+    alone: dict[str, dict[int, Fit]] = field(default_factory=dict)
 
-    def collective(self, kind: str, group: int, nbytes: float, calls: int) -> float:
-        """Seconds for ``calls`` collectives moving ``nbytes`` in all on ``group`` ranks."""
+    def collective(self, kind: str, group: int, nbytes: float, calls: int,
+                   ranks_on_node: int = 0) -> float:
+        """Seconds for ``calls`` collectives moving ``nbytes`` in all on ``group`` ranks,
+        with ``ranks_on_node`` ranks busy on the node (0: as many as were calibrated)."""
         if group <= 1 or nbytes <= 0:
             return 0.0
-        fits = self.collectives.get("allreduce" if kind == "bn_allreduce" else kind) or \
+        table = self.alone if 0 < ranks_on_node <= group and self.alone else self.collectives
+        name = "allreduce" if kind == "bn_allreduce" else kind
+        fits = table.get(name) or self.collectives.get(name) or \
             self.collectives.get("allreduce", {})
         if not fits:
             return calls * self.p2p.a * math.log2(group) + self.p2p.b * nbytes
@@ -190,4 +200,6 @@ class MachineModel:
 def _link(data: dict[str, Any]) -> LinkModel:
     return LinkModel(Fit(**data["p2p"]),
                      {kind: {int(g): Fit(**fit) for g, fit in sizes.items()}
-                      for kind, sizes in data.get("collectives", {}).items()})
+                      for kind, sizes in data.get("collectives", {}).items()},
+                     {kind: {int(g): Fit(**fit) for g, fit in sizes.items()}
+                      for kind, sizes in data.get("alone", {}).items()})
