@@ -1,0 +1,20 @@
+"""GPU kernels of the cupy backend: 3D convolutions through cuDNN or im2col + cuBLAS.
+
+* :mod:`.conv`: ``conv3d_forward``, ``conv3d_backward_data``, ``conv3d_backward_filter``
+  (the CPU kernels' signatures and semantics; :mod:`cosmotrain.kernels.conv3d` hands cupy
+  arrays to them);
+* :mod:`.settings`: ``ConvSettings``, ``configure`` (once, by the backend at job start),
+  ``current``, and ``cublas_math`` (TF32 on/off for cupy's float32 GEMMs);
+* :mod:`.conv_cudnn`: cuDNN Frontend graphs, cached per shape;
+* :mod:`.conv_gemm`: the im2col + ``xp.matmul`` fallback, also runnable (and tested) on numpy.
+
+Importing this package imports neither cupy nor cudnn; both are imported on first use.
+See docs/GPU_KERNELS.md.
+"""
+
+from .conv import (algorithm, conv3d_backward_data, conv3d_backward_filter, conv3d_forward,
+                   cudnn_status)
+from .settings import ConvSettings, configure, cublas_math, current
+
+__all__ = ["ConvSettings", "algorithm", "configure", "conv3d_backward_data",
+           "conv3d_backward_filter", "conv3d_forward", "cublas_math", "cudnn_status", "current"]
