@@ -52,8 +52,10 @@ def visible_gpus() -> list[str]:
 
 
 def gpu_libraries() -> dict[str, str]:
-    """Availability of cupy (and its device count) and of the cuDNN frontend."""
-    return {"cupy": _cupy_status(), "cudnn": _cudnn_status()}
+    """Availability of cupy (its CUDA runtime and devices), cuDNN, NCCL and ml_dtypes:
+    what ``device.backend: gpu``, ``communication: nccl`` and ``precision: bf16`` need."""
+    return {"cupy": _cupy_status(), "cuda devices": _cuda_devices(), "cudnn": _cudnn_status(),
+            "nccl": _nccl_status(), "ml_dtypes": _module_version("ml_dtypes")}
 
 
 def _cupy_status() -> str:
@@ -61,11 +63,44 @@ def _cupy_status() -> str:
         import cupy  # type: ignore[import-not-found]
 
         count = cupy.cuda.runtime.getDeviceCount()
-        return f"{cupy.__version__} ({count} device(s))"
+        runtime = cupy.cuda.runtime.runtimeGetVersion()
+        return f"{cupy.__version__}, CUDA runtime {runtime // 1000}.{runtime % 1000 // 10} " \
+               f"({count} device(s))"
     except ImportError:
         return "not installed"
     except Exception as err:  # noqa: BLE001 - a broken CUDA install must not crash info
         return f"installed, unusable: {str(err).splitlines()[0]}"
+
+
+def _cuda_devices() -> str:
+    """The devices CUDA shows this process (CUDA_VISIBLE_DEVICES applied), by name."""
+    try:
+        import cupy  # type: ignore[import-not-found]
+
+        names = []
+        for index in range(cupy.cuda.runtime.getDeviceCount()):
+            props = cupy.cuda.runtime.getDeviceProperties(index)
+            name = props["name"]
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            names.append(f"{index}: {name}, {props['totalGlobalMem'] / 2**30:.0f} GiB")
+        return "; ".join(names) or "none"
+    except ImportError:
+        return "none (no cupy)"
+    except Exception as err:  # noqa: BLE001
+        return f"none ({str(err).splitlines()[0]})"
+
+
+def _nccl_status() -> str:
+    from cosmotrain.backend import _cupy, _nccl_loads
+
+    if _cupy() is None:
+        return "not available (cupy does not import)"
+    if not _nccl_loads():
+        return "not loadable (pip install 'nvidia-nccl-cu12>=2.18.1,<3')"
+    from cupy.cuda import nccl  # type: ignore[import-not-found]
+
+    version = nccl.get_version()
+    return f"{version // 10000}.{version // 100 % 100}.{version % 100}"
 
 
 def _cudnn_status() -> str:

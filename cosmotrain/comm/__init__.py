@@ -18,12 +18,18 @@ def world() -> Any:
 
 def node_ranks(comm: Any) -> int:
     """How many ranks of ``comm`` share this rank's node (collective)."""
+    return node_position(comm)[1]
+
+
+def node_position(comm: Any) -> tuple[int, int]:
+    """``(local rank, local size)``: this rank's place among the ranks of ``comm`` on its
+    node (collective); the local rank is what binds a rank to one of the node's GPUs."""
     from mpi4py import MPI
 
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    size = local.Get_size()
+    position = local.Get_rank(), local.Get_size()
     local.Free()
-    return size
+    return position
 
 
 def abort_job(code: int) -> None:

@@ -5,6 +5,9 @@ Ranks are laid out row-major with ``sample`` slowest, so the spatial blocks of o
 launcher they share a node, and the halo traffic stays on it.  Every sub-communicator a
 layer may need is created up front, collectively, so no rank can ever wait in a ``Sub``
 that another rank skipped.
+
+``transport`` carries the grid's device buffers through MPI (``device_buffers.py``): a
+pass-through for numpy arrays; the step sets it from the job's ``device.communication``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from cosmotrain.comm.device_buffers import DeviceBuffers
 from cosmotrain.comm.timers import PhaseTimers
 from cosmotrain.config.parallel import ParallelLayout
 
@@ -45,6 +49,7 @@ class ProcessGrid:
         self.axis_comms = {axis: self._sub((axis,)) for axis in AXES}
         self.group_comms = {name: self._sub(axes) for name, axes in GROUPS.items()}
         self.timers = PhaseTimers()
+        self.transport = DeviceBuffers()
         self._factor_comms: dict[Any, tuple[Any, Any]] = {}
 
     def _sub(self, axes: Sequence[str]) -> Any:

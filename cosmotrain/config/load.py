@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from cosmotrain.config.device import check_device
 from cosmotrain.config.schema import AUTO, Config
 from cosmotrain.errors import ConfigError, UserError
 
@@ -40,7 +41,24 @@ def config_from_mapping(raw: dict[str, Any], overrides: Iterable[str] = ()) -> C
         set_dotted(raw, key, value)
     if raw.get("parallel") == AUTO:  # `parallel: auto`: the planner chooses
         raw["parallel"] = {"auto": True}
-    return build(Config, raw, prefix="")
+    _expand_backend(raw)
+    cfg = build(Config, raw, prefix="")
+    check_device(cfg.device)
+    return cfg
+
+
+def _expand_backend(raw: dict[str, Any]) -> None:
+    """``backend: gpu`` at the top level is short for ``device: {backend: gpu}``."""
+    if "backend" not in raw:
+        return
+    value = raw.pop("backend")
+    device = raw.setdefault("device", {})
+    if not isinstance(device, dict):
+        raise ConfigError("device", f"expected a mapping of keys, got {device!r}")
+    if "backend" in device and device["backend"] != value:
+        raise ConfigError("backend", f"{value!r} contradicts device.backend: "
+                          f"{device['backend']!r}", "set only one of them")
+    device["backend"] = value
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -58,7 +76,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise UserError(f"config file '{path}': the top level must be a mapping of sections "
-                        f"(model, data, parallel, train, optimizer, output)")
+                        f"(model, data, parallel, train, optimizer, output, device)")
     return data
 
 

@@ -189,6 +189,36 @@ class OutputConfig:
     dir: str = spec("runs/default", "output directory (resolved config, metrics, checkpoints)")
 
 
+BACKENDS = (AUTO, "cpu", "gpu")
+PRECISIONS = ("fp32", "tf32", "bf16")
+CONV_ALGORITHMS = (AUTO, "cudnn", "gemm")
+COMMUNICATIONS = ("staging", "cuda-aware", "nccl")
+
+
+@dataclass
+class DeviceConfig:
+    """Where the network runs and in which precision (``cosmotrain.backend``, docs/GPU.md)."""
+
+    backend: str = spec(AUTO, "cpu (numpy), gpu (cupy) or auto: gpu when cupy imports and a "
+                        "CUDA device is visible on every rank, else cpu; `backend: gpu` at "
+                        "the top level is short for `device: {backend: gpu}`",
+                        choices=BACKENDS)
+    precision: str = spec("fp32", "fp32; tf32 (GPU only: TF32 tensor-core math on fp32 "
+                          "storage); bf16 (activations and gradients stored as bfloat16, "
+                          "fp32 accumulation and fp32 master weights; on the cpu backend a "
+                          "slow validation emulation)", choices=PRECISIONS)
+    conv_algorithm: str = spec(AUTO, "GPU convolutions: cudnn, gemm (im2col + cuBLAS) or "
+                               "auto (cudnn when available)", choices=CONV_ALGORITHMS)
+    communication: str = spec("staging", "how GPU buffers cross MPI: staging (through "
+                              "pinned host memory; any MPI), cuda-aware (device pointers "
+                              "to an MPI built with CUDA support) or nccl (NCCL "
+                              "collectives and send/recv; one GPU per rank)",
+                              choices=COMMUNICATIONS)
+    gpus_per_node: int | str = spec(AUTO, "GPUs of a node the ranks are bound to (local "
+                                    "rank modulo this); auto = every visible device "
+                                    "(CUDA_VISIBLE_DEVICES honoured)", minimum=1, auto=True)
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -197,3 +227,4 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)

@@ -19,4 +19,9 @@ padding only on global boundaries.  Output size ``(n + lo + hi - k) // s + 1``. 
 mismatches raise ``ValueError``.  The CPU kernels accept float32 (training) and float64
 (tests), run their chunks on a small worker pool (:mod:`._parallel`) and never import
 torch.
+
+Other devices and storage go through the same names: cupy arrays reach the GPU
+convolutions (:mod:`cosmotrain.gpu.conv`), the xp-generic pooling (:mod:`.pool3d_xp`) and
+fused element-wise kernels (:mod:`.cuda_fused`); bfloat16 arrays (``precision: bf16``)
+are computed in float32 and stored back as bfloat16 (:mod:`cosmotrain.precision`).
 """

@@ -6,13 +6,22 @@ allreduces them over the ranks sharing a sample (and optionally the samples), an
 applies :func:`bn_normalize` / :func:`bn_backward_apply` with the global statistics.  On
 one process the reduction is the identity.  Sums are accumulated in float64, so the
 statistics do not depend on how the volume is partitioned beyond float32 rounding.
+
+cupy arrays use fused kernels (:mod:`.cuda_fused`: float64 sums of squares and products
+without a float64 copy, one pass for normalisation and one for the input gradient);
+bfloat16 arrays are widened to float32 (the sums are float64 anyway) and the stored
+results (``y``, ``xhat``, ``dx``) rounded back to bfloat16.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from cosmotrain.backend import array_module
+from cosmotrain.kernels import cuda_fused
+from cosmotrain.precision import is_bf16, narrow, widen
 
 _AXES = (0, 2, 3, 4)
 
@@ -23,10 +32,15 @@ def _per_channel(v: Any, ndim: int) -> Any:
 
 def bn_local_sums(x: Any) -> Any:
     """Per-channel [sum, sum of squares, count] of a local block, float64, shape (3, C)."""
+    if is_bf16(x):
+        return bn_local_sums(widen(x))
     xp = array_module(x)
     count = x.size // x.shape[1]
     sums = x.sum(axis=_AXES, dtype=xp.float64)
-    squares = xp.einsum("ncdhw,ncdhw->c", x, x, dtype=xp.float64)
+    if xp is np:
+        squares = xp.einsum("ncdhw,ncdhw->c", x, x, dtype=xp.float64)
+    else:
+        squares = cuda_fused.channel_sum_squares(x)
     return xp.stack([sums, squares, xp.full_like(sums, count)])
 
 
@@ -41,8 +55,15 @@ def bn_statistics(sums: Any) -> tuple[Any, Any]:
 def bn_normalize(x: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float
                  ) -> tuple[Any, Any, Any]:
     """Return (y, xhat, inv_std): y = gamma * xhat + beta, xhat = (x - mean) * inv_std."""
+    if is_bf16(x):
+        y, xhat, inv_std = bn_normalize(widen(x), mean, var, gamma, beta, eps)
+        return narrow(y), narrow(xhat), inv_std
     xp = array_module(x)
     inv_std = (1.0 / xp.sqrt(var + eps)).astype(x.dtype)
+    if xp is not np:
+        xhat, y = cuda_fused.bn_forward(x, *(_per_channel(v.astype(x.dtype), x.ndim)
+                                             for v in (mean, inv_std, gamma, beta)))
+        return y, xhat, inv_std
     xhat = x - _per_channel(mean.astype(x.dtype), x.ndim)
     xhat *= _per_channel(inv_std, x.ndim)
     y = xhat * _per_channel(gamma, x.ndim)
@@ -54,20 +75,31 @@ def bn_backward_local_sums(dy: Any, xhat: Any) -> Any:
     """Per-channel [sum(dy), sum(dy * xhat)] of a local block, float64, shape (2, C).
 
     They are also dbeta and dgamma (before their reduction over the ranks)."""
+    if is_bf16(dy):
+        return bn_backward_local_sums(widen(dy), widen(xhat))
     xp = array_module(dy)
     sum_dy = dy.sum(axis=_AXES, dtype=xp.float64)
-    sum_dy_xhat = xp.einsum("ncdhw,ncdhw->c", dy, xhat, dtype=xp.float64)
+    if xp is np:
+        sum_dy_xhat = xp.einsum("ncdhw,ncdhw->c", dy, xhat, dtype=xp.float64)
+    else:
+        sum_dy_xhat = cuda_fused.channel_sum_products(dy, xhat)
     return xp.stack([sum_dy, sum_dy_xhat])
 
 
 def bn_backward_apply(dy: Any, xhat: Any, gamma: Any, inv_std: Any, sums: Any, count: float
                       ) -> Any:
     """dx = gamma * inv_std * (dy - mean(dy) - xhat * mean(dy * xhat)), global means."""
+    if is_bf16(dy):
+        return narrow(bn_backward_apply(widen(dy), widen(xhat), gamma, inv_std, sums, count))
     mean_dy = (sums[0] / count).astype(dy.dtype)
     mean_dy_xhat = (sums[1] / count).astype(dy.dtype)
+    xp = array_module(dy)
+    if xp is not np:
+        return cuda_fused.bn_backward(dy, xhat, *(_per_channel(v.astype(dy.dtype), dy.ndim)
+                                                  for v in (mean_dy, mean_dy_xhat,
+                                                            gamma * inv_std)))
     dx = xhat * _per_channel(mean_dy_xhat, dy.ndim)
     dx += _per_channel(mean_dy, dy.ndim)
-    xp = array_module(dy)
     xp.subtract(dy, dx, out=dx)
     dx *= _per_channel(gamma * inv_std, dy.ndim)
     return dx

@@ -42,13 +42,23 @@ and out (the prototype also lacks the W split, whose GEMM shape is better; see
 :mod:`.lowering`).  The kernels stay NCDHW.
 (OpenBLAS picks its AVX2 "Haswell" kernels on this Zen5; ``OPENBLAS_CORETYPE=SkylakeX``,
 set before numpy is imported, makes every layer 1.3-1.7x faster.)
+
+Other devices and storage: cupy arrays go to the GPU kernels of the same names
+(:mod:`cosmotrain.gpu.conv`, imported on the first cupy call); bfloat16 numpy arrays are
+widened to float32, convolved here and the result rounded back to bfloat16 (the CPU
+emulation of bf16 storage, :mod:`cosmotrain.precision`).  float32 and float64 numpy
+arrays take the code below untouched.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Optional, Sequence
 
 import numpy as np
+
+from cosmotrain.backend import is_device_array
+from cosmotrain.precision import is_bf16, narrow, widen
 
 from . import _parallel
 from .conv3d_dgrad import backward_data_scatter
@@ -83,6 +93,22 @@ def output_buffer(out: Optional[np.ndarray], shape, dtype, name: str = "out") ->
         raise ValueError(f"{name} must be a C-contiguous {np.dtype(dtype).name} array of shape "
                          f"{tuple(shape)}, got {out.dtype.name} {out.shape}")
     return out
+
+
+def gpu_kernels() -> ModuleType:
+    """The cupy convolution kernels (same names and signatures as this module's)."""
+    from cosmotrain.gpu import conv
+
+    return conv
+
+
+def _elsewhere(out: Optional[np.ndarray], *arrays: np.ndarray) -> bool:
+    """Whether the call leaves this module's float32/64 numpy code: device or bf16."""
+    if not any(is_device_array(a) or is_bf16(a) for a in arrays):
+        return False
+    if out is not None:
+        raise ValueError("out= is supported for float32/float64 numpy arrays only")
+    return True
 
 
 def choose_lowering(geo: ConvGeometry, max_shift: int) -> Lowering:
@@ -144,6 +170,10 @@ def conv3d_forward(x: np.ndarray, w: np.ndarray, stride: "int | Sequence[int]" =
     ``out``: optional C-contiguous result buffer (reusing one saves the page faults of a
     fresh allocation, about 5 ms per 128 MiB here).
     """
+    if _elsewhere(out, x, w):
+        if is_device_array(x):
+            return gpu_kernels().conv3d_forward(x, w, stride, padding)
+        return narrow(conv3d_forward(widen(x), widen(w), stride, padding))
     x = as_float_array(x, "x")
     w = as_float_array(w, "w", x.dtype)
     geo = ConvGeometry.create(x.shape, w.shape, stride, padding)
@@ -154,7 +184,13 @@ def conv3d_forward(x: np.ndarray, w: np.ndarray, stride: "int | Sequence[int]" =
 def conv3d_backward_filter(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int],
                            stride: "int | Sequence[int]" = 1,
                            padding: PaddingLike = 0) -> np.ndarray:
-    """``dL/dw`` from the input x and the output gradient dy; shape ``w_shape``."""
+    """``dL/dw`` from the input x and the output gradient dy; shape ``w_shape``.
+
+    bf16 (CPU emulation): computed in float32, returned as bf16 like the GPU kernel."""
+    if _elsewhere(None, x, dy):
+        if is_device_array(x):
+            return gpu_kernels().conv3d_backward_filter(x, dy, w_shape, stride, padding)
+        return narrow(conv3d_backward_filter(widen(x), widen(dy), w_shape, stride, padding))
     x = as_float_array(x, "x")
     dy = as_float_array(dy, "dy", x.dtype)
     geo = ConvGeometry.create(x.shape, w_shape, stride, padding)
@@ -181,6 +217,10 @@ def conv3d_backward_data(dy: np.ndarray, w: np.ndarray, x_shape: Sequence[int],
                          stride: "int | Sequence[int]" = 1, padding: PaddingLike = 0,
                          *, out: Optional[np.ndarray] = None) -> np.ndarray:
     """``dL/dx`` from the output gradient dy and the weights; shape ``x_shape``."""
+    if _elsewhere(out, dy, w):
+        if is_device_array(dy):
+            return gpu_kernels().conv3d_backward_data(dy, w, x_shape, stride, padding)
+        return narrow(conv3d_backward_data(widen(dy), widen(w), x_shape, stride, padding))
     dy = as_float_array(dy, "dy")
     w = as_float_array(w, "w", dy.dtype)
     geo = ConvGeometry.create(x_shape, w.shape, stride, padding)

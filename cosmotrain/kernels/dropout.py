@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from cosmotrain.backend import array_module
+from cosmotrain.precision import is_bf16, narrow, widen
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -61,7 +62,9 @@ def dropout_keep_mask(local_shape: Sequence[int], offset: Sequence[int],
 
 
 def dropout_forward(x: Any, keep: Any, p: float) -> Any:
-    """Inverted dropout: kept elements scaled by 1 / (1 - p)."""
+    """Inverted dropout: kept elements scaled by 1 / (1 - p) (in float32 for bf16)."""
+    if is_bf16(x):
+        return narrow(dropout_forward(widen(x), keep, p))
     xp = array_module(x)
     scale = x.dtype.type(1.0 / (1.0 - p))
     return xp.where(keep, x * scale, x.dtype.type(0))

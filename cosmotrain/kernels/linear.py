@@ -1,21 +1,53 @@
-"""Fully connected layer, PyTorch layout: weight (out, in), y = x @ W^T + b."""
+"""Fully connected layer, PyTorch layout: weight (out, in), y = x @ W^T + b.
+
+bfloat16 operands are multiplied in float32 (widened, the output rounded back to bf16;
+the weight gradient stays float32).  On the GPU the products run under the configured
+math mode (``device.precision: tf32`` allows TF32 tensor cores, see
+:func:`cosmotrain.gpu.settings.cublas_math`).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import nullcontext
+from typing import Any, ContextManager
+
+import numpy as np
+
+from cosmotrain.backend import array_module
+from cosmotrain.precision import is_bf16, narrow, widen
+
+
+def _math(x: Any) -> ContextManager[None]:
+    """The GEMM math mode of the GPU settings for cupy operands; nothing for numpy."""
+    xp = array_module(x)
+    if xp is np:
+        return nullcontext()
+    from cosmotrain.gpu.settings import cublas_math, current
+
+    return cublas_math(xp, current().math == "tf32")
 
 
 def linear_forward(x: Any, weight: Any, bias: Any | None) -> Any:
-    y = x @ weight.T
+    if is_bf16(x):
+        return narrow(linear_forward(widen(x), widen(weight),
+                                     None if bias is None else widen(bias)))
+    with _math(x):
+        y = x @ weight.T
     if bias is not None:
         y += bias
     return y
 
 
 def linear_backward_data(dy: Any, weight: Any) -> Any:
-    return dy @ weight
+    if is_bf16(dy):
+        return narrow(linear_backward_data(widen(dy), widen(weight)))
+    with _math(dy):
+        return dy @ weight
 
 
 def linear_backward_weight(x: Any, dy: Any) -> tuple[Any, Any]:
     """(dW, db) for this block of samples (to be summed over the sample replicas)."""
-    return dy.T @ x, dy.sum(axis=0)
+    if is_bf16(dy):
+        return linear_backward_weight(widen(x), widen(dy))
+    with _math(dy):
+        return dy.T @ x, dy.sum(axis=0)

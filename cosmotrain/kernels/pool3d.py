@@ -18,6 +18,10 @@ tap with the maximum (last match in reverse order = first offset).  Backward: av
 pooling runs the transposed operations (a gather over output planes, then spreads along H
 and W); max pooling sends each gradient to its input index with ``np.bincount`` (which
 also sums the overlaps of windows with stride < kernel).
+
+Other devices and storage: cupy arrays take the whole-array implementation of
+:mod:`.pool3d_xp` (same geometry, conventions and results); bfloat16 arrays are pooled
+in float32 and the values rounded back to bfloat16 (:mod:`cosmotrain.precision`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import _parallel
+from cosmotrain.backend import is_device_array
+from cosmotrain.precision import is_bf16, narrow, widen
+
+from . import _parallel, pool3d_xp
 from .geometry import (Padding, PaddingLike, Triple, normalize_padding, normalize_triple,
                        output_shape)
 
@@ -200,8 +207,18 @@ def _check_dy(dy: np.ndarray, pool: _Pool) -> None:
                          f"expected {pool.y_shape}")
 
 
+def _elsewhere(array) -> bool:
+    """Whether the call leaves the numpy float code: a device array or bf16 storage."""
+    return is_device_array(array) or is_bf16(array)
+
+
 def avg_pool3d_forward(x: np.ndarray, kernel, stride=None, padding: PaddingLike = 0) -> np.ndarray:
     """Average pooling, zero padding counted: divisor ``kD*kH*kW`` everywhere."""
+    if _elsewhere(x):
+        pool = _Pool(x.shape, kernel, stride, padding)
+        if is_bf16(x):
+            return narrow(avg_pool3d_forward(widen(x), kernel, stride, padding))
+        return pool3d_xp.avg_pool3d_forward(x, pool)
     x = np.ascontiguousarray(x)
     pool = _Pool(x.shape, kernel, stride, padding)
     scale = 1.0 / int(np.prod(pool.kernel))
@@ -211,9 +228,13 @@ def avg_pool3d_forward(x: np.ndarray, kernel, stride=None, padding: PaddingLike 
 def avg_pool3d_backward(dy: np.ndarray, x_shape: Sequence[int], kernel, stride=None,
                         padding: PaddingLike = 0) -> np.ndarray:
     """Gradient of :func:`avg_pool3d_forward` with respect to its input."""
-    dy = np.ascontiguousarray(dy)
     pool = _Pool(x_shape, kernel, stride, padding)
     _check_dy(dy, pool)
+    if _elsewhere(dy):
+        if is_bf16(dy):
+            return narrow(avg_pool3d_backward(widen(dy), x_shape, kernel, stride, padding))
+        return pool3d_xp.avg_pool3d_backward(dy, pool)
+    dy = np.ascontiguousarray(dy)
     dx = np.empty(pool.x_shape, dtype=dy.dtype)
     (d, h, _), (_, ho, wo), whole = pool.x_shape[2:], pool.out, pool.whole(dy.itemsize)
     scale = 1.0 / int(np.prod(pool.kernel))
@@ -249,8 +270,13 @@ def avg_pool3d_backward(dy: np.ndarray, x_shape: Sequence[int], kernel, stride=N
 def max_pool3d_forward(x: np.ndarray, kernel, stride=None,
                        padding: PaddingLike = 0) -> Tuple[np.ndarray, np.ndarray]:
     """Max pooling with ``-inf`` padding; returns ``(y, argmax)`` (see module doc)."""
-    x = np.ascontiguousarray(x)
     pool = _Pool(x.shape, kernel, stride, padding, max_pool=True)
+    if _elsewhere(x):
+        if is_bf16(x):
+            y, arg = max_pool3d_forward(widen(x), kernel, stride, padding)
+            return narrow(y), arg
+        return pool3d_xp.max_pool3d_forward(x, pool)
+    x = np.ascontiguousarray(x)
     arg = np.zeros(pool.y_shape, dtype=np.int8 if np.prod(pool.kernel) <= 127 else np.int16)
     whole = pool.whole(x.itemsize)
 
@@ -277,11 +303,16 @@ def max_pool3d_backward(dy: np.ndarray, argmax: np.ndarray, x_shape: Sequence[in
     with ``dy`` as weights then sums the gradients per input element (overlapping
     windows included) in one pass, over slabs of output planes of about ``BLOCK_BYTES``.
     """
-    dy = np.ascontiguousarray(dy)
     pool = _Pool(x_shape, kernel, stride, padding, max_pool=True)
     _check_dy(dy, pool)
     if argmax.shape != dy.shape:
         raise ValueError(f"argmax shape {argmax.shape} does not match dy shape {dy.shape}")
+    if _elsewhere(dy):
+        if is_bf16(dy):
+            return narrow(max_pool3d_backward(widen(dy), argmax, x_shape, kernel, stride,
+                                              padding))
+        return pool3d_xp.max_pool3d_backward(dy, argmax, pool)
+    dy = np.ascontiguousarray(dy)
     dx = np.zeros(pool.x_shape, dtype=dy.dtype)
     (d, h, w), (kd, kh, kw) = pool.x_shape[2:], pool.kernel
     delta = ((np.arange(kd)[:, None, None] * h + np.arange(kh)[:, None]) * w

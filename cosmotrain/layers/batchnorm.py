@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from cosmotrain.comm.device_buffers import DeviceBuffers
 from cosmotrain.comm.timers import PhaseTimers
 from cosmotrain.layers.blockwise import OnBlocks
 from cosmotrain.layers.shards import Shard
@@ -32,13 +33,12 @@ class DistBatchNorm3d(BatchNorm3d):
     comm: Any = None
     timers: PhaseTimers = field(default_factory=PhaseTimers)
     shard: Shard | None = None  # my channels, when channels are split (params and buffers)
+    transport: DeviceBuffers = field(default_factory=DeviceBuffers)  # device sums
 
     def reduce_sums(self, sums: Any) -> Any:
         if self.comm is not None and self.comm.Get_size() > 1:
-            from mpi4py import MPI
-
             with self.timers.phase("allreduce"):
-                self.comm.Allreduce(MPI.IN_PLACE, sums)
+                self.transport.allreduce(self.comm, sums)
         return sums
 
 
@@ -48,16 +48,18 @@ class SpatialBatchNorm3d(OnBlocks, DistBatchNorm3d):
 
 
 def dist_batchnorm(layer: BatchNorm3d, comm: Any, timers: PhaseTimers,
-                   spatial: bool) -> DistBatchNorm3d:
+                   spatial: bool, transport: DeviceBuffers | None = None) -> DistBatchNorm3d:
     """The distributed twin of ``layer`` (same parameters and running statistics)."""
     cls = SpatialBatchNorm3d if spatial else DistBatchNorm3d
     return cls(name=layer.name, params=layer.params, buffers=layer.buffers,
                needs_input_grad=layer.needs_input_grad, channels=layer.channels,
-               eps=layer.eps, momentum=layer.momentum, comm=comm, timers=timers)
+               eps=layer.eps, momentum=layer.momentum, comm=comm, timers=timers,
+               transport=transport or DeviceBuffers())
 
 
 def channel_batchnorm(layer: BatchNorm3d, comm: Any, timers: PhaseTimers,
-                      channels: tuple[int, int]) -> SpatialBatchNorm3d:
+                      channels: tuple[int, int],
+                      transport: DeviceBuffers | None = None) -> SpatialBatchNorm3d:
     """The twin of ``layer`` for the fine channel block ``[start, stop)`` only.
 
     Its parameters and running statistics are copies of that block (the full arrays are
@@ -71,4 +73,5 @@ def channel_batchnorm(layer: BatchNorm3d, comm: Any, timers: PhaseTimers,
     return SpatialBatchNorm3d(name=layer.name, params=params, buffers=buffers,
                               needs_input_grad=layer.needs_input_grad,
                               channels=channels[1] - channels[0], eps=layer.eps,
-                              momentum=layer.momentum, comm=comm, timers=timers, shard=shard)
+                              momentum=layer.momentum, comm=comm, timers=timers, shard=shard,
+                              transport=transport or DeviceBuffers())

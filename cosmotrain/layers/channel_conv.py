@@ -20,12 +20,13 @@ from typing import Any
 
 import numpy as np
 
+from cosmotrain.backend import array_module
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.layers.channel_split import ChannelBlocks
 from cosmotrain.layers.channel_plan import LayerChoice
 from cosmotrain.layers.conv import SpatialConv3d
 from cosmotrain.layers.shards import Shard
-from cosmotrain.nn.layers import Conv3d
+from cosmotrain.nn.layers import Conv3d, channel_sums
 from cosmotrain.nn.module import Context, Parameter
 from cosmotrain.tensor.channel_collectives import allgather_channels, reduce_scatter_channels
 from cosmotrain.tensor.dist_tensor import DistTensor
@@ -55,13 +56,14 @@ class ChannelConv3d(Conv3d):
         self._saved = (x.dist, x.coord, local)
         if local is None:
             shape = (x.data.shape[0], len(self.blocks.filter_rows()))
-            partial = np.zeros(shape + out_dist.local_shape(x.coord)[2:], x.data.dtype)
+            partial = array_module(x.data).zeros(shape + out_dist.local_shape(x.coord)[2:],
+                                                 x.data.dtype)
         else:
             self.inner.needs_input_grad = self.needs_input_grad
             partial = self.inner.forward(local, ctx).data
         y = self._reduce_scatter(self.channel_comm, partial, self.blocks.output_pieces())
         if self.bias:
-            y += self.params["bias"].data.reshape(1, -1, 1, 1, 1)
+            y += self.params["bias"].like(y).reshape(1, -1, 1, 1, 1)
         self.elements_per_channel = (_per_channel(x.data), _per_channel(y))
         return DistTensor(y, out_dist, x.coord)
 
@@ -69,12 +71,13 @@ class ChannelConv3d(Conv3d):
         dist, coord, local = self._saved
         self._saved = None
         if self.bias:
-            self.params["bias"].accumulate(dy.data.sum(axis=(0, 2, 3, 4)))
+            self.params["bias"].accumulate(channel_sums(dy.data))
         dy_all = self._allgather(self.channel_comm, dy.data, self.blocks.output_pieces())
+        xp = array_module(dy.data)
         if local is None:
             weight = self.params["weight"]
-            weight.accumulate(np.zeros(weight.shape, weight.data.dtype))
-            dx = None if not self.needs_input_grad else np.zeros(
+            weight.accumulate(xp.zeros(weight.shape, weight.data.dtype))
+            dx = None if not self.needs_input_grad else xp.zeros(
                 (dy.data.shape[0], sum(self.blocks.input_pieces())) +
                 dist.local_shape(coord)[2:], dy.data.dtype)
         else:
@@ -88,13 +91,15 @@ class ChannelConv3d(Conv3d):
 
     def _allgather(self, comm: Any, block: Any, pieces: list[int]) -> Any:
         with self.grid.timers.phase("channel"):  # type: ignore[union-attr]
-            out = allgather_channels(comm, block, pieces)
+            out = allgather_channels(comm, block, pieces,
+                                     self.grid.transport)  # type: ignore[union-attr]
         self.volume["allgather"] += out.size - block.size
         return out
 
     def _reduce_scatter(self, comm: Any, partial: Any, pieces: list[int]) -> Any:
         with self.grid.timers.phase("channel"):  # type: ignore[union-attr]
-            out = reduce_scatter_channels(comm, partial, pieces)
+            out = reduce_scatter_channels(comm, partial, pieces,
+                                          self.grid.transport)  # type: ignore[union-attr]
         self.volume["reduce_scatter"] += partial.size - out.size
         return out
 

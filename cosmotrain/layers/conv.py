@@ -26,15 +26,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
-
+from cosmotrain.backend import array_module
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.kernels import conv3d
 from cosmotrain.layers.interior import Box, OverlapPlan, conv_dim, overlap_plan, run_sub_conv
 from cosmotrain.layers.window import (SpatialWindow, WindowGeometry, extended_shape,
                                       finish_halo_grads, halo_buffer, restore_extended,
                                       save_margins, scatter_halo_grads)
-from cosmotrain.nn.layers import Conv3d
+from cosmotrain.nn.layers import Conv3d, channel_sums
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
 
@@ -66,7 +65,7 @@ class SpatialConv3d(SpatialWindow, Conv3d):
                              lambda: geo.exchange.finish(buffer, pending, "replace"))
         self._saved = (x, save_margins(buffer, geo))
         if self.bias and geo.has_output:
-            y += self.params["bias"].data.reshape(1, -1, 1, 1, 1)
+            y += self.params["bias"].like(y).reshape(1, -1, 1, 1, 1)
         return DistTensor(y, geo.out_dist, x.coord)
 
     def backward(self, dy: DistTensor, ctx: Context) -> DistTensor | None:  # type: ignore[override]
@@ -77,7 +76,7 @@ class SpatialConv3d(SpatialWindow, Conv3d):
             grad, pending = scatter_halo_grads(self._data_grad(dy, x, geo), x, geo)
         self.params["weight"].accumulate(self._weight_grad(x, margins, dy, geo))  # ... meanwhile
         if self.bias:
-            self.params["bias"].accumulate(dy.data.sum(axis=(0, 2, 3, 4)))
+            self.params["bias"].accumulate(channel_sums(dy.data))
         if pending is None:
             return None
         return finish_halo_grads(grad, pending, x, geo)
@@ -93,9 +92,10 @@ class SpatialConv3d(SpatialWindow, Conv3d):
     def _overlapped(self, ext: Any, x: DistTensor, geo: WindowGeometry,
                     finish: Callable[[], None]) -> Any:
         """The output block, computing the interior while the exchange (``finish``) runs."""
+        xp = array_module(x.data)
         if not geo.has_output:
             finish()
-            return np.zeros(geo.out_dist.local_shape(x.coord), x.data.dtype)
+            return xp.zeros(geo.out_dist.local_shape(x.coord), x.data.dtype)
         plan = self.plan(x, geo)
         if plan.interior is None:  # every output reads a margin: wait, then one call
             finish()
@@ -103,7 +103,7 @@ class SpatialConv3d(SpatialWindow, Conv3d):
         if plan.shell_fraction <= REDO_SHELL_MAX:  # margins still zero: shell provisional
             y = self._conv(ext, geo.padding)
         else:
-            y = np.empty(geo.out_dist.local_shape(x.coord), x.data.dtype)
+            y = xp.empty(geo.out_dist.local_shape(x.coord), x.data.dtype)
             run_sub_conv(self._conv, ext, plan.interior, y)
         finish()
         for sub in plan.shell:
@@ -111,22 +111,22 @@ class SpatialConv3d(SpatialWindow, Conv3d):
         return y
 
     def _conv(self, ext: Any, padding: Any) -> Any:
-        return conv3d.conv3d_forward(ext, self.params["weight"].data, self.stride, padding)
+        return conv3d.conv3d_forward(ext, self.params["weight"].like(ext), self.stride, padding)
 
     def _data_grad(self, dy: DistTensor, x: DistTensor, geo: WindowGeometry) -> Any:
         """The extended block's data gradient (None for a rank without output)."""
         if not geo.has_output:
             return None
-        return conv3d.conv3d_backward_data(dy.data, self.params["weight"].data,
+        return conv3d.conv3d_backward_data(dy.data, self.params["weight"].like(dy.data),
                                            extended_shape(x, geo), self.stride, geo.padding)
 
     def _weight_grad(self, x: DistTensor, margins: Margins, dy: DistTensor,
                      geo: WindowGeometry) -> Any:
-        shape = self.params["weight"].shape
+        weight = self.params["weight"]
         if not geo.has_output:
-            return np.zeros(shape, dtype=x.data.dtype)
+            return array_module(x.data).zeros(weight.shape, dtype=weight.data.dtype)
         return conv3d.conv3d_backward_filter(restore_extended(x, margins, geo), dy.data,
-                                             shape, self.stride, geo.padding)
+                                             weight.shape, self.stride, geo.padding)
 
 
 def spatial_conv(layer: Conv3d, grid: ProcessGrid) -> SpatialConv3d:

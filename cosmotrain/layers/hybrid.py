@@ -121,9 +121,11 @@ class BlockTwins:
             return spatial_pool(layer, self.grid)
         if isinstance(layer, BatchNorm3d) and split:
             channels = fine_block(layer.channels, self.group.Get_size(), self.group.Get_rank())
-            return channel_batchnorm(layer, self.bn_comm, self.grid.timers, channels)
+            return channel_batchnorm(layer, self.bn_comm, self.grid.timers, channels,
+                                     self.grid.transport)
         if isinstance(layer, BatchNorm3d):
-            return dist_batchnorm(layer, self.bn_comm, self.grid.timers, spatial=True)
+            return dist_batchnorm(layer, self.bn_comm, self.grid.timers, spatial=True,
+                                  transport=self.grid.transport)
         if isinstance(layer, (LeakyReLU, Dropout)):
             return blockwise(layer)
         inner = f"{path}." if path else ""
@@ -133,7 +135,8 @@ class BlockTwins:
 def sample_twin(layer: Layer, grid: ProcessGrid, bn_comm: Any) -> Layer:
     """The layer for whole local samples: batch norm reduces its sums, the rest is serial."""
     if isinstance(layer, BatchNorm3d):
-        return dist_batchnorm(layer, bn_comm, grid.timers, spatial=False)
+        return dist_batchnorm(layer, bn_comm, grid.timers, spatial=False,
+                              transport=grid.transport)
     if isinstance(layer, (Sequential, Residual)):
         return _map_children(layer, lambda child: sample_twin(child, grid, bn_comm))
     return layer

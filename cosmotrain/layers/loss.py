@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from cosmotrain.backend import array_module
 from cosmotrain.comm.timers import PhaseTimers
 from cosmotrain.kernels.loss import mae_backward, mae_sum, mse_backward, mse_sum
 
@@ -24,6 +25,7 @@ def batch_loss(pred: Any, target: Any, global_count: int, comm: Any = None,
     if pred.shape != target.shape:
         raise ValueError(f"predictions {pred.shape} and targets {target.shape} differ")
     total, grad = LOSSES[kind]
+    target = array_module(pred).asarray(target)  # the targets join the predictions' device
     summed = np.array([total(pred, target)])
     if comm is not None and comm.Get_size() > 1:
         from mpi4py import MPI

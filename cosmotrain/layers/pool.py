@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
+from cosmotrain.backend import array_module
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.kernels import pool3d
 from cosmotrain.layers.window import (SpatialWindow, WindowGeometry, extended_shape,
@@ -35,7 +34,7 @@ class SpatialPool3d(SpatialWindow, Pool3d):
         extended = buffer[geo.extended]
         self._saved, self._argmax = x, None
         if not geo.has_output:
-            y = np.zeros(geo.out_dist.local_shape(x.coord), x.data.dtype)
+            y = array_module(x.data).zeros(geo.out_dist.local_shape(x.coord), x.data.dtype)
         elif self.mode == "avg":
             y = pool3d.avg_pool3d_forward(extended, self.kernel, self.stride, geo.padding)
         else:

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from cosmotrain.backend import to_host
+
 Index = tuple[Any, ...]  # per leading dimension: an index array or a slice
 
 
@@ -50,9 +52,10 @@ def gather_full(comm: Any, items: Iterable[tuple[str, Any, Shard | None]],
     same on every rank and returned as copies.  Every result is a new array, never a
     view of live state (gradient buckets are reused by the next step).  With ``root``
     only that rank assembles the arrays (the others get None): a checkpoint needs them
-    once, not a full copy of the model on every rank.
+    once, not a full copy of the model on every rank.  Results are host (numpy) arrays,
+    wherever the blocks live.
     """
-    items = list(items)
+    items = [(name, to_host(block), shard) for name, block, shard in items]
     sharded = [(name, np.asarray(block), shard) for name, block, shard in items
                if shard is not None]
     if comm.Get_size() == 1:

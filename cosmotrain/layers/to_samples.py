@@ -47,7 +47,7 @@ class ToSamples(Layer):
             self._plans[x.dist] = Redistribution.plan(
                 comm, Distribution(shape, (1,) + x.dist.grid[1:]), (0,) + x.coord[1:],
                 Distribution(shape, (comm.Get_size(), 1, 1, 1, 1)),
-                (comm.Get_rank(), 0, 0, 0, 0))
+                (comm.Get_rank(), 0, 0, 0, 0), self.grid.transport)  # type: ignore[union-attr]
         return self._plans[x.dist]
 
     def forward(self, x: DistTensor, ctx: Context) -> Any:

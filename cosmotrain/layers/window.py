@@ -17,8 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
+from cosmotrain.backend import array_module
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.layers.interior import (Box, box_empty, box_shape, box_slices, intersect, onion,
                                         shift)
@@ -77,9 +76,11 @@ def halo_buffer(x: DistTensor, geo: WindowGeometry) -> Any:
 
     Zero, not garbage, so that a kernel may read the margins before the exchange fills
     them (the convolution computes a provisional shell meanwhile).  Only the margins are
-    zeroed: ``np.zeros`` would clear the whole (reused, not fresh) heap block.
+    zeroed: ``np.zeros`` would clear the whole (reused, not fresh) heap block.  The
+    buffer lives on the block's device.
     """
-    buffer = np.empty(x.data.shape[:2] + geo.exchange.buffer_shape, dtype=x.data.dtype)
+    xp = array_module(x.data)
+    buffer = xp.empty(x.data.shape[:2] + geo.exchange.buffer_shape, dtype=x.data.dtype)
     buffer[(Ellipsis,) + geo.exchange.own] = x.data
     whole = tuple((0, n) for n in geo.exchange.buffer_shape)
     for slab in onion(whole, geo.own_box):
@@ -116,7 +117,7 @@ def restore_extended(x: DistTensor, margins: list[tuple[Box, Any]], geo: WindowG
     owned = shift(intersect(ext, own), tuple(start for start, _ in own))
     if not margins:
         return x.data[box_slices(owned)]
-    block = np.empty(x.data.shape[:2] + box_shape(ext), dtype=x.data.dtype)
+    block = array_module(x.data).empty(x.data.shape[:2] + box_shape(ext), dtype=x.data.dtype)
     origin = tuple(start for start, _ in ext)
     pieces = [(intersect(ext, own), x.data[box_slices(owned)])] + margins
     for box, data in pieces:
@@ -142,7 +143,7 @@ def scatter_halo_grads(grad_extended: Any, x: DistTensor, geo: WindowGeometry
     if grad_extended is not None and tuple(grad_extended.shape) == shape:
         grad = grad_extended
     else:
-        grad = np.zeros(shape, dtype=x.data.dtype)
+        grad = array_module(x.data).zeros(shape, dtype=x.data.dtype)
         if grad_extended is not None:
             grad[geo.extended] = grad_extended
     return grad, geo.exchange.start(grad, "add")

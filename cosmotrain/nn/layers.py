@@ -23,6 +23,14 @@ from cosmotrain.kernels.linear import (linear_backward_data, linear_backward_wei
                                        linear_forward)
 from cosmotrain.backend import array_module
 from cosmotrain.nn.module import Context, Layer
+from cosmotrain.precision import accumulator, widen
+
+
+def channel_sums(dy: Any) -> Any:
+    """Per-channel sums of an (N, C, ...) gradient (a bias gradient), accumulated in
+    float32 even for bf16 storage."""
+    return dy.sum(axis=(0,) + tuple(range(2, dy.ndim)), dtype=accumulator(dy.dtype))
+
 
 def window_output_shape(shape: tuple[int, ...], channels: int, kernel: Triple,
                         stride: Triple, padding: Padding) -> tuple[int, ...]:
@@ -47,9 +55,9 @@ class Conv3d(Layer):
         self._x = x
         if x.shape[0] == 0:
             return array_module(x).zeros(self.output_shape(x.shape), x.dtype)
-        y = conv3d.conv3d_forward(x, self.params["weight"].data, self.stride, self.padding)
+        y = conv3d.conv3d_forward(x, self.params["weight"].like(x), self.stride, self.padding)
         if self.bias:
-            y += self.params["bias"].data.reshape(1, -1, 1, 1, 1)
+            y += self.params["bias"].like(y).reshape(1, -1, 1, 1, 1)
         return y
 
     def backward(self, dy: Any, ctx: Context) -> Any:
@@ -60,10 +68,10 @@ class Conv3d(Layer):
         weight.accumulate(conv3d.conv3d_backward_filter(x, dy, weight.shape, self.stride,
                                                         self.padding))
         if self.bias:
-            self.params["bias"].accumulate(dy.sum(axis=(0, 2, 3, 4)))
+            self.params["bias"].accumulate(channel_sums(dy))
         if not self.needs_input_grad:
             return None
-        return conv3d.conv3d_backward_data(dy, weight.data, x.shape, self.stride,
+        return conv3d.conv3d_backward_data(dy, weight.like(dy), x.shape, self.stride,
                                            self.padding)
 
     def _empty_backward(self, x: Any) -> Any:
@@ -173,8 +181,8 @@ class BatchNorm3d(Layer):
         gamma = self.params["weight"]
         # The local sums are this rank's part of dbeta / dgamma: like every parameter
         # gradient they are summed over the parameter's replicas by the trainer.
-        self.params["bias"].accumulate(local[0].astype(dy.dtype))
-        gamma.accumulate(local[1].astype(dy.dtype))
+        self.params["bias"].accumulate(local[0].astype(gamma.data.dtype))
+        gamma.accumulate(local[1].astype(gamma.data.dtype))
         sums = self.reduce_sums(local)
         if not self.needs_input_grad:
             return None
@@ -237,7 +245,7 @@ class Linear(Layer):
     def forward(self, x: Any, ctx: Context) -> Any:
         self._x = x
         bias = self.params.get("bias")
-        return linear_forward(x, self.params["weight"].data, bias.data if bias else None)
+        return linear_forward(x, self.params["weight"].like(x), bias.like(x) if bias else None)
 
     def backward(self, dy: Any, ctx: Context) -> Any:
         x, self._x = self._x, None
@@ -247,7 +255,7 @@ class Linear(Layer):
             self.params["bias"].accumulate(db)
         if not self.needs_input_grad:
             return None
-        return linear_backward_data(dy, self.params["weight"].data)
+        return linear_backward_data(dy, self.params["weight"].like(dy))
 
     def output_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return (shape[0], self.out_features)
@@ -261,12 +269,13 @@ class ScaledTanh(Layer):
     _t: Any = field(default=None, repr=False)
 
     def forward(self, x: Any, ctx: Context) -> Any:
-        self._t = array_module(x).tanh(x)
-        return self._t * x.dtype.type(self.scale)
+        self._t = array_module(x).tanh(widen(x))  # bf16: float32 math, on a few values
+        return (self._t * self._t.dtype.type(self.scale)).astype(x.dtype, copy=False)
 
     def backward(self, dy: Any, ctx: Context) -> Any:
         t, self._t = self._t, None
-        return dy * (1 - t * t) * dy.dtype.type(self.scale)
+        grad = widen(dy) * (1 - t * t) * t.dtype.type(self.scale)
+        return grad.astype(dy.dtype, copy=False)
 
 
 @dataclass
@@ -276,12 +285,14 @@ class GlobalAvgPool(Layer):
     def forward(self, x: Any, ctx: Context) -> Any:
         self._x_shape = x.shape
         self._volume = x.shape[2] * x.shape[3] * x.shape[4]
-        return x.sum(axis=(2, 3, 4), keepdims=True) / x.dtype.type(self._volume)
+        total = accumulator(x.dtype)
+        mean = x.sum(axis=(2, 3, 4), keepdims=True, dtype=total) / total.type(self._volume)
+        return mean.astype(x.dtype, copy=False)
 
     def backward(self, dy: Any, ctx: Context) -> Any:
         xp = array_module(dy)
-        scaled = dy / dy.dtype.type(self._volume)
-        return xp.broadcast_to(scaled, self._x_shape).copy()
+        scaled = widen(dy) / accumulator(dy.dtype).type(self._volume)
+        return xp.broadcast_to(scaled.astype(dy.dtype, copy=False), self._x_shape).copy()
 
     def output_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return shape[:2] + (1, 1, 1)

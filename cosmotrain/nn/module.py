@@ -38,11 +38,24 @@ class Parameter:
         return tuple(self.data.shape)
 
     def accumulate(self, grad: Any) -> None:
-        """Set or add ``grad`` (a parameter used twice accumulates both contributions)."""
+        """Set or add ``grad`` (a parameter used twice accumulates both contributions).
+
+        Gradients are kept in the parameter's dtype: a bf16 kernel result is widened, so
+        they accumulate in float32 like the master weights they update."""
+        if grad.dtype != self.data.dtype:
+            grad = grad.astype(self.data.dtype)
         if self.grad is None:
             self.grad = grad
         else:
             self.grad += grad
+
+    def like(self, activations: Any) -> Any:
+        """The parameter in the dtype of the ``activations`` it meets: the array itself,
+        or (bf16 storage) its working copy rounded to bf16, as convolutions and linear
+        layers read it in forward and in the data gradient."""
+        if self.data.dtype == activations.dtype:
+            return self.data
+        return self.data.astype(activations.dtype)
 
 
 @dataclass

@@ -15,42 +15,54 @@ from typing import Any
 
 import numpy as np
 
-from cosmotrain.tensor.redistribute import displacements
+from cosmotrain.backend import array_module
+from cosmotrain.comm.device_buffers import DeviceBuffers
+from cosmotrain.precision import is_bf16, narrow, widen
 
 
 def _channel_major(block: Any) -> Any:
-    return np.ascontiguousarray(np.moveaxis(block, 1, 0))
+    xp = array_module(block)
+    return xp.ascontiguousarray(xp.moveaxis(block, 1, 0))
 
 
 def _sample_major(buffer: Any) -> Any:
-    return np.ascontiguousarray(np.moveaxis(buffer, 0, 1))
+    xp = array_module(buffer)
+    return xp.ascontiguousarray(xp.moveaxis(buffer, 0, 1))
 
 
 def _counts(pieces: Sequence[int], per_channel: int) -> list[int]:
     return [int(p) * per_channel for p in pieces]
 
 
-def allgather_channels(comm: Any, block: Any, pieces: Sequence[int]) -> Any:
-    """Concatenate along C every rank's block (``pieces[r]`` channels on rank ``r``)."""
+def allgather_channels(comm: Any, block: Any, pieces: Sequence[int],
+                       transport: DeviceBuffers | None = None) -> Any:
+    """Concatenate along C every rank's block (``pieces[r]`` channels on rank ``r``).
+
+    ``transport`` moves device blocks (None: host staging); numpy blocks go straight
+    to MPI."""
     if comm.Get_size() == 1:
         return block
     n, _, *space = block.shape
     per_channel = n * int(np.prod(space))
     counts = _counts(pieces, per_channel)
-    out = np.empty((sum(pieces), n, *space), dtype=block.dtype)
-    comm.Allgatherv(_channel_major(block), [out, (counts, displacements(counts))])
+    out = array_module(block).empty((sum(pieces), n, *space), dtype=block.dtype)
+    (transport or DeviceBuffers()).allgatherv(comm, _channel_major(block), out, counts)
     return _sample_major(out)
 
 
-def reduce_scatter_channels(comm: Any, partial: Any, pieces: Sequence[int]) -> Any:
-    """Sum the ranks' ``partial`` blocks and leave rank ``r`` its ``pieces[r]`` channels."""
+def reduce_scatter_channels(comm: Any, partial: Any, pieces: Sequence[int],
+                            transport: DeviceBuffers | None = None) -> Any:
+    """Sum the ranks' ``partial`` blocks and leave rank ``r`` its ``pieces[r]`` channels.
+
+    bfloat16 partial sums are added in float32 (widened before, rounded after)."""
     if comm.Get_size() == 1:
         return partial
-    from mpi4py import MPI
-
+    if is_bf16(partial):
+        return narrow(reduce_scatter_channels(comm, widen(partial), pieces, transport))
     n, _, *space = partial.shape
     per_channel = n * int(np.prod(space))
     mine = pieces[comm.Get_rank()]
-    out = np.empty((mine, n, *space), dtype=partial.dtype)
-    comm.Reduce_scatter(_channel_major(partial), out, _counts(pieces, per_channel), op=MPI.SUM)
+    out = array_module(partial).empty((mine, n, *space), dtype=partial.dtype)
+    (transport or DeviceBuffers()).reduce_scatter(comm, _channel_major(partial), out,
+                                                  _counts(pieces, per_channel))
     return _sample_major(out)

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from cosmotrain.backend import to_host
 from cosmotrain.tensor.distribution import Distribution
 
 
@@ -56,12 +57,13 @@ class DistTensor:
         """The full array on ``root`` (None elsewhere); on every rank when ``root`` is None.
 
         Every rank of ``comm`` must hold a distinct block of the same distribution.
+        The result is a host (numpy) array whatever device the blocks live on.
         """
-        item = (self.coord, np.asarray(self.data))
+        item = (self.coord, np.asarray(to_host(self.data)))
         blocks = comm.allgather(item) if root is None else comm.gather(item, root=root)
         if blocks is None:
             return None
-        full = np.empty(self.dist.global_shape, dtype=np.asarray(self.data).dtype)
+        full = np.empty(self.dist.global_shape, dtype=item[1].dtype)
         seen = set()
         for coord, block in blocks:
             seen.add(tuple(coord))

@@ -13,16 +13,17 @@ why it cannot overlap backward when more than one dimension is split.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
+from cosmotrain.comm.device_buffers import Exchange
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.tensor.windows import HaloPlan
 
 Region = tuple[slice, slice, slice]
+Pending = tuple[Exchange, list["_Message"]]
 
 
 def _recv_slice(plan: HaloPlan, step: int) -> slice:
@@ -84,39 +85,37 @@ class HaloExchange:
     def own(self) -> Region:
         return tuple(p.own for p in self.plans)  # type: ignore[return-value]
 
-    def start(self, buffer: Any, mode: str) -> list[tuple[Any, Any, _Message]]:
+    def start(self, buffer: Any, mode: str) -> Pending:
         """Post every receive and send; ``mode`` is ``replace`` or ``add``."""
         if mode not in ("replace", "add"):
             raise ValueError(f"mode must be 'replace' or 'add', not {mode!r}")
         with self.grid.timers.phase("halo"):
             return self._post(buffer, mode)
 
-    def _post(self, buffer: Any, mode: str) -> list[tuple[Any, Any, _Message]]:
-        cart, lead = self.grid.cart, buffer.shape[:2]
-        pending = []
+    def _post(self, buffer: Any, mode: str) -> Pending:
+        """Pack and post through the grid's transport (numpy: straight to MPI; device
+        arrays: staged, CUDA-aware or NCCL, see ``comm/device_buffers.py``)."""
+        batch = self.grid.transport.exchange(self.grid.cart, buffer)
+        lead, unpack = buffer.shape[:2], []
         for msg in self.messages:
             outgoing, incoming = ((msg.send_region, msg.recv_region) if mode == "replace"
                                   else (msg.recv_region, msg.send_region))
-            inbox = np.empty(lead + _region_shape(incoming), dtype=buffer.dtype)
-            if inbox.size:
-                pending.append((cart.Irecv(inbox, source=msg.peer, tag=msg.recv_tag),
-                                inbox, msg))
-                self.received += inbox.size
-            packed = np.ascontiguousarray(buffer[(...,) + outgoing])
-            if packed.size:
-                pending.append((cart.Isend(packed, dest=msg.peer, tag=msg.send_tag),
-                                packed, None))
-        return pending
+            shape = lead + _region_shape(incoming)
+            if math.prod(shape):
+                batch.recv(shape, buffer.dtype, msg.peer, msg.recv_tag)
+                unpack.append(msg)
+                self.received += math.prod(shape)
+            region = buffer[(...,) + outgoing]
+            if region.size:
+                batch.send(region, msg.peer, msg.send_tag)
+        batch.start()
+        return batch, unpack
 
-    def finish(self, buffer: Any, pending: list[tuple[Any, Any, _Message]], mode: str) -> None:
+    def finish(self, buffer: Any, pending: Pending, mode: str) -> None:
         """Wait for the messages and unpack: copy into margins, or add into owned planes."""
-        from mpi4py import MPI
-
+        batch, unpack = pending
         with self.grid.timers.phase("halo"):
-            MPI.Request.Waitall([request for request, _, _ in pending])
-            for _, inbox, msg in pending:
-                if msg is None:
-                    continue
+            for msg, inbox in zip(unpack, batch.wait()):
                 if mode == "replace":
                     buffer[(...,) + msg.recv_region] = inbox
                 else:

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from cosmotrain.backend import array_module
+from cosmotrain.comm.device_buffers import DeviceBuffers
 from cosmotrain.tensor.distribution import Distribution
 
 Box = tuple[slice, ...]
@@ -45,6 +47,7 @@ class Redistribution:
 
     ``send[q]`` is the local box of my source block that rank ``q`` receives and
     ``recv[q]`` the local box of my target block that rank ``q`` fills (None: nothing).
+    ``transport`` moves device blocks (None: the default, host staging).
     """
 
     comm: Any
@@ -54,10 +57,12 @@ class Redistribution:
     dst_coord: tuple[int, ...]
     send: list[Box | None]
     recv: list[Box | None]
+    transport: DeviceBuffers | None = None
 
     @classmethod
     def plan(cls, comm: Any, src: Distribution, src_coord: Sequence[int],
-             dst: Distribution, dst_coord: Sequence[int]) -> Redistribution:
+             dst: Distribution, dst_coord: Sequence[int],
+             transport: DeviceBuffers | None = None) -> Redistribution:
         """Build the plan (collective: every rank of ``comm`` calls it once)."""
         if src.global_shape != dst.global_shape:
             raise ValueError(f"cannot redistribute {src.global_shape} into "
@@ -74,12 +79,12 @@ class Redistribution:
         if covered != int(np.prod(dst.local_shape(tuple(dst_coord)))):
             raise ValueError("the source blocks of the communicator's ranks do not cover "
                              "this rank's target block exactly once")
-        return cls(comm, src, dst, tuple(src_coord), tuple(dst_coord), send, recv)
+        return cls(comm, src, dst, tuple(src_coord), tuple(dst_coord), send, recv, transport)
 
     def reverse(self) -> Redistribution:
         """The plan from ``dst`` back to ``src`` (the adjoint and the inverse)."""
         return Redistribution(self.comm, self.dst, self.src, self.dst_coord, self.src_coord,
-                              self.recv, self.send)
+                              self.recv, self.send, self.transport)
 
     def __call__(self, block: Any) -> Any:
         """My target block, given my source block (collective)."""
@@ -88,18 +93,18 @@ class Redistribution:
             raise ValueError(f"source block of shape {tuple(block.shape)}, the plan "
                              f"expects {expected}")
         return alltoallv_boxes(self.comm, block, self.send, self.recv,
-                               self.dst.local_shape(self.dst_coord))
+                               self.dst.local_shape(self.dst_coord), self.transport)
 
 
 def alltoallv_boxes(comm: Any, block: Any, send: list[Box | None], recv: list[Box | None],
-                    out_shape: tuple[int, ...]) -> Any:
+                    out_shape: tuple[int, ...], transport: DeviceBuffers | None = None) -> Any:
     """Send box ``send[q]`` of ``block`` to rank ``q``; fill box ``recv[q]`` of the result."""
+    xp = array_module(block)
     sendbuf, send_counts = _pack(block, send)
     recv_counts = [_size(box) for box in recv]
-    recvbuf = np.empty(sum(recv_counts), dtype=block.dtype)
-    comm.Alltoallv([sendbuf, (send_counts, displacements(send_counts))],
-                   [recvbuf, (recv_counts, displacements(recv_counts))])
-    out = np.empty(out_shape, dtype=block.dtype)
+    recvbuf = xp.empty(sum(recv_counts), dtype=block.dtype)
+    (transport or DeviceBuffers()).alltoallv(comm, sendbuf, send_counts, recvbuf, recv_counts)
+    out = xp.empty(out_shape, dtype=block.dtype)
     start = 0
     for box, count in zip(recv, recv_counts):
         if box is not None:
@@ -110,15 +115,10 @@ def alltoallv_boxes(comm: Any, block: Any, send: list[Box | None], recv: list[Bo
 
 def _pack(block: Any, boxes: list[Box | None]) -> tuple[Any, list[int]]:
     counts = [_size(box) for box in boxes]
-    buf = np.empty(sum(counts), dtype=block.dtype)
+    buf = array_module(block).empty(sum(counts), dtype=block.dtype)
     start = 0
     for box, count in zip(boxes, counts):
         if box is not None:
             buf[start:start + count] = block[box].ravel()
         start += count
     return buf, counts
-
-
-def displacements(counts: list[int]) -> list[int]:
-    """Offsets of consecutive pieces of ``counts`` elements (MPI's ``displs``)."""
-    return [int(d) for d in np.concatenate([[0], np.cumsum(counts)[:-1]])]

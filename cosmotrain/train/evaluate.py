@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+
 import numpy as np
 
+from cosmotrain.backend import to_host
 from cosmotrain.data.reader import Reader
 from cosmotrain.nn.module import Context
+from cosmotrain.precision import widen
 from cosmotrain.train.step import HybridStep
 
 
@@ -32,12 +35,14 @@ class Errors:
 
 def predictions(step: HybridStep, reader: Reader, epoch: int = 0
                 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """``(global sample indices, predictions, targets)`` of this rank's rows, per batch."""
+    """``(global sample indices, predictions, targets)`` of this rank's rows, per batch;
+    the predictions as host arrays (float32 also under bf16 storage)."""
     ctx = Context(training=False, seed=0)
     for batch in reader.epoch(epoch):
-        pred = step.model.forward(batch.x, ctx)
+        pred = step.model.forward(step.place_input(batch.x), ctx)
         start, stop = step.model.sample_range()
-        yield batch.indices[start:stop], np.asarray(pred), batch.targets[start:stop]
+        yield batch.indices[start:stop], np.asarray(widen(to_host(pred))), \
+            batch.targets[start:stop]
 
 
 def evaluate(step: HybridStep, reader: Reader, outputs: int) -> Errors:

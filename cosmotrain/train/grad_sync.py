@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from cosmotrain.backend import array_module
+from cosmotrain.comm.device_buffers import DeviceBuffers
 from cosmotrain.comm.timers import PhaseTimers
 from cosmotrain.nn.module import Layer, Parameter
 
@@ -59,6 +61,7 @@ class GradientReducer:
 
     timers: PhaseTimers
     bucket_mb: float = DEFAULT_BUCKET_MB
+    transport: DeviceBuffers = field(default_factory=DeviceBuffers)  # device buckets
     volume: int = 0  # elements this rank has handed to allreduces
     _buckets: list[_Bucket] = field(default_factory=list)
     _owner: dict[int, _Bucket] = field(default_factory=dict)
@@ -84,7 +87,8 @@ class GradientReducer:
     def _build(self, comm: Any, params: list[Parameter]) -> None:
         for group in plan_buckets(params, self.bucket_mb * 2**20):
             dtype = np.result_type(*[p.data.dtype for p in group])
-            buffer = np.zeros(sum(p.data.size for p in group), dtype=dtype)
+            xp = array_module(group[0].data)  # the buckets live with the parameters
+            buffer = xp.zeros(sum(p.data.size for p in group), dtype=dtype)
             bucket = _Bucket(comm, group, buffer)
             self._buckets.append(bucket)
             self._owner.update({id(p): bucket for p in group})
@@ -100,12 +104,9 @@ class GradientReducer:
                 self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        from mpi4py import MPI
-
         self.volume += bucket.buffer.size
         with self.timers.phase("allreduce"):
-            self._in_flight.append(bucket.comm.Iallreduce(MPI.IN_PLACE, bucket.buffer,
-                                                          op=MPI.SUM))
+            self._in_flight.append(self.transport.iallreduce(bucket.comm, bucket.buffer))
 
     def finish(self) -> None:
         """Wait for every bucket; the gradients then hold the sums over their groups."""
@@ -113,8 +114,6 @@ class GradientReducer:
         if incomplete:
             raise RuntimeError(f"{len(incomplete)} gradient bucket(s) never completed: a "
                                "layer with parameters did not report its gradients")
-        from mpi4py import MPI
-
         with self.timers.phase("allreduce"):
-            MPI.Request.Waitall(self._in_flight)
+            self.transport.wait(self._in_flight)
         self._in_flight = []

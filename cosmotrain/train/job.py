@@ -1,7 +1,8 @@
 """Everything a training (or prediction) run sets up before its first step.
 
-From a validated config and the job's communicator: BLAS threads per rank, the process
-grid, the output directory (with the resolved config), the dataset (generated first when
+From a validated config and the job's communicator: BLAS threads per rank, the device
+(``device`` section: backend, GPU binding, precision; checked on every rank alike), the
+process grid, the output directory (with the resolved config), the dataset (generated first when
 ``data.source`` is synthetic), the distributed model with its optimizer, and one reader
 per split placed on this rank's input block.  Collective: every rank builds the same.
 """
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cosmotrain.backend import select_device
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.comm.threads import configure_threads
 from cosmotrain.config.load import save_resolved
@@ -62,12 +64,14 @@ def build_job(cfg: Config, comm: Any, splits: tuple[str, ...] | None = None,
     in dataset order, never shuffled, and accepts unlabelled files.
     """
     configure_threads(comm)
-    grid = ProcessGrid(comm, resolve_parallel(cfg, comm.Get_size()))
+    layout = resolve_parallel(cfg, comm.Get_size())
+    device = select_device(cfg.device, comm)
+    grid = ProcessGrid(comm, layout)
     out_dir = Path(cfg.output.dir)
     if save_config and comm.Get_rank() == 0:
         save_resolved(cfg, out_dir)
     ensure_synthetic_data(cfg, comm)
-    step = hybrid_step_from_config(cfg, grid)
+    step = hybrid_step_from_config(cfg, grid, device)
     manifest = open_dataset(cfg, comm)
     width = cfg.model.width
     dist, coord = step.model.input_distribution(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from cosmotrain.backend import select_device
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.parallel import resolve_parallel
 from cosmotrain.config.schema import Config
@@ -21,6 +22,8 @@ def run_training(cfg: Config, comm: Any, resume: bool = False) -> dict[str, Any]
     if chosen and comm.Get_rank() == 0:
         print(chosen, flush=True)
     job = build_job(cfg, comm)
+    if job.step.device.is_gpu and comm.Get_rank() == 0:
+        print(f"device (rank 0): {job.step.device.describe()}", flush=True)
     trainer = Trainer(job)
     resumed = resume and trainer.resume()
     if resume and not resumed and comm.Get_rank() == 0:
@@ -43,9 +46,11 @@ def baseline_line(best: float | None, baseline: float | None) -> str:
 def describe_plan(cfg: Config, comm: Any) -> str:
     """The run's plan without data: layout, spatial stop, channel algorithms, weights."""
     cfg, chosen = choose_parallel(cfg, comm)
-    grid = ProcessGrid(comm, resolve_parallel(cfg, comm.Get_size()))
+    layout = resolve_parallel(cfg, comm.Get_size())
+    device = select_device(cfg.device, comm)
+    grid = ProcessGrid(comm, layout)
     try:
-        step = hybrid_step_from_config(cfg, grid)
+        step = hybrid_step_from_config(cfg, grid, device)
     except UserError:
         grid.free()
         raise
@@ -54,6 +59,7 @@ def describe_plan(cfg: Config, comm: Any) -> str:
     lines = [chosen] if chosen else []
     lines += [f"layout: {grid.layout.describe()} on {comm.Get_size()} rank(s); model "
              f"{cfg.model.name} at W={cfg.model.width}, batch {cfg.train.batch_size}",
+             f"device (rank 0): {device.describe()}",
              f"first layer on whole samples: {model.stop or '(none)'}",
              f"parameters held per rank: {held / 2**20:.1f} MiB (+ gradients and optimizer "
              f"state)"]

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from cosmotrain.backend import array_module, to_host
 from cosmotrain.errors import DataError
 from cosmotrain.layers.shards import Shard, gather_full
 from cosmotrain.train.step import HybridStep
@@ -45,25 +46,26 @@ def full_state(step: HybridStep, root: int = 0) -> tuple[dict, dict, dict] | Non
 
 def restore(step: HybridStep, params: dict, buffers: dict, optimizer: dict,
             source: str = "checkpoint") -> None:
-    """Load full arrays into this rank's blocks (no communication)."""
+    """Load full (host) arrays into this rank's blocks, on its device (no communication)."""
     model = step.model
     for name, param in model.named_parameters():
         full_shape = param.shard.global_shape if param.shard is not None else param.shape
-        param.data[...] = _block(_need(params, name, source), param.shard, full_shape, name,
-                                 source)
+        block = _block(_need(params, name, source), param.shard, full_shape, name, source)
+        param.data[...] = array_module(param.data).asarray(block)
     for name, layer, key in model.named_buffers():
-        shard = getattr(layer, "shard", None) if np.ndim(layer.buffers[key]) else None
-        current = np.asarray(layer.buffers[key])
-        full_shape = shard.global_shape if shard is not None else current.shape
+        current = layer.buffers[key]
+        shard = getattr(layer, "shard", None) if np.ndim(current) else None
+        full_shape = shard.global_shape if shard is not None else tuple(np.shape(current))
         value = _block(_need(buffers, name, source), shard, full_shape, name, source)
-        layer.buffers[key] = value.astype(np.asarray(layer.buffers[key]).dtype) \
-            if np.ndim(value) else type(layer.buffers[key])(value)
-    shapes = {name: (p.shard, p.shard.global_shape if p.shard is not None else p.shape)
-              for name, p in model.named_parameters()}
+        layer.buffers[key] = array_module(current).asarray(value.astype(current.dtype)) \
+            if np.ndim(value) else type(current)(value)
+    placed = {name: (p.shard, p.shard.global_shape if p.shard is not None else p.shape,
+                     array_module(p.data)) for name, p in model.named_parameters()}
     step.optimizer.state = {
-        name: {key: _block(value, *shapes[name], f"{name}.{key}", source)
+        name: {key: placed[name][2].asarray(_block(value, *placed[name][:2],
+                                                   f"{name}.{key}", source))
                if np.ndim(value) else value for key, value in slots.items()}
-        for name, slots in optimizer.items() if name in shapes}
+        for name, slots in optimizer.items() if name in placed}
 
 
 def _need(arrays: dict, name: str, source: str) -> Any:
@@ -75,8 +77,8 @@ def _need(arrays: dict, name: str, source: str) -> Any:
 
 def _block(full: Any, shard: Shard | None, expected: tuple[int, ...], name: str,
            source: str) -> Any:
-    """My block of ``full`` (a copy); a shape that does not fit is a DataError."""
-    full = np.asarray(full)
+    """My block of ``full`` (a host copy); a shape that does not fit is a DataError."""
+    full = np.asarray(to_host(full))
     if tuple(full.shape) != tuple(expected):
         raise DataError(source, f"entry {name!r} has shape {tuple(full.shape)}, the model "
                         f"needs {tuple(expected)}", "resume with the same model settings")

@@ -3,15 +3,24 @@
 This is the unit the trainer loops over and the benchmarks time.  Every rank calls it
 with its own input block and the targets of the whole mini-batch (tiny); it returns the
 mini-batch loss, the same on every rank.
+
+The step owns the rank's :class:`~cosmotrain.backend.Device`: the parameters (float32
+masters), batch-norm statistics, gradient buckets and optimizer state live there, and
+the input block is copied there once per batch (and stored as bf16 under
+``precision: bf16``).  On the CPU in float32 all of this is the identity.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
+from cosmotrain.backend import Device, host_device, select_device
+from cosmotrain.comm.device_buffers import DeviceBuffers
 from cosmotrain.comm.grid import ProcessGrid
-from cosmotrain.config.schema import Config
+from cosmotrain.config.schema import Config, DeviceConfig
 from cosmotrain.layers.hybrid import HybridModel, build_hybrid
 from cosmotrain.layers.loss import batch_loss
 from cosmotrain.models import build_model
@@ -38,13 +47,23 @@ class HybridStep:
     optimizer: Optimizer
     reducer: GradientReducer
     loss: str = "mse"
+    device: Device = field(default_factory=Device)
 
     @property
     def grid(self) -> ProcessGrid:
         return self.model.grid
 
+    def place_input(self, x: DistTensor) -> DistTensor:
+        """The reader's host block on this rank's device: the one host -> device copy of
+        a batch, cast to bf16 under ``precision: bf16`` (other dtypes are kept: float64
+        in the tests).  The block itself when nothing changes (the CPU in float32)."""
+        dtype = self.device.storage_dtype if self.device.precision == "bf16" else None
+        data = self.device.to_device(x.data, dtype)
+        return x if data is x.data else DistTensor(data, x.dist, x.coord)
+
     def gradients(self, x: DistTensor, targets: Any, ctx: Context) -> StepOutput:
         """Forward and backward; afterwards every ``param.grad`` is the full gradient."""
+        x = self.place_input(x)
         ctx = replace(ctx, on_grad_ready=self.reducer.on_grad_ready)
         self.reducer.prepare(self.model.reduction_groups())
         pred = self.model.forward(x, ctx)
@@ -68,13 +87,40 @@ class HybridStep:
         return out
 
 
-def hybrid_step_from_config(cfg: Config, grid: ProcessGrid) -> HybridStep:
-    """Model (initialised from ``train.seed``), its distributed twin, optimizer, reducer."""
+def hybrid_step_from_config(cfg: Config, grid: ProcessGrid,
+                            device: Device | None = None) -> HybridStep:
+    """Model (initialised from ``train.seed``), its distributed twin, optimizer, reducer,
+    on ``device`` (the job's :func:`~cosmotrain.backend.select_device`).
+
+    Without a device the config's ``device`` section decides, with ``auto`` meaning the
+    CPU: library calls and tests stay on the host unless they ask for a GPU (``backend:
+    gpu`` selects one collectively over the grid).  The grid's transport follows the
+    device's communication mode; it is set before the layers are built, which keep it.
+    """
+    device = device if device is not None else _default_device(cfg.device, grid)
+    if device.is_gpu:
+        grid.transport = DeviceBuffers(device.communication)
+        grid.transport.prepare(grid.cart)
     model = build_model(cfg.model, cfg.train.seed)
     width = cfg.model.width
     shape = (cfg.train.batch_size, cfg.model.channels, width, width, width)
     par = cfg.parallel
     hybrid = build_hybrid(model, grid, shape, par.bn_statistics, par.spatial_until,
                           par.channel_algorithm, par.layers)
-    reducer = GradientReducer(grid.timers, par.bucket_mb)
-    return HybridStep(hybrid, build_optimizer(cfg.optimizer), reducer)
+    place_model(hybrid, device)
+    reducer = GradientReducer(grid.timers, par.bucket_mb, transport=grid.transport)
+    return HybridStep(hybrid, build_optimizer(cfg.optimizer), reducer, device=device)
+
+
+def _default_device(cfg: DeviceConfig, grid: ProcessGrid) -> Device:
+    return select_device(cfg, grid.cart) if cfg.backend == "gpu" else host_device(cfg)
+
+
+def place_model(model: HybridModel, device: Device) -> None:
+    """Move the parameters (float32 masters) and array buffers (batch-norm running
+    statistics) to ``device``; on the CPU every array stays the object it is."""
+    for _, param in model.named_parameters():
+        param.data = device.to_device(param.data)
+    for _, layer, key in model.named_buffers():
+        if np.ndim(layer.buffers[key]):
+            layer.buffers[key] = device.to_device(layer.buffers[key])
