@@ -47,7 +47,7 @@ from cosmotrain.nn.module import Context, Layer, Parameter
 from cosmotrain.perf.cost import BYTES, layer_elements, layer_key
 from cosmotrain.perf.machine import Curve, Fit, LinkModel, MachineModel
 from cosmotrain.perf.planner import REFUSED, candidates
-from cosmotrain.perf.workload import LayerWork, build_workload
+from cosmotrain.perf.workload import LayerWork, Workload, build_workload
 from cosmotrain.tensor.channel_collectives import allgather_channels, reduce_scatter_channels
 from cosmotrain.train.optim import build_optimizer
 
@@ -73,7 +73,8 @@ def calibrate(cfg: Config, comm: Any, settings: Settings, log: Callable[[str], N
     machine = MachineModel(name=os.uname().nodename, cores_per_node=cores,
                            memory_per_node_gib=_node_memory_gib())
     _parallel.set_blas_threads(1)
-    samples = layer_samples(cfg, settings.max_ranks)
+    works = candidate_workloads(cfg, settings.max_ranks)
+    samples = layer_samples(works)
     for k in levels(size):
         log(f"layers: every layer key with {k} rank(s) at once")
         machine.layers[k] = layer_curves(samples, cfg, comm, k, cores, settings, log)
@@ -82,7 +83,7 @@ def calibrate(cfg: Config, comm: Any, settings: Settings, log: Callable[[str], N
     machine.element_time = _run_alone(comm, lambda: element_times(cfg, settings))
     if size > 1:
         log("links: point-to-point and collectives")
-        machine.intra = measure_links(comm, settings, message_sizes(cfg, settings.max_ranks))
+        machine.intra = measure_links(comm, settings, message_sizes(works))
         machine.inter = machine.intra
         machine.notes = (f"calibrated with {size} rank(s) on one node; inter-node links "
                          "copy the intra-node ones (calibrate across nodes to measure them)")
@@ -118,19 +119,27 @@ def _quiet_barrier(comm: Any) -> None:
 
 # --- layers -----------------------------------------------------------------------------
 
-def layer_samples(cfg: Config, max_ranks: int) -> dict[str, list[LayerWork]]:
-    """Every layer key of every strategy up to ``max_ranks`` ranks, with its local shapes."""
-    found: dict[str, dict[tuple[int, ...], LayerWork]] = {}
+def candidate_workloads(cfg: Config, max_ranks: int) -> list[Workload]:
+    """The step of every strategy the planner weighs for 1 to ``max_ranks`` ranks (the
+    splits the engine refuses left out): what calibration must be able to price."""
+    works = []
     for ranks in range(1, max_ranks + 1):
         model, strategies = candidates(cfg, ranks)
         for strategy in strategies:
             try:
-                work = build_workload(cfg, strategy, model)
-            except REFUSED:  # a split the engine refuses is not timed
+                works.append(build_workload(cfg, strategy, model))
+            except REFUSED:
                 continue
-            for layer in work.layers:
-                if math.prod(layer.out_shape):
-                    found.setdefault(layer_key(layer), {})[layer.in_shape] = layer
+    return works
+
+
+def layer_samples(works: list[Workload]) -> dict[str, list[LayerWork]]:
+    """Every layer key of ``works``, with its distinct local shapes."""
+    found: dict[str, dict[tuple[int, ...], LayerWork]] = {}
+    for work in works:
+        for layer in work.layers:
+            if math.prod(layer.out_shape):
+                found.setdefault(layer_key(layer), {})[layer.in_shape] = layer
     return {key: list(shapes.values()) for key, shapes in found.items()}
 
 
@@ -307,20 +316,13 @@ def _max() -> Any:
 
 # --- links ------------------------------------------------------------------------------
 
-def message_sizes(cfg: Config, max_ranks: int) -> tuple[int, ...]:
-    """``MESSAGE_BYTES``, extended by factors of 4 up to the largest single collective any
-    strategy sends (capped at ``MAX_MESSAGE_BYTES``): beyond the caches a byte costs more,
-    and a fit through small messages under-prices a 100 MiB reduce-scatter threefold."""
-    largest = 0.0
-    for ranks in range(2, max_ranks + 1):
-        model, strategies = candidates(cfg, ranks)
-        for strategy in strategies:
-            try:
-                work = build_workload(cfg, strategy, model)
-            except REFUSED:
-                continue
-            largest = max([largest] + [t.elements * BYTES / t.calls
-                                       for t in work.transfers() if t.calls])
+def message_sizes(works: list[Workload]) -> tuple[int, ...]:
+    """``MESSAGE_BYTES``, extended by factors of 4 up to the largest single collective of
+    ``works`` (capped at ``MAX_MESSAGE_BYTES``): beyond the caches a byte costs more, and
+    the 8 MiB-capped fit priced C2:x's channel phase at 0.069 s against 0.202 s measured
+    (docs/PERFORMANCE.md)."""
+    largest = max([0.0] + [t.elements * BYTES / t.calls for work in works
+                           for t in work.transfers() if t.calls])
     sizes = list(MESSAGE_BYTES)
     while sizes[-1] < largest and sizes[-1] * 4 <= MAX_MESSAGE_BYTES:
         sizes.append(sizes[-1] * 4)

@@ -169,11 +169,11 @@ class _Builder:
         calls: tuple[float, ...] = ()
         copied = 0.0
         if isinstance(layer, (Conv3d, Pool3d)) and any(w > 1 for w in s.spatial):
-            transfers.append(_halo(cost.in_shape, layer, s, samples * channels_in,
-                                   lead_total, backward=not first))
+            per_dim = _window_halos(cost.in_shape, layer, s)
+            transfers.append(_halo(per_dim, samples * channels_in, lead_total,
+                                   backward=not first))
             if isinstance(layer, Conv3d):
-                calls, copied = _spatial_conv_calls(cost.in_shape, layer, s,
-                                                    samples * channels_in,
+                calls, copied = _spatial_conv_calls(per_dim, layer, samples * channels_in,
                                                     samples * channels_out)
         if isinstance(layer, BatchNorm3d):
             group = s.size // s.group if self.bn_statistics == "global" else \
@@ -265,14 +265,19 @@ def _allreduce(group: int, elements: float, job: int, calls: int, kind: str = "a
     return Transfer(kind, group, elements, elements * job if group > 1 else 0, calls)
 
 
-def _halo(in_shape: tuple[int, ...], layer: Layer, s: Strategy, lead: int,
-          lead_total: float, backward: bool) -> Transfer:
+def _window_halos(in_shape: tuple[int, ...], layer: Layer, s: Strategy
+                  ) -> list[list[WindowHalo]]:
+    """Every rank position's window halo along D, H and W of a window layer's input."""
+    return [window_halos(size, ways, k, st, tuple(p)) for size, ways, k, st, p in
+            zip(in_shape[2:], s.spatial, layer.kernel, layer.stride, layer.padding)]
+
+
+def _halo(per_dim: list[list[WindowHalo]], lead: int, lead_total: float, backward: bool
+          ) -> Transfer:
     """Halo elements of a convolution / pooling input: margins in, margin gradients back.
 
     ``lead``: samples x channels of the busiest rank's block; ``lead_total``: the same
     summed over the ranks sharing a spatial block position."""
-    per_dim = [window_halos(size, ways, k, st, tuple(p)) for size, ways, k, st, p in
-               zip(in_shape[2:], s.spatial, layer.kernel, layer.stride, layer.padding)]
     counts = [_rank_halo_counts(coord_halos, per_dim) for coord_halos in
               itertools.product(*[range(len(h)) for h in per_dim])]
     scale = 2 if backward else 1
@@ -281,15 +286,13 @@ def _halo(in_shape: tuple[int, ...], layer: Layer, s: Strategy, lead: int,
     return Transfer("halo", 2, scale * lead * worst[0], scale * total, scale * worst[1])
 
 
-def _spatial_conv_calls(in_shape: tuple[int, ...], layer: Conv3d, s: Strategy,
-                        lead_in: int, lead_out: int) -> tuple[tuple[float, ...], float]:
+def _spatial_conv_calls(per_dim: list[list[WindowHalo]], layer: Conv3d, lead_in: int,
+                        lead_out: int) -> tuple[tuple[float, ...], float]:
     """The forward kernel calls of a spatially split convolution on its busiest rank (output
     elements of each, as ``SpatialConv3d`` makes them: one call over the whole output plus
     the recomputed shell, or the interior and the shell apart) and the input elements its
     halo handling copies: the block into the halo buffer (forward), the extended block
     rebuilt for the weight gradient and the margin gradients sent back (backward)."""
-    per_dim = [window_halos(size, ways, k, st, tuple(p)) for size, ways, k, st, p in
-               zip(in_shape[2:], s.spatial, layer.kernel, layer.stride, layer.padding)]
     plans = [halo_plans(halos) for halos in per_dim]
     worst: tuple[tuple[float, ...], float] = ((), 0.0)
     for coord in itertools.product(*[range(len(h)) for h in per_dim]):
