@@ -159,6 +159,17 @@ def waves(cases: list[tuple], world_size: int) -> list[list[tuple]]:
     return out
 
 
+def join_case(world, wave: list[tuple]) -> tuple:
+    """This rank's case of ``wave`` (cases take consecutive ranks, ``case[0]`` of them;
+    None when the wave leaves it idle) and the communicator of the ranks sharing it."""
+    start, mine = 0, None
+    for case in wave:
+        if start <= world.rank < start + case[0]:
+            mine = case
+        start += case[0]
+    return mine, world.Split(0 if mine is None else 1 + wave.index(mine), world.rank)
+
+
 def run_waves(world, cases: list[tuple], refs: dict, dtype, rtol, inspect=None,
               check=None) -> list[str]:
     """Run every case (ranks, label, cfg, ref key) on its slice of ``world``.
@@ -168,12 +179,7 @@ def run_waves(world, cases: list[tuple], refs: dict, dtype, rtol, inspect=None,
     """
     failures = []
     for wave in waves(cases, world.Get_size()):
-        start, mine = 0, None
-        for case in wave:
-            if start <= world.rank < start + case[0]:
-                mine = case
-            start += case[0]
-        comm = world.Split(0 if mine is None else 1 + wave.index(mine), world.rank)
+        mine, comm = join_case(world, wave)
         if mine is not None:
             got = hybrid_run(mine[2], comm, dtype, inspect)
             failures += [f"{mine[1]}: {what}" for what in compare(refs[mine[3]], got, rtol)]

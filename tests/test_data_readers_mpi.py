@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import abort_on_error
-from equivalence import waves
+from equivalence import join_case, waves
 from test_data_manifest import expected_sample, write_universes
 
 from cosmotrain.config.load import load_config
@@ -156,12 +156,7 @@ def test_readers_deliver_the_one_process_batches_at_every_layout() -> None:
     refs = references(paths)
     failures, orders = [], []
     for wave in waves(CASES, world.Get_size()):
-        start, mine = 0, None
-        for case in wave:
-            if start <= world.rank < start + case[0]:
-                mine = case
-            start += case[0]
-        comm = world.Split(0 if mine is None else 1 + wave.index(mine), world.rank)
+        mine, comm = join_case(world, wave)
         if mine is not None:
             for name, extra in RUNS:
                 found, seen = check_run(comm, paths, refs, name, extra, mine[2])

@@ -110,42 +110,33 @@ def _note_fallback(exc: conv_cudnn.CudnnUnsupported) -> None:
         LOG.warning("%s; this convolution runs on the gemm path", message)
 
 
+def _dispatch(op: str, operands: Tuple[Any, Any], *args: Any) -> Any:
+    """Run ``op`` (a function name both backends share) on cuDNN when it serves these
+    operands, else, or when cuDNN has no engine for the call, on the gemm path."""
+    if _uses_cudnn(*operands):
+        settings = current()
+        try:
+            return getattr(conv_cudnn, op)(*operands, *args, runner=default_runner(),
+                                           math=settings.math,
+                                           layout=settings.cudnn_layout)
+        except conv_cudnn.CudnnUnsupported as exc:
+            _note_fallback(exc)
+    return getattr(conv_gemm, op)(*operands, *args)
+
+
 def conv3d_forward(x: Any, w: Any, stride: "int | Sequence[int]" = 1,
                    padding: PaddingLike = 0) -> Any:
     """``y = conv3d(x, w)``: x (N,C,D,H,W), w (F,C,kD,kH,kW) -> y (N,F,Do,Ho,Wo)."""
-    settings = current()
-    if _uses_cudnn(x, w):
-        try:
-            return conv_cudnn.conv3d_forward(x, w, stride, padding, runner=default_runner(),
-                                             math=settings.math, layout=settings.cudnn_layout)
-        except conv_cudnn.CudnnUnsupported as exc:
-            _note_fallback(exc)
-    return conv_gemm.conv3d_forward(x, w, stride, padding)
+    return _dispatch("conv3d_forward", (x, w), stride, padding)
 
 
 def conv3d_backward_data(dy: Any, w: Any, x_shape: Sequence[int],
                          stride: "int | Sequence[int]" = 1, padding: PaddingLike = 0) -> Any:
     """``dL/dx`` (shape ``x_shape``) from the output gradient dy and the weights."""
-    settings = current()
-    if _uses_cudnn(dy, w):
-        try:
-            return conv_cudnn.conv3d_backward_data(
-                dy, w, x_shape, stride, padding, runner=default_runner(), math=settings.math,
-                layout=settings.cudnn_layout)
-        except conv_cudnn.CudnnUnsupported as exc:
-            _note_fallback(exc)
-    return conv_gemm.conv3d_backward_data(dy, w, x_shape, stride, padding)
+    return _dispatch("conv3d_backward_data", (dy, w), x_shape, stride, padding)
 
 
 def conv3d_backward_filter(x: Any, dy: Any, w_shape: Sequence[int],
                            stride: "int | Sequence[int]" = 1, padding: PaddingLike = 0) -> Any:
     """``dL/dw`` (shape ``w_shape``) from the input x and the output gradient dy."""
-    settings = current()
-    if _uses_cudnn(x, dy):
-        try:
-            return conv_cudnn.conv3d_backward_filter(
-                x, dy, w_shape, stride, padding, runner=default_runner(), math=settings.math,
-                layout=settings.cudnn_layout)
-        except conv_cudnn.CudnnUnsupported as exc:
-            _note_fallback(exc)
-    return conv_gemm.conv3d_backward_filter(x, dy, w_shape, stride, padding)
+    return _dispatch("conv3d_backward_filter", (x, dy), w_shape, stride, padding)
