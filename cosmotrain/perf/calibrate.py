@@ -2,14 +2,15 @@
 
 Run it with as many ranks as a node will run (``mpiexec -n 4 cosmotrain calibrate -c F``):
 
-1. *layers*: every layer key (kind and local channels) that any strategy for up to that many
-   ranks gives the config's model is timed, forward + backward, at up to ``MAX_POINTS`` of
-   the local sizes the strategies produce, with ``k`` ranks running it at once (each with
-   the threads the trainer would give it) for ``k`` = 1, 2, 4, ... and the job size: one
-   :class:`~cosmotrain.perf.machine.Curve` per level and key.  Timing every level is what
-   makes the model hold for data-parallel and spatial steps alike: how much sharing a node
-   slows a layer depends on the layer (memory-bound pooling and thin convolutions suffer
-   most), which a single node-wide factor cannot express;
+1. *layers*: for ``k`` = 1, 2, 4, ... and the job size, ranks ``0..k-1`` run at once the
+   local layer list of every strategy for ``k`` or more ranks (up to the job) as whole
+   training steps, and every layer's forward + backward is timed inside them (each rank
+   with the threads the trainer would give it): one
+   :class:`~cosmotrain.perf.machine.Curve` per level and key
+   (:mod:`cosmotrain.perf.layer_timing`).  Timing every level is what makes the model hold
+   for data-parallel and spatial steps alike: how much sharing a node slows a layer
+   depends on the layer (memory-bound pooling and thin convolutions suffer most), which a
+   single node-wide factor cannot express;
 2. *concurrency*: per level, the summed time of every measured point over its time on one
    rank, for keys and levels the model has no curve for;
 3. *elements*: the optimizer update, the input transform and a fresh copy (halo buffers),
@@ -27,32 +28,26 @@ training does.  The result is one JSON file (``MachineModel``).
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from cosmotrain.comm.threads import threads_per_rank
 from cosmotrain.config.schema import Config
 from cosmotrain.kernels import _parallel
-from cosmotrain.kernels.geometry import normalize_padding
-from cosmotrain.nn import factory
-from cosmotrain.nn.layers import Dropout, Flatten, LeakyReLU, Pool3d
-from cosmotrain.nn.module import Context, Layer, Parameter
+from cosmotrain.nn.module import Parameter
 from cosmotrain.perf.cost import BYTES, layer_elements, layer_key
+from cosmotrain.perf.layer_timing import layer_curves, quiet_barrier
 from cosmotrain.perf.machine import Curve, Fit, LinkModel, MachineModel
 from cosmotrain.perf.planner import REFUSED, candidates
 from cosmotrain.perf.workload import LayerWork, Workload, build_workload
 from cosmotrain.tensor.channel_collectives import allgather_channels, reduce_scatter_channels
 from cosmotrain.train.optim import build_optimizer
 
-MAX_ELEMENTS = 40_000_000  # largest local output timed per key (W=64, batch 8: conv1 is 34 M)
-MAX_POINTS = 5  # local sizes timed per key and level
 MESSAGE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 23)
 MAX_MESSAGE_BYTES = 1 << 27  # the largest collective timed (larger ones extrapolate)
 
@@ -74,12 +69,14 @@ def calibrate(cfg: Config, comm: Any, settings: Settings, log: Callable[[str], N
                            memory_per_node_gib=_node_memory_gib())
     _parallel.set_blas_threads(1)
     works = candidate_workloads(cfg, settings.max_ranks)
-    samples = layer_samples(works)
     for k in levels(size):
-        log(f"layers: every layer key with {k} rank(s) at once")
-        machine.layers[k] = layer_curves(samples, cfg, comm, k, cores, settings, log)
+        started = time.perf_counter()
+        log(f"layers: every layer key inside whole steps, {k} rank(s) at once")
+        machine.layers[k], machine.shapes[k] = layer_curves(works, cfg, comm, k, cores,
+                                                            settings.repeats, log)
+        log(f"  ({time.perf_counter() - started:.0f} s)")
     machine.concurrency = concurrency_of(machine.layers)
-    machine.flop_rate = flop_rates(machine.layers[1], samples)
+    machine.flop_rate = flop_rates(machine.layers[1], works)
     machine.element_time = _run_alone(comm, lambda: element_times(cfg, settings))
     if size > 1:
         log("links: point-to-point and collectives")
@@ -106,15 +103,8 @@ def _node_memory_gib() -> float:
 def _run_alone(comm: Any, work: Callable[[], Any]) -> Any:
     """Rank 0 works while the others sleep (not spin) until it is done."""
     result = work() if comm.Get_rank() == 0 else None
-    _quiet_barrier(comm)
+    quiet_barrier(comm)
     return result
-
-
-def _quiet_barrier(comm: Any) -> None:
-    """A barrier that sleeps while it waits, so waiting ranks leave the cores free."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(0.002)
 
 
 # --- layers -----------------------------------------------------------------------------
@@ -133,132 +123,19 @@ def candidate_workloads(cfg: Config, max_ranks: int) -> list[Workload]:
     return works
 
 
-def layer_samples(works: list[Workload]) -> dict[str, list[LayerWork]]:
-    """Every layer key of ``works``, with its distinct local shapes."""
-    found: dict[str, dict[tuple[int, ...], LayerWork]] = {}
-    for work in works:
-        for layer in work.layers:
-            if math.prod(layer.out_shape):
-                found.setdefault(layer_key(layer), {})[layer.in_shape] = layer
-    return {key: list(shapes.values()) for key, shapes in found.items()}
-
-
-def layer_curves(samples: dict[str, list[LayerWork]], cfg: Config, comm: Any, k: int,
-                 cores: int, settings: Settings, log: Callable[[str], None]
-                 ) -> dict[str, Curve]:
-    """Every key's curve with ranks ``0..k-1`` running each layer at once (collective)."""
-    busy = comm.Get_rank() < k
-    curves = {}
-    for key, layers in sorted(samples.items()):
-        points = []
-        for layer in timed_sizes(layers):
-            if busy:
-                _parallel.set_blas_threads(threads_per_rank(k, cores, cores))
-                times = time_layer(layer, cfg, settings.repeats, lambda: _quiet_barrier(comm))
-            else:
-                times = [_quiet_barrier(comm) or 0.0 for _ in range(settings.repeats)]
-            _parallel.set_blas_threads(1)
-            slowest = np.empty(settings.repeats)
-            comm.Allreduce(np.array(times, dtype=np.float64), slowest, op=_max())
-            points.append((layer_elements(layer), float(np.median(slowest))))
-        curves[key] = Curve(points)
-        log(f"  {key}: {', '.join(f'{n:.0f} el {t * 1e3:.2f} ms' for n, t in points)}")
-    return curves
-
-
-def timed_sizes(layers: list[LayerWork]) -> list[LayerWork]:
-    """Up to ``MAX_POINTS`` local sizes of a key, spread from the smallest to the largest
-    (capped; a key with one size gets a smaller second one, so the curve has a slope)."""
-    by_size = {layer_elements(layer): layer for layer in layers}
-    ordered = [by_size[n] for n in sorted(by_size)]
-    capped = [layer for layer in ordered if layer_elements(layer) <= MAX_ELEMENTS] or \
-        [_shrink(ordered[0])]
-    if len(capped) == 1:
-        smaller = _shrink(capped[0])
-        return [smaller, capped[0]] if smaller != capped[0] else capped
-    picks = np.unique(np.linspace(0, len(capped) - 1, min(MAX_POINTS, len(capped)))
-                      .round().astype(int))
-    return [capped[i] for i in picks]
-
-
-def _shrink(layer: LayerWork) -> LayerWork:
-    """The same layer on fewer samples (or half the depth): a second, smaller point."""
-    if layer.in_shape[0] > 1:
-        n = max(1, layer.in_shape[0] // 2)
-        return replace(layer, in_shape=(n,) + layer.in_shape[1:],
-                       out_shape=(n,) + layer.out_shape[1:])
-    if len(layer.in_shape) == 5 and layer.in_shape[2] >= 8 and layer.stride[0] == 1:
-        d = layer.in_shape[2] // 2
-        return replace(layer, in_shape=layer.in_shape[:2] + (d,) + layer.in_shape[3:],
-                       out_shape=layer.out_shape[:2] + (d,) + layer.out_shape[3:])
-    return layer
-
-
-def make_layer(layer: LayerWork, cfg: Config) -> Layer:
-    """A standalone engine layer of ``layer``'s kind and local channels."""
-    if layer.kind == "Conv3d":
-        conv = factory.conv(layer.name, layer.in_shape[1], layer.out_shape[1],
-                            layer.kernel[0], layer.stride[0], layer.kernel[0] // 2)
-        conv.params["weight"].data[...] = 0.01
-        conv.needs_input_grad = layer.input_grad
-        return conv
-    if layer.kind == "Pool3d":
-        return Pool3d(name=layer.name, mode="avg", kernel=layer.kernel, stride=layer.stride,
-                      padding=normalize_padding(layer.kernel[0] // 2))
-    if layer.kind == "BatchNorm3d":
-        return factory.batchnorm(layer.name, layer.in_shape[1])
-    if layer.kind == "Linear":
-        linear = factory.linear(layer.name, math.prod(layer.in_shape[1:]), layer.out_shape[1])
-        linear.params["weight"].data[...] = 0.01
-        return linear
-    if layer.kind == "Dropout":
-        return Dropout(name=layer.name, p=0.5)
-    if layer.kind == "Flatten":
-        return Flatten(name=layer.name)
-    return LeakyReLU(name=layer.name, slope=cfg.model.leaky_slope or 0.01)
-
-
-def time_layer(layer: LayerWork, cfg: Config, repeats: int,
-               sync: Callable[[], None] = lambda: None) -> list[float]:
-    """Seconds of each of ``repeats`` forward + backward passes of ``layer`` on random local
-    data, after a warm-up; ``sync`` (a barrier) starts every pass together with the other
-    busy ranks, so that ranks sharing a core are timed sharing it.  The caller takes the
-    slowest rank per pass and the median pass (robust to a passing disturbance)."""
-    engine = make_layer(layer, cfg)
-    x = np.random.default_rng(0).standard_normal(layer.in_shape, dtype=np.float32)
-    if layer.kind == "Linear":
-        x = x.reshape(layer.in_shape[0], -1)
-    dy = _forward_backward(engine, x.copy(), None, 0)  # warm-up: buffers, caches
-    times = []
-    for step in range(1, repeats + 1):
-        fresh = x.copy()  # activations work in place: each pass gets its own input
-        sync()
-        started = time.perf_counter()
-        _forward_backward(engine, fresh, dy, step)
-        times.append(time.perf_counter() - started)
-    return times
-
-
-def _forward_backward(engine: Layer, x: Any, dy: Any, step: int) -> Any:
-    """One training pass of ``engine``; returns the output gradient it used."""
-    ctx = Context(training=True, step=step, seed=0)
-    y = engine.forward(x, ctx)
-    dy = np.ones_like(y) if dy is None else dy
-    engine.backward(dy, ctx)
-    for param in engine.params.values():
-        param.grad = None
-    return dy
-
-
-def flop_rates(curves: dict[str, Curve], samples: dict[str, list[LayerWork]]
-               ) -> dict[str, float]:
-    """Median FLOP/s of one rank's convolutions and linear layers (fallback for new keys)."""
+def flop_rates(curves: dict[str, Curve], works: list[Workload]) -> dict[str, float]:
+    """Median FLOP/s of one rank's convolutions and linear layers (fallback for new keys),
+    each key at its largest local size."""
+    largest: dict[str, LayerWork] = {}
+    for layer in (layer for work in works for layer in work.layers):
+        key = layer_key(layer)
+        if key not in largest or layer_elements(layer) > layer_elements(largest[key]):
+            largest[key] = layer
     rates: dict[str, list[float]] = {}
-    for key, layers in samples.items():
+    for key, layer in largest.items():
         kind = key.split(":")[0]
-        if kind not in ("Conv3d", "Linear") or key not in curves:
+        if kind not in ("Conv3d", "Linear") or key not in curves or not layer_elements(layer):
             continue
-        layer = max(layers, key=layer_elements)
         seconds = curves[key](layer_elements(layer))
         if seconds > 0:
             rates.setdefault(kind, []).append(
@@ -306,12 +183,6 @@ def concurrency_of(curves: dict[int, dict[str, Curve]]) -> dict[int, float]:
                  for x, t in curve.points]
         result[k] = sum(t for t, _ in pairs) / max(sum(t1 for _, t1 in pairs), 1e-12)
     return result
-
-
-def _max() -> Any:
-    from mpi4py import MPI
-
-    return MPI.MAX
 
 
 # --- links ------------------------------------------------------------------------------
@@ -396,19 +267,28 @@ def _collective_time(comm: Any, sub: Any, kind: str, nbytes: int, repeats: int,
         buf = np.ones(count, np.float32)
         work = lambda: sub.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)  # noqa: E731
     elif kind == "allgather":  # nbytes received: (g - 1) blocks, as channel layers send them
-        mine = np.ones((2, max(count // (2 * (g - 1)), 1), 1, 1, 1), np.float32)
+        mine = np.ones(_channel_block(count, g), np.float32)
         pieces = [mine.shape[1]] * g
         work = lambda: allgather_channels(sub, mine, pieces)  # noqa: E731
     elif kind == "reduce_scatter":  # nbytes sent: the buffer less my block
-        block = max(count // (2 * (g - 1)), 1)
-        full = np.ones((2, block * g, 1, 1, 1), np.float32)
-        pieces = [block] * g
+        n, c, space, *_ = _channel_block(count, g)
+        full = np.ones((n, c * g, space, 1, 1), np.float32)
+        pieces = [c] * g
         work = lambda: reduce_scatter_channels(sub, full, pieces)  # noqa: E731
     else:  # alltoall: nbytes sent to the others
         block = max(count // (g - 1), 1)
         out, into = np.ones(block * g, np.float32), np.empty(block * g, np.float32)
         work = lambda: sub.Alltoall(out, into)  # noqa: E731
     return _synchronised(comm, work, repeats)
+
+
+def _channel_block(count: int, group: int) -> tuple[int, int, int, int, int]:
+    """One rank's block of a channel collective whose other ranks' blocks hold ``count``
+    elements: 2 samples of 2 channels, each channel a contiguous run of voxels, as a
+    layer's activations are (a block of single voxels made the copies to and from
+    channel-major order a strided shuffle 4x slower per byte than training's)."""
+    samples, channels = 2, 2
+    return samples, channels, max(count // (samples * channels * (group - 1)), 1), 1, 1
 
 
 def _synchronised(comm: Any, work: Callable[[], Any], repeats: int) -> float:

@@ -69,6 +69,11 @@ def layer_key(layer: LayerWork) -> str:
     return layer.kind
 
 
+def shape_key(layer: LayerWork) -> str:
+    """The calibration key of ``layer`` at its exact local input shape."""
+    return f"{layer_key(layer)}@{'x'.join(map(str, layer.in_shape))}"
+
+
 def layer_elements(layer: LayerWork) -> float:
     """The size a layer's cost grows with: a convolution's or linear layer's output, the
     larger of input and output for the others (a pooling's input is 8x its output)."""
@@ -80,19 +85,21 @@ def layer_elements(layer: LayerWork) -> float:
 def layer_seconds(layer: LayerWork, machine: MachineModel, ranks_on_node: int = 1) -> float:
     """Forward + backward of one layer with ``ranks_on_node`` ranks busy on the node.
 
-    A spatially split convolution also pays for the way it overlaps its halo exchange:
-    the forward share of its extra kernel calls (a recomputed shell, or interior and shell
-    apart, each call paying its own fixed cost) and the copies of its halo handling."""
+    The layer's own shape, if calibrated, else its key's curve.  A spatially split
+    convolution also pays for the way it overlaps its halo exchange: the forward share of
+    its extra kernel calls over one call (a recomputed shell, or interior and shell apart,
+    each call paying its own fixed cost: priced on the curve) and the copies of its halo
+    handling."""
     elements = layer_elements(layer)
     if elements == 0:
         return 0.0
-    seconds = kernel_seconds(layer, elements, machine, ranks_on_node)
+    seconds = kernel_seconds(layer, elements, machine, ranks_on_node, shape_key(layer))
     if layer.forward_calls:
         total = layer.forward_flops + layer.backward_flops
         share = layer.forward_flops / total if total else 0.0
         calls = sum(kernel_seconds(layer, n, machine, ranks_on_node)
                     for n in layer.forward_calls)
-        seconds += share * (calls - seconds)
+        seconds += share * (calls - kernel_seconds(layer, elements, machine, ranks_on_node))
     if layer.copied:
         seconds += (machine.slowdown(ranks_on_node) * layer.copied *
                     machine.element_time.get("copy", 0.0))
@@ -100,10 +107,11 @@ def layer_seconds(layer: LayerWork, machine: MachineModel, ranks_on_node: int = 
 
 
 def kernel_seconds(layer: LayerWork, elements: float, machine: MachineModel,
-                   ranks_on_node: int) -> float:
+                   ranks_on_node: int, shape: str | None = None) -> float:
     """One forward + backward kernel pass of ``layer``'s key at ``elements`` output elements:
-    the calibrated curve of its key, else the kind's one-rank rate times the slowdown."""
-    measured = machine.layer_time(layer_key(layer), elements, ranks_on_node)
+    the calibrated ``shape`` or curve of its key, else the kind's one-rank rate times the
+    slowdown."""
+    measured = machine.layer_time(layer_key(layer), elements, ranks_on_node, shape)
     if measured is not None:
         return measured
     slow = machine.slowdown(ranks_on_node)

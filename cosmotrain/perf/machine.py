@@ -9,6 +9,12 @@ a thick one, and ranks that share a node slow memory-bound layers (pooling, acti
 thin convolutions) more than compute-bound ones, so no single factor fits every layer
 (one factor from the first two convolutions over-priced data-parallel steps by 30-40%).
 
+Beside the curves, ``shapes[k]`` keeps the seconds of every exact local shape the
+calibration ran (``Conv3d:16x32:k3s1:dx@8x16x64x64x16``): a layer of the calibrated config
+is priced from its own measurement, since the curve only knows output elements and the
+same elements can cost more in another layout (a block 16 voxels wide along W ran
+``conv2`` 1.6x slower than a 64-wide one with the same elements).
+
 A key or ``k`` the calibration never saw falls back to the nearest measured ``k`` scaled
 by ``concurrency`` (the node's slowdown with ``k`` ranks, relative to one), then to the
 kind's rate in FLOP/s (convolutions, linear layers) or seconds per element (the rest),
@@ -109,6 +115,7 @@ class MachineModel:
     name: str
     cores_per_node: int
     layers: dict[int, dict[str, Curve]] = field(default_factory=dict)  # k -> key -> curve
+    shapes: dict[int, dict[str, float]] = field(default_factory=dict)  # k -> key@shape -> s
     flop_rate: dict[str, float] = field(default_factory=dict)  # kind -> FLOP/s, 1 thread
     element_time: dict[str, float] = field(default_factory=dict)  # kind -> s per element
     concurrency: dict[int, float] = field(default_factory=lambda: {1: 1.0})
@@ -133,11 +140,14 @@ class MachineModel:
         t = (k - below) / (above - below)
         return self.concurrency[below] * (1 - t) + self.concurrency[above] * t
 
-    def layer_time(self, key: str, elements: float, ranks_on_node: int) -> float | None:
-        """Measured seconds of ``key`` at ``elements`` with ``ranks_on_node`` ranks busy, from
-        that level's curve or the nearest level's scaled by ``concurrency``; None when the
-        key was never measured."""
+    def layer_time(self, key: str, elements: float, ranks_on_node: int,
+                   shape: str | None = None) -> float | None:
+        """Measured seconds of ``key`` at ``elements`` with ``ranks_on_node`` ranks busy: the
+        exact ``shape`` (``key@NxCxDxHxW``) if that level ran it, else that level's curve or
+        the nearest level's scaled by ``concurrency``; None when the key was never measured."""
         k = max(1, ranks_on_node)
+        if shape is not None and shape in self.shapes.get(k, {}):
+            return self.shapes[k][shape]
         levels = sorted(level for level, keys in self.layers.items() if key in keys)
         if not levels:
             return None
@@ -154,6 +164,8 @@ class MachineModel:
         data["layers"] = {str(k): {key: [list(p) for p in curve.points]
                                    for key, curve in sorted(keys.items())}
                           for k, keys in sorted(self.layers.items())}
+        data["shapes"] = {str(k): dict(sorted(shapes.items()))
+                          for k, shapes in sorted(self.shapes.items())}
         data["format"] = FORMAT
         return data
 
@@ -170,6 +182,8 @@ class MachineModel:
             layers={int(k): {key: Curve([tuple(p) for p in points])
                              for key, points in keys.items()}
                     for k, keys in data.get("layers", {}).items()},
+            shapes={int(k): {key: float(t) for key, t in shapes.items()}
+                    for k, shapes in data.get("shapes", {}).items()},
             flop_rate={k: float(v) for k, v in data.get("flop_rate", {}).items()},
             element_time={k: float(v) for k, v in data.get("element_time", {}).items()},
             concurrency={int(k): float(v) for k, v in data.get("concurrency", {1: 1}).items()},
