@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from cosmotrain.kernels import activation
 from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
 from cosmotrain.kernels.batchnorm import (bn_backward_apply, bn_backward_local_sums,
                                           bn_local_sums, bn_normalize, bn_statistics)
@@ -112,14 +113,21 @@ def test_losses_use_the_global_count(kind: str) -> None:
     assert np.allclose(grad, numeric_grad(lambda p: total(p, target) / 24, pred.copy()))
 
 
-def test_leaky_relu_backward_in_place_on_a_strided_gradient() -> None:
+@pytest.mark.parametrize("chunk", [50, 300, 1 << 16])  # 2-D slabs, 3-D blocks, one piece
+def test_leaky_relu_backward_in_place_on_a_strided_gradient(
+        chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A window layer's input gradient is a view of its halo buffer's owned planes."""
+    monkeypatch.setattr(activation, "CHUNK", chunk)
     rng = np.random.default_rng(4)
     y = leaky_relu_forward(rng.normal(size=(2, 3, 5, 6, 7)).astype(np.float32), 0.2)
     buffer = rng.normal(size=(2, 3, 7, 8, 7)).astype(np.float32)
+    before = buffer.copy()
     view = buffer[:, :, 1:6, 2:8, :]
     expected = np.where(y > 0, view, 0.2 * view)
     dx = leaky_relu_backward(view, y, 0.2)
     assert np.shares_memory(dx, buffer)
     np.testing.assert_allclose(dx, expected, rtol=1e-6)
     np.testing.assert_allclose(buffer[:, :, 1:6, 2:8, :], expected, rtol=1e-6)
+    outside = np.ones(buffer.shape, bool)
+    outside[:, :, 1:6, 2:8, :] = False
+    np.testing.assert_array_equal(buffer[outside], before[outside])  # margins untouched

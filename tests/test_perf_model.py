@@ -87,6 +87,11 @@ def test_costs_add_up_and_follow_the_machine() -> None:
     overlap = sum(layer.forward_flops / 1e9 *  # the forward's extra calls, and the copies
                   (sum(layer.forward_calls) / math.prod(layer.out_shape) - 1) +
                   layer.copied * 1e-10 for layer in split)
+    pools = [layer for layer in work.layers if layer.kind == "Pool3d"]
+    assert pools and all(layer.copied == math.prod(layer.in_shape[:2]) *  # into the buffer
+                         (layer.in_shape[2] + 1) * math.prod(layer.in_shape[3:])
+                         for layer in pools[:1])  # pool1: its block and one received plane
+    overlap += sum(layer.copied * 1e-10 for layer in pools)
     assert overlap > 0
     assert prediction.seconds["compute"] == pytest.approx(flops / 1e9 + relus * 1e-9 +
                                                           overlap)

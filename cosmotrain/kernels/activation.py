@@ -15,6 +15,7 @@ place: a new bf16 array is returned, which is what the layers use).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,15 +32,27 @@ def _chunks(*arrays: Any) -> Iterator[tuple[Any, ...]]:
     """Matching pieces of same-shape arrays, views (writes land in the arrays).
 
     Contiguous arrays: runs of ``CHUNK`` elements.  Otherwise (a halo buffer's owned
-    planes): the trailing 2-D slabs, which a strided view cannot flatten without a copy.
+    planes, which a strided view cannot flatten without a copy): blocks of whole trailing
+    sub-arrays, up to ``CHUNK`` elements and at least one trailing 2-D slab.  One slab per
+    piece made the backward a Python loop of tiny slabs: 15 ms for the 2 M elements of
+    D2's ``act3`` (16^3 blocks) against 2 ms on a contiguous array.
     """
     if all(a.flags.c_contiguous for a in arrays):
         flats = [a.reshape(-1) for a in arrays]
         for start in range(0, flats[0].size, CHUNK):
             yield tuple(f[start:start + CHUNK] for f in flats)
         return
-    for index in np.ndindex(arrays[0].shape[:-2]):
-        yield tuple(a[index] for a in arrays)
+    shape = arrays[0].shape
+    lead = max(len(shape) - 2, 0)  # split the dimensions before ``lead``, keep the rest
+    while lead > 0 and math.prod(shape[lead - 1:]) <= CHUNK:
+        lead -= 1
+    if lead == 0:
+        yield arrays
+        return
+    step = max(CHUNK // math.prod(shape[lead:]), 1)  # sub-arrays of dimension lead - 1
+    for index in np.ndindex(shape[:lead - 1]):
+        for start in range(0, shape[lead - 1], step):
+            yield tuple(a[index + (slice(start, start + step),)] for a in arrays)
 
 
 def _check_slope(slope: float) -> None:

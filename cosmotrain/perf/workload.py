@@ -69,7 +69,7 @@ class LayerWork:
     transfers: tuple[Transfer, ...] = ()
     stride: tuple[int, ...] = (1, 1, 1)
     forward_calls: tuple[float, ...] = ()  # spatial conv: output elements of each kernel call
-    copied: float = 0.0  # spatial conv: elements its halo handling copies (fwd + bwd)
+    copied: float = 0.0  # spatial conv / pool: elements its halo handling copies (fwd + bwd)
 
     @property
     def forward_flops(self) -> float:
@@ -175,6 +175,8 @@ class _Builder:
             if isinstance(layer, Conv3d):
                 calls, copied = _spatial_conv_calls(per_dim, layer, samples * channels_in,
                                                     samples * channels_out)
+            else:
+                copied = _spatial_pool_copies(per_dim, samples * channels_in)
         if isinstance(layer, BatchNorm3d):
             group = s.size // s.group if self.bn_statistics == "global" else \
                 s.size // (s.group * s.sample)
@@ -314,6 +316,14 @@ def _spatial_conv_calls(per_dim: list[list[WindowHalo]], layer: Conv3d, lead_in:
         if (sum(candidate[0]), len(candidate[0])) > (sum(worst[0]), len(worst[0])):
             worst = candidate
     return worst
+
+
+def _spatial_pool_copies(per_dim: list[list[WindowHalo]], lead_in: int) -> float:
+    """Input elements a spatially split pooling copies on its busiest rank: its block into
+    the halo buffer (forward, ``gather_halos``); backward writes the extended gradient
+    straight into the buffer it sends from."""
+    return float(lead_in * max(math.prod(h.recv_lo + h.owned + h.recv_hi for h in halos)
+                               for halos in itertools.product(*per_dim)))
 
 
 def _rank_halo_counts(coord: tuple[int, ...], per_dim: list[list[WindowHalo]]
