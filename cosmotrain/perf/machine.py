@@ -84,7 +84,7 @@ class LinkModel:
     ``collectives`` were measured with every group of the node busy at once (segmented
     collectives); ``alone`` with one group alone on the node, which is what a job of that
     many ranks per node sees (on the 2-core development machine a pair's reduce-scatter
-    costs 2.1 ns/byte alone and 3.8 beside a second pair: docs/perf/dev-2core.json)."""
+    costs 0.56 ns/byte alone and 1.25 beside a second pair: docs/perf/dev-2core.json)."""
 
     p2p: Fit
     collectives: dict[str, dict[int, Fit]] = field(default_factory=dict)
