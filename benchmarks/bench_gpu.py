@@ -13,7 +13,7 @@ samples/s of that convolution work (batch / sum of the per-layer medians, CUDA e
 and the per-layer milliseconds (JSON).  These are the layers that hold nearly all of a
 CosmoFlow step's FLOPs; the engine's other layers and the optimizer on cupy are not part
 of cosmotrain.gpu, so the cosmotrain columns are *convolution* throughput, not whole
-training steps.
+training steps (``benchmarks/bench_step.py`` times those).
 
 PyTorch (when ``import torch`` works with CUDA): the same convolutions
 (``F.conv3d``, ``torch.nn.grad.conv3d_weight`` / ``conv3d_input``; eager, NCDHW, cuDNN

@@ -1,0 +1,294 @@
+"""Whole cosmotrain training steps on a device, in samples/s, beside PyTorch's.
+
+    [mpiexec -n P] python benchmarks/bench_step.py [--backend gpu] [--width 128]
+        [--batch 1 8 32] [--precisions fp32 tf32 bf16] [--algorithms cudnn gemm]
+        [--steps 10] [--warmup 3] [--set KEY=VALUE ...] [--no-torch] [--out FILE.json]
+
+What is timed: the trainer's own step (``HybridStep``: the batch's host -> device copy,
+forward, loss, backward, gradient reduction, Adam) of the default ``cosmoflow`` network at
+width W, for every batch, precision and (on the GPU) convolution algorithm, built from the
+config exactly as ``cosmotrain train`` builds it (``--set`` adds keys: a spatial split,
+``parallel.depth=2``, with several ranks sharing one GPU through host staging).  The
+device is synchronised after every step, so a step's time is all of its work; the figure
+is the median over ``--steps`` after ``--warmup``, of the slowest rank.
+
+Columns: samples/s (global batch / step), samples/s per device (ranks sharing a GPU count
+as one device), and the memory a rank held at its step's peak: cupy's pool after the
+step (the pool keeps freed blocks, so it bounds the peak from above) or, on the CPU, the
+process's peak resident set.  PyTorch's whole step of the same network (eager, Adam;
+bf16 through ``torch.autocast`` with fp32 master weights, TF32 through ``allow_tf32``) runs
+on the same device when ``import torch`` works there (one rank only).
+
+``--backend cpu`` runs the same code on numpy (how ``tests/test_bench_step.py`` checks
+this script without a GPU); ``--backend gpu`` without cupy or a device exits 2 with the
+reason, as ``cosmotrain train`` would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from bench_hybrid import input_block, targets  # noqa: E402
+
+from cosmotrain.comm.grid import ProcessGrid  # noqa: E402
+from cosmotrain.comm.threads import configure_threads  # noqa: E402
+from cosmotrain.config.load import load_config  # noqa: E402
+from cosmotrain.config.parallel import resolve_parallel  # noqa: E402
+from cosmotrain.errors import UserError  # noqa: E402
+from cosmotrain.nn.module import Context  # noqa: E402
+from cosmotrain.tensor.dist_tensor import DistTensor  # noqa: E402
+from cosmotrain.train.step import HybridStep, hybrid_step_from_config  # noqa: E402
+
+PRECISIONS = ("fp32", "tf32", "bf16")
+
+
+def overrides(args: argparse.Namespace, batch: int, precision: str, algorithm: str
+              ) -> List[str]:
+    """The config of one row: the model, batch and device keys, then the user's ``--set``."""
+    keys = [f"model.width={args.width}", f"train.batch_size={batch}",
+            f"device.backend={args.backend}", f"device.precision={precision}"]
+    if args.backend == "gpu":
+        keys.append(f"device.conv_algorithm={algorithm}")
+    return keys + list(args.overrides)
+
+
+def build(world: Any, keys: List[str]) -> tuple:
+    """The trainer's step for ``keys`` on this rank's grid and device, and its input block."""
+    cfg = load_config(None, keys)
+    step = hybrid_step_from_config(cfg, ProcessGrid(world, resolve_parallel(cfg,
+                                                                            world.Get_size())))
+    width = cfg.model.width
+    dist, coord = step.model.input_distribution((cfg.train.batch_size, cfg.model.channels,
+                                                 width, width, width))
+    return cfg, step, input_block(dist, coord)
+
+
+def synchronizer(step: HybridStep) -> Callable[[], None]:
+    """Waits for the rank's device to finish its queued work (nothing to wait for on the
+    CPU)."""
+    if not step.device.is_gpu:
+        return lambda: None
+    return step.device.xp.cuda.Device().synchronize
+
+
+def time_steps(step: HybridStep, x: DistTensor, y: np.ndarray, steps: int, warmup: int,
+               world: Any) -> List[float]:
+    """Seconds of each timed step on the slowest rank (every step starts on a barrier)."""
+    sync = synchronizer(step)
+    seconds = []
+    for index in range(warmup + steps):
+        world.Barrier()
+        started = time.perf_counter()
+        step(DistTensor(x.data.copy(), x.dist, x.coord), y, Context(step=index))
+        sync()
+        elapsed = world.allreduce(time.perf_counter() - started, op=MPI.MAX)
+        if index >= warmup:
+            seconds.append(elapsed)
+    return seconds
+
+
+def peak_memory_mib(step: HybridStep) -> float:
+    """Bytes held at the step's peak, in MiB: cupy's pool on a GPU (an upper bound: it keeps
+    freed blocks), the peak resident set of the process on the CPU."""
+    if step.device.is_gpu:
+        return step.device.xp.get_default_memory_pool().total_bytes() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
+
+
+def devices_used(step: HybridStep, world: Any) -> int:
+    """GPUs the job runs on (ranks bound to one GPU count once); ranks on the CPU."""
+    if not step.device.is_gpu:
+        return world.Get_size()
+    return len({index for index in world.allgather((MPI.Get_processor_name(),
+                                                     step.device.index))})
+
+
+def cosmotrain_row(world: Any, args: argparse.Namespace, batch: int, precision: str,
+                   algorithm: str) -> Dict[str, Any]:
+    """One timed configuration; 'out of memory' when it does not fit."""
+    row: Dict[str, Any] = {"impl": f"cosmotrain {algorithm}" if args.backend == "gpu"
+                           else "cosmotrain numpy", "batch": batch, "precision": precision}
+    try:
+        cfg, step, x = build(world, overrides(args, batch, precision, algorithm))
+        seconds = time_steps(step, x, targets(batch, cfg.model.outputs), args.steps,
+                             args.warmup, world)
+    except MemoryError:
+        return {**row, "status": "out of memory"}
+    except Exception as err:  # noqa: BLE001 - cupy's OutOfMemoryError without importing it
+        if type(err).__name__ != "OutOfMemoryError":
+            raise
+        return {**row, "status": "out of memory"}
+    median = statistics.median(seconds)
+    devices = devices_used(step, world)
+    memory = world.gather(peak_memory_mib(step), root=0)
+    strategy = step.grid.layout.describe()
+    del step
+    release_device_memory(args.backend)
+    return {**row, "status": "ok", "step_s": median, "samples_per_s": batch / median,
+            "devices": devices, "samples_per_s_per_device": batch / median / devices,
+            "ranks": world.Get_size(), "memory_mib_max": max(memory) if memory else None,
+            "strategy": strategy,
+            "step_times_s": seconds}
+
+
+def release_device_memory(backend: str) -> None:
+    """Return cupy's cached blocks between rows, so each row's peak is its own."""
+    if backend == "gpu":
+        import cupy
+
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+def torch_row(args: argparse.Namespace, model: Any, batch: int, precision: str
+              ) -> Optional[Dict[str, Any]]:
+    """PyTorch's whole step of the same network on the same device (None without torch)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    device = "cuda" if args.backend == "gpu" else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        return None
+    if device == "cpu" and precision == "tf32":
+        return None
+    from torch_mirror import torch_twin
+
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = precision == "tf32"
+    twin = torch_twin(model).to(device)
+    opt = torch.optim.Adam(twin.parameters(), lr=1e-4)
+    x = torch.randn(batch, model.items[0].in_channels, args.width, args.width, args.width,
+                    device=device)
+    y = torch.randn(batch, 4, device=device)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = ((twin(x).float() - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    seconds = []
+    for index in range(args.warmup + args.steps):
+        started = time.perf_counter()
+        step()
+        if index >= args.warmup:
+            seconds.append(time.perf_counter() - started)
+    median = statistics.median(seconds)
+    return {"impl": "torch", "batch": batch, "precision": precision, "status": "ok",
+            "step_s": median, "samples_per_s": batch / median, "devices": 1,
+            "samples_per_s_per_device": batch / median, "ranks": 1}
+
+
+def measure(world: Any, args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """Every row: cosmotrain per algorithm, then PyTorch, per (batch, precision)."""
+    from cosmotrain.models import build_model
+
+    rows = []
+    model = build_model(load_config(None, [f"model.width={args.width}"]).model, 0)
+    algorithms = args.algorithms if args.backend == "gpu" else ["numpy"]
+    for batch in args.batch:
+        for precision in args.precisions:
+            if precision == "tf32" and args.backend == "cpu":
+                continue  # TF32 is a tensor-core mode: the CPU refuses it
+            for algorithm in algorithms:
+                rows.append(cosmotrain_row(world, args, batch, precision, algorithm))
+                report(world, rows[-1])
+            if not args.no_torch and world.Get_size() == 1:
+                row = torch_row(args, model, batch, precision)
+                if row is not None:
+                    rows.append(row)
+                    report(world, row)
+    return rows
+
+
+def report(world: Any, row: Dict[str, Any]) -> None:
+    if world.Get_rank() != 0:
+        return
+    if row["status"] != "ok":
+        print(f"{row['impl']:18} batch {row['batch']:3} {row['precision']}: {row['status']}",
+              flush=True)
+        return
+    memory = f", {row['memory_mib_max']:.0f} MiB/rank" if row.get("memory_mib_max") else ""
+    print(f"{row['impl']:18} batch {row['batch']:3} {row['precision']}: "
+          f"{row['step_s'] * 1e3:9.1f} ms, {row['samples_per_s']:8.2f} samples/s, "
+          f"{row['samples_per_s_per_device']:8.2f} per device{memory}", flush=True)
+
+
+def markdown(rows: List[Dict[str, Any]]) -> str:
+    """Samples/s per device: one line per (batch, precision), one column per implementation."""
+    columns = list(dict.fromkeys(r["impl"] for r in rows))
+    keys = list(dict.fromkeys((r["batch"], r["precision"]) for r in rows))
+    found = {(r["impl"], r["batch"], r["precision"]): r for r in rows}
+    lines = ["| batch | precision | " + " | ".join(columns) + " |",
+             "|---|---|" + "---|" * len(columns)]
+    for batch, precision in keys:
+        cells = []
+        for impl in columns:
+            r = found.get((impl, batch, precision))
+            cells.append("" if r is None else r["status"] if r["status"] != "ok"
+                         else f"{r['samples_per_s_per_device']:.2f}")
+        lines.append(f"| {batch} | {precision} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=["cpu", "gpu"], default="gpu")
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    parser.add_argument("--algorithms", nargs="+", default=["cudnn", "gemm"],
+                        choices=["cudnn", "gemm"], help="GPU convolutions")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (median shown)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        help="config KEY=VALUE, e.g. parallel.depth=2 (repeatable)")
+    parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--out", type=Path, help="write the rows as JSON")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = parse_args(argv)
+    world = MPI.COMM_WORLD
+    configure_threads(world)
+    try:
+        rows = measure(world, args)
+    except UserError as err:  # e.g. --backend gpu without cupy or a device
+        if world.Get_rank() == 0:
+            print(f"bench_step: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    if world.Get_rank() != 0:
+        return
+    print(f"\nsamples/s per device, cosmoflow W={args.width}, {world.Get_size()} rank(s), "
+          f"backend {args.backend}\n")
+    print(markdown(rows))
+    if args.out:
+        payload = {"date": time.strftime("%Y-%m-%d %H:%M"), "host": MPI.Get_processor_name(),
+                   "args": {k: (str(v) if isinstance(v, Path) else v)
+                            for k, v in vars(args).items()}, "results": rows}
+        args.out.write_text(json.dumps(payload, indent=1))
+        print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""``benchmarks/bench_step.py``: whole training steps per device, checked on the CPU backend
+(the GPU rows run the same code on cupy; docs/GPU.md lists that as unverified)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, mpiexec, subprocess_env
+
+SCRIPT = str(REPO / "benchmarks" / "bench_step.py")
+SMALL = ["--backend", "cpu", "--width", "32", "--batch", "2", "--steps", "2", "--warmup", "1"]
+
+
+def bench(*args: str, ranks: int = 1) -> subprocess.CompletedProcess:
+    command = [sys.executable, SCRIPT, *args]
+    if ranks > 1:
+        command = [mpiexec(), "-n", str(ranks), *command]
+    return subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_one_rank_rows_per_precision_and_torch_beside(tmp_path: Path) -> None:
+    out = tmp_path / "step.json"
+    done = bench(*SMALL, "--precisions", "fp32", "tf32", "bf16", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["results"]
+    ours = [r for r in rows if r["impl"] == "cosmotrain numpy"]
+    assert [r["precision"] for r in ours] == ["fp32", "bf16"]  # no TF32 on the CPU
+    for row in ours:
+        assert row["status"] == "ok" and row["strategy"] == "N1" and row["devices"] == 1
+        assert row["samples_per_s"] == pytest.approx(2 / row["step_s"])
+        assert len(row["step_times_s"]) == 2 and row["memory_mib_max"] > 10
+    torch_rows = [r for r in rows if r["impl"] == "torch"]
+    assert len(torch_rows) == (2 if importlib.util.find_spec("torch") else 0)
+    assert "| batch | precision | cosmotrain numpy" in done.stdout
+
+
+def test_ranks_with_a_spatial_split(tmp_path: Path) -> None:
+    out = tmp_path / "d2.json"
+    done = bench(*SMALL, "--precisions", "fp32", "--set", "parallel.depth=2",
+                 "--set", "parallel.sample=1", "--out", str(out), ranks=2)
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(out.read_text())["results"]  # no torch beside several ranks
+    assert row["strategy"] == "D2" and row["ranks"] == 2 and row["devices"] == 2
+    assert row["samples_per_s_per_device"] == pytest.approx(row["samples_per_s"] / 2)
+
+
+def test_gpu_without_cupy_exits_2() -> None:
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("cupy is installed: the GPU rows would run")
+    done = bench("--backend", "gpu", "--width", "32", "--batch", "1", "--steps", "1")
+    assert done.returncode == 2 and "needs cupy" in done.stderr
