@@ -102,13 +102,7 @@ def layer_curves(works: list[Workload], cfg: Config, comm: Any, k: int, cores: i
         _record(points, sequence, seconds)
         for layer, value in zip(sequence, seconds):
             exact.setdefault(shape_key(layer), []).append(float(value))
-    sizes: dict[str, set[float]] = {}
-    for key, elements in points:
-        sizes.setdefault(key, set()).add(elements)
-    extra = tuple({layer_key(layer): shrunk(layer) for sequence in level_sequences(works, k)
-                   for layer in sequence if len(sizes[layer_key(layer)]) == 1}.values())
-    extra = tuple(layer for layer in extra
-                  if (layer_key(layer), layer_elements(layer)) not in points)
+    extra = second_points(points, level_sequences(works, k))
     if extra:
         _record(points, extra, timed_sequence(extra, cfg, comm, k, cores, repeats))
     curves: dict[str, list[tuple[float, float]]] = {}
@@ -118,6 +112,18 @@ def layer_curves(works: list[Workload], cfg: Config, comm: Any, k: int, cores: i
         log(f"  {key}: {', '.join(f'{n:.0f} el {t * 1e3:.2f} ms' for n, t in pts)}")
     return ({key: Curve(pts) for key, pts in curves.items()},
             {shape: float(np.median(seconds)) for shape, seconds in exact.items()})
+
+
+def second_points(points: dict[tuple[str, float], list[float]], sequences: list[Sequence]
+                  ) -> Sequence:
+    """A shrunk layer of every key measured at one size only (one step of them)."""
+    sizes: dict[str, set[float]] = {}
+    for key, elements in points:
+        sizes.setdefault(key, set()).add(elements)
+    extra = {layer_key(layer): shrunk(layer) for sequence in sequences for layer in sequence
+             if len(sizes[layer_key(layer)]) == 1}
+    return tuple(layer for layer in extra.values()
+                 if (layer_key(layer), layer_elements(layer)) not in points)
 
 
 def _record(points: dict[tuple[str, float], list[float]], sequence: Sequence,
