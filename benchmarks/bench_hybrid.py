@@ -111,12 +111,19 @@ def setup(world: Any, args: argparse.Namespace) -> tuple[Any, HybridStep, DistTe
     else:
         set_blas_threads(args.threads)
     cfg = load_config(args.config, args.overrides)
+    step, x = build_step(world, cfg)
+    return cfg, step, x
+
+
+def build_step(world: Any, cfg: Any) -> tuple[HybridStep, DistTensor]:
+    """The trainer's step for ``cfg`` on the grid and device it asks for, and this rank's
+    input block."""
     step = hybrid_step_from_config(cfg, ProcessGrid(world, resolve_parallel(cfg,
                                                                             world.Get_size())))
     width = cfg.model.width
     dist, coord = step.model.input_distribution((cfg.train.batch_size, cfg.model.channels,
                                                  width, width, width))
-    return cfg, step, input_block(dist, coord)
+    return step, input_block(dist, coord)
 
 
 def main() -> None:

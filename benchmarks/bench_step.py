@@ -41,16 +41,14 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from bench_hybrid import input_block, targets  # noqa: E402
+from bench_hybrid import build_step, targets  # noqa: E402
 
-from cosmotrain.comm.grid import ProcessGrid  # noqa: E402
 from cosmotrain.comm.threads import configure_threads  # noqa: E402
 from cosmotrain.config.load import load_config  # noqa: E402
-from cosmotrain.config.parallel import resolve_parallel  # noqa: E402
 from cosmotrain.errors import UserError  # noqa: E402
 from cosmotrain.nn.module import Context  # noqa: E402
 from cosmotrain.tensor.dist_tensor import DistTensor  # noqa: E402
-from cosmotrain.train.step import HybridStep, hybrid_step_from_config  # noqa: E402
+from cosmotrain.train.step import HybridStep  # noqa: E402
 
 PRECISIONS = ("fp32", "tf32", "bf16")
 
@@ -63,17 +61,6 @@ def overrides(args: argparse.Namespace, batch: int, precision: str, algorithm: s
     if args.backend == "gpu":
         keys.append(f"device.conv_algorithm={algorithm}")
     return keys + list(args.overrides)
-
-
-def build(world: Any, keys: List[str]) -> tuple:
-    """The trainer's step for ``keys`` on this rank's grid and device, and its input block."""
-    cfg = load_config(None, keys)
-    step = hybrid_step_from_config(cfg, ProcessGrid(world, resolve_parallel(cfg,
-                                                                            world.Get_size())))
-    width = cfg.model.width
-    dist, coord = step.model.input_distribution((cfg.train.batch_size, cfg.model.channels,
-                                                 width, width, width))
-    return cfg, step, input_block(dist, coord)
 
 
 def synchronizer(step: HybridStep) -> Callable[[], None]:
@@ -122,7 +109,8 @@ def cosmotrain_row(world: Any, args: argparse.Namespace, batch: int, precision: 
     row: Dict[str, Any] = {"impl": f"cosmotrain {algorithm}" if args.backend == "gpu"
                            else "cosmotrain numpy", "batch": batch, "precision": precision}
     try:
-        cfg, step, x = build(world, overrides(args, batch, precision, algorithm))
+        cfg = load_config(None, overrides(args, batch, precision, algorithm))
+        step, x = build_step(world, cfg)
         seconds = time_steps(step, x, targets(batch, cfg.model.outputs), args.steps,
                              args.warmup, world)
     except MemoryError:

@@ -40,7 +40,7 @@ def abort_job(code: int) -> None:
 
     The launcher forwards each rank's stderr asynchronously: aborting at once after the
     message could let it tear the job down before the message is out (Hydra lost a rank's
-    traceback in about 1 run in 6 on the 2-core development machine), so the rank first
+    traceback in 2 of 11 runs on the 2-core development machine), so the rank first
     waits ``ABORT_GRACE_S``."""
     import time
 

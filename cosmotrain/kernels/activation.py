@@ -34,8 +34,8 @@ def _chunks(*arrays: Any) -> Iterator[tuple[Any, ...]]:
     Contiguous arrays: runs of ``CHUNK`` elements.  Otherwise (a halo buffer's owned
     planes, which a strided view cannot flatten without a copy): blocks of whole trailing
     sub-arrays, up to ``CHUNK`` elements and at least one trailing 2-D slab.  One slab per
-    piece made the backward a Python loop of tiny slabs: 15 ms for the 2 M elements of
-    D2's ``act3`` (16^3 blocks) against 2 ms on a contiguous array.
+    piece made the backward a Python loop of tiny slabs: D2's ``act3`` (W = 64, batch 8: 1 M
+    elements in 16 x 16 slabs) took 15 ms, now 0.8 ms.
     """
     if all(a.flags.c_contiguous for a in arrays):
         flats = [a.reshape(-1) for a in arrays]
