@@ -19,6 +19,8 @@ import typer
 
 from cosmotrain.errors import EXIT_USER_ERROR, UserError
 
+EXIT_KEYBOARD = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -165,6 +167,7 @@ def train(
     """Train a model: mpiexec -n P cosmotrain train --config configs/X.yaml [--set k=v]."""
     from cosmotrain.comm import world
     from cosmotrain.config import load_config
+    from cosmotrain.train.guard import EXIT_INTERRUPTED
     from cosmotrain.train.runner import describe_plan, run_training
 
     cfg = load_config(config_file, overrides or [])
@@ -174,7 +177,9 @@ def train(
         if comm.Get_rank() == 0:
             print(text)
         return
-    run_training(cfg, comm, resume=resume)
+    summary = run_training(cfg, comm, resume=resume)
+    if summary["stop_reason"] == "interrupted":
+        raise typer.Exit(EXIT_INTERRUPTED)
 
 
 @app.command()
@@ -379,7 +384,12 @@ def report_user_error(err: UserError) -> None:
     if collective:
         settle_exit()
     else:
-        abort_job(EXIT_USER_ERROR)
+        abort_job(exit_code(err))
+
+
+def exit_code(err: UserError) -> int:
+    """2 for bad input; a few user-facing failures carry their own (docs/RELIABILITY.md)."""
+    return int(getattr(err, "exit_code", EXIT_USER_ERROR))
 
 
 def _rank_if_initialised() -> int:
@@ -398,7 +408,12 @@ def main() -> None:
         app()
     except UserError as err:
         report_user_error(err)
-        sys.exit(EXIT_USER_ERROR)
+        sys.exit(exit_code(err))
+    except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint, but no rank left behind
+        print("cosmotrain: interrupted again: stopping at once (no checkpoint)",
+              file=sys.stderr, flush=True)
+        abort_job(EXIT_KEYBOARD)
+        sys.exit(EXIT_KEYBOARD)
     except Exception:  # noqa: BLE001 - a bug: show it, and never leave other ranks hanging
         traceback.print_exc()
         sys.stderr.flush()

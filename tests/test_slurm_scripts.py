@@ -26,7 +26,7 @@ COMMON = ["CONFIG", "NODES", "TASKS_PER_NODE", "CPUS_PER_TASK", "GPUS_PER_NODE",
           "SRUN_MPI", "LAUNCHER", "VENV", "COSMOTRAIN_REPO", "EXTRA_ARGS", "DRY_RUN"]
 LAUNCH = ["SETS", "STAGE_DIR", "SRUN_ARGS", "MPIEXEC", "MPIEXEC_ARGS"]
 VARIABLES = {
-    "train.sbatch": COMMON + LAUNCH + ["RESUME"],
+    "train.sbatch": COMMON + LAUNCH + ["RESUME", "REQUEUE"],
     "preload.sbatch": COMMON + LAUNCH + ["SHUFFLE"],
     "scale_study.sbatch": COMMON + ["RANKS", "MODE", "STRATEGIES", "OUT"],
 }
@@ -212,6 +212,27 @@ def test_a_requeued_job_resumes(fake_slurm) -> None:
                ).returncode == 0
     first, second = calls()
     assert first[-1] == "--resume" and "--resume" not in second
+
+
+@pytest.mark.parametrize("code, requeue, requeued", [(75, None, True), (75, "0", False),
+                                                     (1, None, False), (0, None, False)])
+def test_a_clean_stop_on_a_signal_requeues_the_job(fake_slurm, tmp_path: Path, code: int,
+                                                   requeue: str | None,
+                                                   requeued: bool) -> None:
+    """Exit 75 (stopped at a checkpoint on SIGUSR1/SIGTERM) requeues the job, which then
+    resumes; any other exit is passed on unchanged and requeues nothing."""
+    env, calls = fake_slurm
+    bindir = Path(env["PATH"].split(os.pathsep)[0])
+    (bindir / "srun").write_text(f"#!/bin/sh\nexit {code}\n")
+    log = tmp_path / "scontrol.log"
+    (bindir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> "{log}"\n')
+    (bindir / "scontrol").chmod(0o755)
+    done = run("train.sbatch", {**env, **({"REQUEUE": requeue} if requeue else {})})
+    assert done.returncode == code, done.stderr
+    assert (log.read_text().split() if log.exists() else []) == \
+        (["requeue", ALLOCATION["SLURM_JOB_ID"]] if requeued else [])
+    header = (SLURM / "train.sbatch").read_text()
+    assert "#SBATCH --signal=USR1@" in header and "#SBATCH --requeue" in header
 
 
 def test_the_copy_sbatch_runs_finds_the_repository(fake_slurm, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ single-process ones whatever the split.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -22,14 +23,27 @@ LOSSES = {"mse": (mse_sum, mse_backward), "mae": (mae_sum, mae_backward)}
 def batch_loss(pred: Any, target: Any, global_count: int, comm: Any = None,
                timers: PhaseTimers | None = None, kind: str = "mse") -> tuple[float, Any]:
     """``(loss over the global batch, d loss / d pred for the local rows)``."""
+    loss, grad, _ = loss_and_flags(pred, target, global_count, comm, timers, kind)
+    return loss, grad
+
+
+def loss_and_flags(pred: Any, target: Any, global_count: int, comm: Any = None,
+                   timers: PhaseTimers | None = None, kind: str = "mse",
+                   flags: Sequence[float] = ()) -> tuple[float, Any, np.ndarray]:
+    """:func:`batch_loss`, plus ``flags`` summed over ``comm`` in the same allreduce.
+
+    The trainer's per-rank events (a stop signal, a non-finite gradient) ride along with
+    the loss: one message of a few doubles instead of one more collective per step, and
+    every rank gets the same sums, so every rank takes the same decision.
+    """
     if pred.shape != target.shape:
         raise ValueError(f"predictions {pred.shape} and targets {target.shape} differ")
     total, grad = LOSSES[kind]
     target = array_module(pred).asarray(target)  # the targets join the predictions' device
-    summed = np.array([total(pred, target)])
+    summed = np.array([total(pred, target), *flags], dtype=np.float64)
     if comm is not None and comm.Get_size() > 1:
         from mpi4py import MPI
 
         with (timers or PhaseTimers()).phase("allreduce"):
             comm.Allreduce(MPI.IN_PLACE, summed)
-    return float(summed[0]) / global_count, grad(pred, target, global_count)
+    return float(summed[0]) / global_count, grad(pred, target, global_count), summed[1:]

@@ -11,6 +11,7 @@ from cosmotrain.config.schema import Config
 from cosmotrain.errors import UserError
 from cosmotrain.layers.channel_conv import ChannelConv3d
 from cosmotrain.perf.planner import choose_parallel
+from cosmotrain.train.guard import StopSignals
 from cosmotrain.train.job import build_job
 from cosmotrain.train.step import hybrid_step_from_config
 from cosmotrain.train.trainer import Trainer
@@ -24,15 +25,28 @@ def run_training(cfg: Config, comm: Any, resume: bool = False) -> dict[str, Any]
     job = build_job(cfg, comm)
     if job.step.device.is_gpu and comm.Get_rank() == 0:
         print(f"device (rank 0): {job.step.device.describe()}", flush=True)
-    trainer = Trainer(job)
-    resumed = resume and trainer.resume()
-    if resume and not resumed and comm.Get_rank() == 0:
-        print(f"cosmotrain: no checkpoint under {job.out_dir}/checkpoints: starting afresh")
-    summary = trainer.run(resumed)
+    with StopSignals() as signals:
+        trainer = Trainer(job, signals)
+        resumed = resume and trainer.resume()
+        if resume and not resumed and comm.Get_rank() == 0:
+            print(f"cosmotrain: no checkpoint under {job.out_dir}/checkpoints: starting "
+                  f"afresh")
+        summary = trainer.run(resumed)
     if comm.Get_rank() == 0:
         print(baseline_line(trainer.outcome.best_mae, trainer.outcome.baseline_mae))
+        if summary["stop_reason"] == "interrupted":
+            print(interrupted_line(signals, summary, trainer.last_checkpoint), flush=True)
     job.grid.free()
     return summary
+
+
+def interrupted_line(signals: StopSignals, summary: dict[str, Any],
+                     checkpoint: str | None) -> str:
+    """What rank 0 says after a clean stop on a signal: where, what was saved, what next."""
+    cause = f"{signals.name} received" if signals.requested else "a stop signal on another rank"
+    return (f"cosmotrain: interrupted ({cause}) after step {summary['step']} (epoch "
+            f"{summary['epoch']}); checkpoint {checkpoint} written; continue with the same "
+            f"command and --resume")
 
 
 def baseline_line(best: float | None, baseline: float | None) -> str:

@@ -12,6 +12,7 @@ the input block is copied there once per batch (and stored as bf16 under
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -22,21 +23,33 @@ from cosmotrain.comm.device_buffers import DeviceBuffers
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.schema import Config, DeviceConfig
 from cosmotrain.layers.hybrid import HybridModel, build_hybrid
-from cosmotrain.layers.loss import batch_loss
+from cosmotrain.layers.loss import loss_and_flags
 from cosmotrain.models import build_model
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.train.grad_sync import GradientReducer
+from cosmotrain.train.guard import gradients_finite
 from cosmotrain.train.optim import Optimizer, build_optimizer
 
 
 @dataclass
 class StepOutput:
-    """The mini-batch loss (every rank) and this rank's predictions, rows ``[start, stop)``."""
+    """The mini-batch loss (every rank) and this rank's predictions, rows ``[start, stop)``.
+
+    ``stop_requests`` and ``bad_gradients`` are agreed on every rank: how many ranks asked
+    to stop (a signal) and how many found the *previous* step's gradients non-finite.
+    """
 
     loss: float
     pred: Any
     rows: tuple[int, int]
+    stop_requests: int = 0
+    bad_gradients: int = 0
+
+    @property
+    def finite(self) -> bool:
+        """Whether the step may be applied: a finite loss and finite gradients before it."""
+        return math.isfinite(self.loss) and not self.bad_gradients
 
 
 @dataclass
@@ -48,6 +61,7 @@ class HybridStep:
     reducer: GradientReducer
     loss: str = "mse"
     device: Device = field(default_factory=Device)
+    gradients_bad: bool = False  # this rank's last gradients held NaN/Inf (not yet agreed)
 
     @property
     def grid(self) -> ProcessGrid:
@@ -61,30 +75,60 @@ class HybridStep:
         data = self.device.to_device(x.data, dtype)
         return x if data is x.data else DistTensor(data, x.dist, x.coord)
 
-    def gradients(self, x: DistTensor, targets: Any, ctx: Context) -> StepOutput:
-        """Forward and backward; afterwards every ``param.grad`` is the full gradient."""
+    def gradients(self, x: DistTensor, targets: Any, ctx: Context, stop: bool = False
+                  ) -> StepOutput:
+        """Forward and backward; afterwards every ``param.grad`` is the full gradient.
+
+        ``stop`` (this rank received a stop signal) and the verdict on the previous
+        step's gradients ride in the loss allreduce.  When the loss or those gradients are
+        non-finite, backward is skipped on every rank alike and the output says so.
+        """
         x = self.place_input(x)
         ctx = replace(ctx, on_grad_ready=self.reducer.on_grad_ready)
         self.reducer.prepare(self.model.reduction_groups())
         pred = self.model.forward(x, ctx)
-        start, stop = self.model.sample_range()
-        loss, dpred = batch_loss(pred, targets[start:stop], targets.size,
-                                 self.grid.group_comms["all"], self.grid.timers, self.loss)
+        start, stop_row = self.model.sample_range()
+        loss, dpred, flags = loss_and_flags(
+            pred, targets[start:stop_row], targets.size, self.grid.group_comms["all"],
+            self.grid.timers, self.loss, flags=(float(stop), float(self.gradients_bad)))
+        out = StepOutput(loss, pred, (start, stop_row), int(flags[0]), int(flags[1]))
+        if not out.finite:
+            return out
         self.model.backward(dpred, ctx)
         self.reducer.finish()
-        return StepOutput(loss, pred, (start, stop))
+        self.gradients_bad = not gradients_finite(
+            p.grad for _, p in self.model.named_parameters())
+        return out
 
     def update(self, lr: float | None = None) -> None:
-        """Apply the optimizer and clear the gradients."""
+        """Apply the optimizer and clear the gradients.
+
+        A rank whose gradients are non-finite keeps its parameters: the next step's loss
+        allreduce tells every rank, and the run stops before anything is stored."""
         params = list(self.model.named_parameters())
-        self.optimizer.step(params, lr)
+        if not self.gradients_bad:
+            self.optimizer.step(params, lr)
         self.optimizer.zero_grad(params)
 
-    def __call__(self, x: DistTensor, targets: Any, ctx: Context, lr: float | None = None
-                 ) -> StepOutput:
-        out = self.gradients(x, targets, ctx)
-        self.update(lr)
+    def __call__(self, x: DistTensor, targets: Any, ctx: Context, lr: float | None = None,
+                 stop: bool = False) -> StepOutput:
+        out = self.gradients(x, targets, ctx, stop)
+        if out.finite:
+            self.update(lr)
         return out
+
+    def non_finite_ranks(self) -> int:
+        """How many ranks hold a non-finite gradient, parameter, buffer or optimizer slot
+        (collective over every rank): the check before a checkpoint or a validation."""
+        from mpi4py import MPI
+
+        arrays = [p.data for _, p in self.model.named_parameters()]
+        arrays += [layer.buffers[key] for _, layer, key in self.model.named_buffers()
+                   if np.ndim(layer.buffers[key])]
+        arrays += [v for slots in self.optimizer.state.values() for v in slots.values()
+                   if np.ndim(v)]
+        bad = self.gradients_bad or not gradients_finite(arrays)
+        return self.grid.group_comms["all"].allreduce(int(bad), op=MPI.SUM)
 
 
 def hybrid_step_from_config(cfg: Config, grid: ProcessGrid,

@@ -22,6 +22,7 @@ from cosmotrain.train import metrics
 from cosmotrain.train.checkpoint import (CheckpointState, checkpoint_dir, latest_checkpoint,
                                          load_checkpoint, save_checkpoint)
 from cosmotrain.train.evaluate import Errors, evaluate
+from cosmotrain.train.guard import NonFiniteError, StopSignals, non_finite_message
 from cosmotrain.train.job import Job
 from cosmotrain.train.progress import TrainProgress
 from cosmotrain.train.schedule import build_schedule
@@ -55,8 +56,10 @@ class Trainer:
     """Runs a :class:`Job` to its end: ``train.epochs`` or ``train.max_steps`` or the
     target MAE, whichever comes first."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Job, signals: StopSignals | None = None) -> None:
         self.job, self.cfg = job, job.cfg
+        self.signals = signals if signals is not None else StopSignals(())
+        self.last_checkpoint: str | None = None
         self.train_reader = job.readers["train"]
         val = job.readers.get("validation")
         self.val_reader = val if val is not None and val.count > 0 else None
@@ -110,9 +113,14 @@ class Trainer:
         pos = self.position
         while pos.step < self.total:
             index = pos.step - pos.epoch * self.per_epoch
-            self._train_step(pos, index, log, progress)
-            if pos.step - pos.epoch * self.per_epoch == self.per_epoch:
-                pos.epoch += 1
+            stop = self._train_step(pos, index, log, progress)
+            epoch_done = pos.step - pos.epoch * self.per_epoch == self.per_epoch
+            pos.epoch += int(epoch_done)
+            if stop:  # every rank agreed in this step's loss allreduce
+                self.outcome.reason = "interrupted"
+                self._checkpoint()
+                return
+            if epoch_done:
                 if self._end_of_epoch(log, progress):
                     return
             elif self._due(self.cfg.train.checkpoint_every_steps, pos.step):
@@ -122,14 +130,18 @@ class Trainer:
         self._checkpoint()
 
     def _train_step(self, pos: Position, index: int, log: Any,
-                    progress: TrainProgress) -> None:
+                    progress: TrainProgress) -> bool:
+        """One optimizer step; True when some rank asked to stop (agreed on every rank)."""
         job = self.job
         _inject_fault(job.rank, pos.step)
         started = time.perf_counter()
         batch = self.train_reader.batch(pos.epoch, index)
         lr = self.schedule(pos.step, self.per_epoch)
         ctx = Context(step=pos.step, seed=self.cfg.train.seed)
-        out = job.step(batch.x, batch.targets, ctx, lr)
+        out = job.step(batch.x, batch.targets, ctx, lr, stop=self.signals.requested)
+        if not out.finite:
+            raise NonFiniteError(non_finite_message(pos.step + 1, out.loss,
+                                                    out.bad_gradients))
         wall = time.perf_counter() - started
         pos.step += 1
         pos.samples += len(batch.indices)
@@ -138,17 +150,20 @@ class Trainer:
                                        self.train_reader.stats.last_wait_seconds)
         for key, value in times.items():
             self.outcome.totals[key] = self.outcome.totals.get(key, 0.0) + value
-        if pos.step % self.cfg.train.log_every == 0 or pos.step == self.total:
+        if pos.step % self.cfg.train.log_every == 0 or pos.step == self.total \
+                or out.stop_requests:
             record = metrics.train_record(
                 step=pos.step, epoch=pos.epoch, samples=pos.samples, loss=out.loss, lr=lr,
                 samples_per_s=len(batch.indices) / wall, time_s=times,
                 memory_hwm_mib=self._memory(), io=self._io())
             self._emit(record, log, progress)
+        return out.stop_requests > 0
 
     def _end_of_epoch(self, log: Any, progress: TrainProgress) -> bool:
         """Validate and checkpoint as configured; True when the target MAE is reached."""
         pos, train = self.position, self.cfg.train
         reached = False
+        self._require_finite()
         if self.val_reader is not None and self._due(train.validate_every, pos.epoch):
             errors = self._validate(log, progress)
             reached = train.target_mae is not None and errors.mean_mae <= train.target_mae
@@ -195,6 +210,7 @@ class Trainer:
         """Gather the full state onto rank 0 and write it there.  Only rank 0's
         channel/filter group gathers: every other group holds replicas of its blocks."""
         job, pos = self.job, self.position
+        self._require_finite()
         if job.grid.group_comms["data"].Get_rank() != 0:  # not rank 0's group
             return
         gathered = full_state(job.step, root=0)
@@ -209,7 +225,18 @@ class Trainer:
                  "best_epoch": -1 if self.outcome.best_epoch is None else
                  self.outcome.best_epoch},
             layout={"strategy": job.grid.layout.describe(), "ranks": job.comm.Get_size()})
-        save_checkpoint(checkpoint_dir(job.out_dir), state, self.cfg.train.keep_checkpoints)
+        self.last_checkpoint = str(save_checkpoint(checkpoint_dir(job.out_dir), state,
+                                                   self.cfg.train.keep_checkpoints))
+
+    def _require_finite(self) -> None:
+        """Stop (every rank alike) before a non-finite value is validated or stored."""
+        bad = self.job.step.non_finite_ranks()
+        if bad:
+            raise NonFiniteError(
+                f"training stopped after step {self.position.step}: a parameter, gradient "
+                f"or optimizer value went non-finite on {bad} rank(s); no checkpoint "
+                f"holds it. Lower optimizer.lr (or add warm-up), then resume from the "
+                f"last checkpoint with --resume")
 
     def _baseline_mae(self) -> float | None:
         """MAE of predicting the training labels' mean on the validation set."""

@@ -1,0 +1,114 @@
+"""What may end a run between two steps: a stop signal, or a value gone non-finite.
+
+Both are *local* events: a signal reaches each rank at its own moment (srun and mpiexec
+forward it to every task, but not at the same instant), and a NaN may appear in one
+rank's block only.  Acting on a local event alone would hang the job (one rank leaves the
+loop while the others wait in the next collective) or let a bad value reach a checkpoint.
+So each rank only *records* the event, and the records travel in the one collective every
+step already makes, the allreduce of the loss (:func:`cosmotrain.layers.loss.loss_and_flags`):
+every rank then sees the same sums and takes the same decision at the same step.
+
+- :class:`StopSignals` turns SIGTERM (Slurm's time limit and preemption), SIGINT (Ctrl-C,
+  forwarded by mpiexec) and SIGUSR1 (``sbatch --signal=USR1@T``, ahead of the limit) into a
+  request: the step in flight finishes, every rank agrees, a checkpoint is written at that
+  step boundary and the run ends with ``stop_reason: interrupted``.  A second SIGINT is
+  the impatient user's: it interrupts at once (KeyboardInterrupt, the job is aborted).
+- :func:`gradients_finite` is the per-step check of this rank's gradients; the step
+  carries its verdict to the next loss allreduce, and :class:`NonFiniteError` ends the run
+  before a non-finite value can be stored.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from collections.abc import Iterable
+from types import FrameType
+from typing import Any
+
+import numpy as np
+
+from cosmotrain.backend import array_module
+from cosmotrain.errors import UserError
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped cleanly at a checkpoint; resume to continue
+EXIT_NON_FINITE = 3  # the run diverged (or read non-finite values); nothing bad was saved
+
+
+class NonFiniteError(UserError):
+    """The loss or a gradient went non-finite; every rank raises it at the same step.
+
+    Collective (every rank holds the same verdict), so the CLI prints it once.  It is not
+    bad *input* in the usual sense, so it carries its own exit code.
+    """
+
+    exit_code = EXIT_NON_FINITE
+
+
+class StopSignals:
+    """Records the first stop signal; use as a context manager around the training loop.
+
+    Only the main thread may install signal handlers; the previous handlers come back on
+    exit, so library callers (tests, benchmarks) are left as they were.
+    """
+
+    def __init__(self, signals: Iterable[int] = STOP_SIGNALS) -> None:
+        self.signals = tuple(signals)
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.received is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.received).name if self.received is not None else ""
+
+    def __enter__(self) -> StopSignals:
+        for number in self.signals:
+            self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for number, previous in self._previous.items():
+            signal.signal(number, previous)
+        self._previous.clear()
+
+    def _handle(self, number: int, frame: FrameType | None) -> None:
+        if self.received == signal.SIGINT and number == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, no checkpoint
+        if self.received is None:
+            self.received = number
+
+
+def gradients_finite(grads: Iterable[Any]) -> bool:
+    """Whether every element of every array is finite: one fast pass each.
+
+    A sum is one pass with no temporary (``isfinite().all()`` allocates a mask of the
+    array's size) and NaN and Inf propagate into it; only when the sum is not finite is
+    the element-wise test run, so a large but finite array whose float32 sum overflows is
+    never mistaken for a diverged one.  About 3 ms per 7.6 M float32 values on one core.
+    """
+    for grad in grads:
+        if grad is None or not grad.size:
+            continue
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is checked below
+            if math.isfinite(float(grad.sum())):
+                continue
+        if not bool(array_module(grad).isfinite(grad).all()):
+            return False
+    return True
+
+
+def non_finite_message(step: int, loss: float, bad_gradients: int) -> str:
+    """The one line that ends a diverged run; ``step`` is 1-based (steps completed)."""
+    what = []
+    if bad_gradients:
+        what.append(f"the gradients of step {step - 1} on {bad_gradients} rank(s)")
+    if not math.isfinite(loss):
+        what.append(f"the loss of step {step} ({loss})")
+    return (f"training stopped: {' and '.join(what) or 'a value'} went non-finite; no "
+            f"checkpoint holds it. Lower optimizer.lr (or add warm-up), check the input "
+            f"data, then resume from the last checkpoint with --resume")

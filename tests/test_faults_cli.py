@@ -1,0 +1,153 @@
+"""Fault injection through the CLI under mpiexec: signals, divergence, NaN input.
+
+Each case runs ``cosmotrain train`` end to end (the tiny model on 12^3 synthetic cubes, 2
+ranks), injects one fault as a cluster would (a signal to every task or to the launcher,
+a learning rate that diverges, a NaN voxel in a data file), and asserts the exit code, the
+one-line message, what is on disk, and that the surviving checkpoint resumes to the
+uninterrupted run's parameters.  docs/RELIABILITY.md lists the faults and these tests.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from conftest import REPO, mpiexec, subprocess_env
+
+from cosmotrain.train.checkpoint import list_checkpoints, load_checkpoint
+
+BASE = ["model.name=tiny", "model.width=12", "data.source=synthetic",
+        "data.synthetic.samples=40", "data.synthetic.val_fraction=0.1", "train.batch_size=4",
+        "optimizer.name=adam", "train.log_every=1", "train.keep_checkpoints=2"]
+EXIT_INTERRUPTED, EXIT_NON_FINITE = 75, 3
+
+
+def command(out: Path, *extra: str, ranks: int = 2, resume: bool = False) -> list[str]:
+    sets = [arg for item in [*BASE, f"output.dir={out}", *extra] for arg in ("--set", item)]
+    line = [sys.executable, "-m", "cosmotrain", "train", *sets, *(["--resume"] * resume)]
+    return [mpiexec(), "-n", str(ranks), *line] if ranks > 1 else line
+
+
+def train(out: Path, *extra: str, resume: bool = False, timeout: float = 120
+          ) -> subprocess.CompletedProcess:
+    return subprocess.run(command(out, *extra, resume=resume), cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def records(out: Path, kind: str) -> list[dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def final_params(out: Path) -> dict[str, np.ndarray]:
+    return load_checkpoint(list_checkpoints(out / "checkpoints")[-1][1]).params
+
+
+def assert_same_params(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def rank_pids(launcher: subprocess.Popen) -> list[int]:
+    """The rank processes under ``mpiexec`` (its grandchildren through hydra's proxy)."""
+    found = subprocess.run(["pgrep", "-f", "-P", ",".join(map(str, _descendants(launcher.pid))),
+                            "cosmotrain train"], capture_output=True, text=True)
+    return [int(pid) for pid in found.stdout.split()]
+
+
+def _descendants(pid: int) -> list[int]:
+    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    found = [int(child) for child in children.stdout.split()]
+    return [pid, *[d for child in found for d in _descendants(child)]]
+
+
+def interrupt(out: Path, signum: int, to_ranks: bool, after_steps: int = 6
+              ) -> tuple[subprocess.CompletedProcess, int]:
+    """Start a long run, send ``signum`` once ``after_steps`` steps are logged (to every
+    rank, as srun does, or to mpiexec, which forwards it); ``(result, steps logged)``."""
+    launcher = subprocess.Popen(command(out, "train.epochs=2000"), cwd=REPO,
+                                env=subprocess_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 90
+    while time.monotonic() < deadline and launcher.poll() is None:
+        if metrics.exists() and metrics.read_text().count('"kind":"train"') >= after_steps:
+            break
+        time.sleep(0.02)
+    for pid in rank_pids(launcher) if to_ranks else [launcher.pid]:
+        subprocess.run(["kill", f"-{signal.Signals(signum).name[3:]}", str(pid)])
+    stdout, stderr = launcher.communicate(timeout=90)
+    return subprocess.CompletedProcess(launcher.args, launcher.returncode, stdout,
+                                       stderr), after_steps
+
+
+@pytest.mark.parametrize("signum, to_ranks", [(signal.SIGTERM, True),
+                                              (signal.SIGINT, False),
+                                              (signal.SIGUSR1, False)])
+def test_a_signal_stops_at_a_checkpoint_that_resumes_the_same_run(
+        tmp_path: Path, signum: int, to_ranks: bool) -> None:
+    out = tmp_path / "run"
+    done, logged = interrupt(out, signum, to_ranks)
+    assert done.returncode == EXIT_INTERRUPTED, done.stderr[-3000:]
+    summary = records(out, "summary")[-1]
+    stopped = summary["step"]
+    assert summary["stop_reason"] == "interrupted" and stopped >= logged
+    assert f"interrupted ({signal.Signals(signum).name} received) after step {stopped}" \
+        in done.stdout and "--resume" in done.stdout
+    assert list_checkpoints(out / "checkpoints")[-1][0] == stopped
+    assert not list((out / "checkpoints").glob("*.tmp"))
+    if signum != signal.SIGTERM:
+        return
+    target = f"train.max_steps={stopped + 5}"
+    resumed = train(out, "train.epochs=2000", target, resume=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    straight = train(tmp_path / "straight", "train.epochs=2000", target)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert_same_params(final_params(out), final_params(tmp_path / "straight"))
+    losses = [r["loss"] for r in records(out, "train")]
+    assert losses == [r["loss"] for r in records(tmp_path / "straight", "train")]
+
+
+def test_a_diverging_run_stops_before_saving_a_non_finite_value(tmp_path: Path) -> None:
+    out = tmp_path / "diverge"
+    done = train(out, "optimizer.name=sgd", "optimizer.lr=1e3", "train.epochs=3",
+                 "train.checkpoint_every_steps=1")
+    assert done.returncode == EXIT_NON_FINITE, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("cosmotrain:")]
+    assert len(errors) == 1 and "went non-finite" in errors[0], done.stderr[-3000:]
+    kept = list_checkpoints(out / "checkpoints")
+    assert kept, "the good checkpoints before the divergence must survive"
+    for step, path in kept:
+        state = load_checkpoint(path)
+        for name, value in {**state.params, **state.buffers}.items():
+            assert np.isfinite(value).all(), f"{path}: {name}"
+    last = kept[-1][0]
+    straight = train(tmp_path / "straight", "optimizer.name=sgd", "optimizer.lr=1e3",
+                     "train.epochs=3", f"train.max_steps={last}")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert_same_params(final_params(out), final_params(tmp_path / "straight"))
+
+
+def test_a_nan_voxel_in_a_data_file_is_refused_naming_the_file(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    made = subprocess.run([sys.executable, "-m", "cosmotrain", "datagen", "--out", str(data),
+                           "--samples", "8", "--width", "12", "--dtype", "float32"],
+                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert made.returncode == 0, made.stderr
+    bad = sorted(data.glob("train/*.hdf5"))[1]
+    with h5py.File(bad, "r+") as f:
+        f["full"][3, 4, 5, 0] = np.nan
+    done = train(tmp_path / "run", "data.source=files", f"data.path={data}",
+                 "train.epochs=1", "data.synthetic.samples=8")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert bad.name in done.stderr and "Traceback" not in done.stderr
+    assert not list_checkpoints(tmp_path / "run" / "checkpoints")
