@@ -11,33 +11,75 @@ from cosmotrain.config.schema import Config
 from cosmotrain.errors import UserError
 from cosmotrain.layers.channel_conv import ChannelConv3d
 from cosmotrain.perf.planner import choose_parallel
+from cosmotrain.config.load import save_resolved
+from cosmotrain.train.claim import Claim, claim_output_dir, move_aside_outputs
 from cosmotrain.train.guard import StopSignals
 from cosmotrain.train.job import build_job
+from cosmotrain.train.resume import find_resume_point
 from cosmotrain.train.step import hybrid_step_from_config
 from cosmotrain.train.trainer import Trainer
 
 
-def run_training(cfg: Config, comm: Any, resume: bool = False) -> dict[str, Any]:
-    """Train ``cfg`` on ``comm`` (collective); returns the summary record."""
+def run_training(cfg: Config, comm: Any, resume: bool = False, overwrite: bool = False,
+                 job_id: str | None = None) -> dict[str, Any] | None:
+    """Train ``cfg`` on ``comm`` (collective); returns the summary record, or None when
+    ``resume`` found the run already finished.
+
+    ``output.dir`` is claimed first (writable, locked, not another run's unless
+    ``resume`` or ``overwrite``), and config.yaml is written only once the job is built
+    and a resumed checkpoint has been checked against the config.
+    """
     cfg, chosen = choose_parallel(cfg, comm)
-    if chosen and comm.Get_rank() == 0:
-        print(chosen, flush=True)
+    mode = "resume" if resume else "overwrite" if overwrite else "fresh"
+    claim = claim_output_dir(cfg.output.dir, comm, mode, job_id)
+    try:
+        return _train_claimed(cfg, comm, resume, claim, chosen)
+    finally:
+        claim.release()
+
+
+def _train_claimed(cfg: Config, comm: Any, resume: bool, claim: Claim,
+                   chosen: str | None) -> dict[str, Any] | None:
+    rank0 = comm.Get_rank() == 0
+    _say(rank0, [*claim.notes, *([chosen] if chosen else [])])
+    point = find_resume_point(claim.out_dir, cfg, comm) if resume else None
+    resumed = point is not None and point.state is not None
+    if point is not None:
+        _say(rank0, point.notes)
+        if not resumed:
+            _say(rank0, [*move_aside_outputs(claim, comm), f"cosmotrain: no intact "
+                         f"checkpoint under {claim.out_dir}/checkpoints: starting afresh"])
     job = build_job(cfg, comm)
-    if job.step.device.is_gpu and comm.Get_rank() == 0:
-        print(f"device (rank 0): {job.step.device.describe()}", flush=True)
+    if job.step.device.is_gpu:
+        _say(rank0, [f"device (rank 0): {job.step.device.describe()}"])
     with StopSignals() as signals:
         trainer = Trainer(job, signals)
-        resumed = resume and trainer.resume()
-        if resume and not resumed and comm.Get_rank() == 0:
-            print(f"cosmotrain: no checkpoint under {job.out_dir}/checkpoints: starting "
-                  f"afresh")
+        if rank0:  # the config has passed every check: the job is built, the resume fits
+            save_resolved(cfg, job.out_dir)
+        if resumed:
+            trainer.resume(point.state, str(point.path))
+            if trainer.finished:
+                _say(rank0, [finished_line(point.state.step, point.state.epoch)])
+                job.grid.free()
+                return None
         summary = trainer.run(resumed)
-    if comm.Get_rank() == 0:
+    if rank0:
         print(baseline_line(trainer.outcome.best_mae, trainer.outcome.baseline_mae))
         if summary["stop_reason"] == "interrupted":
             print(interrupted_line(signals, summary, trainer.last_checkpoint), flush=True)
     job.grid.free()
     return summary
+
+
+def _say(rank0: bool, lines: list[str]) -> None:
+    if rank0 and lines:
+        print("\n".join(lines), flush=True)
+
+
+def finished_line(step: int, epoch: int) -> str:
+    """What ``--resume`` says of a run that had already reached its end."""
+    return (f"cosmotrain: the run already finished at step {step} (epoch {epoch}): nothing "
+            f"to do; raise train.epochs or train.max_steps to train further")
 
 
 def interrupted_line(signals: StopSignals, summary: dict[str, Any],

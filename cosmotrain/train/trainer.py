@@ -19,8 +19,7 @@ from cosmotrain.config.load import dump_yaml
 from cosmotrain.errors import UserError
 from cosmotrain.nn.module import Context
 from cosmotrain.train import metrics
-from cosmotrain.train.checkpoint import (CheckpointState, checkpoint_dir, latest_checkpoint,
-                                         load_checkpoint, save_checkpoint)
+from cosmotrain.train.checkpoint import CheckpointState, checkpoint_dir, save_checkpoint
 from cosmotrain.train.evaluate import Errors, evaluate
 from cosmotrain.train.guard import NonFiniteError, StopSignals, non_finite_message
 from cosmotrain.train.job import Job
@@ -78,18 +77,18 @@ class Trainer:
         limit = self.cfg.train.max_steps
         return min(total, limit) if limit is not None else total
 
-    def resume(self) -> bool:
-        """Continue from the newest checkpoint in ``output.dir``; False when there is none."""
-        path = latest_checkpoint(checkpoint_dir(self.job.out_dir))
-        if path is None:
-            return False
-        state = load_checkpoint(path)
-        restore(self.job.step, state.params, state.buffers, state.optimizer, str(path))
+    @property
+    def finished(self) -> bool:
+        """Whether the position is already at the end (a resumed run that had finished)."""
+        return self.position.step >= self.total
+
+    def resume(self, state: CheckpointState, source: str) -> None:
+        """Continue from ``state`` (a checkpoint already checked against this config)."""
+        restore(self.job.step, state.params, state.buffers, state.optimizer, source)
         self.position = Position(state.step, state.epoch, state.samples_seen)
         if float(state.rng.get("best_mae", -1.0)) >= 0:  # -1: no validation yet
             self.outcome.best_mae = float(state.rng["best_mae"])
             self.outcome.best_epoch = int(state.rng["best_epoch"])
-        return True
 
     def run(self, resumed: bool = False) -> dict[str, Any]:
         """Train to the end; returns the summary record (every rank)."""
