@@ -9,6 +9,7 @@ failure on one rank never leaves the others hanging.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 from enum import Enum
@@ -163,6 +164,10 @@ def train(
         "--dry-run", help="Check the config and print the plan (layout, spatial stop, "
                           "channel algorithms, memory) without reading data or training.")]
     = False,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Start afresh in an output.dir that holds another run: its "
+                            "checkpoints, metrics and config are moved into "
+                            "output.dir/previous-<time>/ (never deleted).")] = False,
 ) -> None:
     """Train a model: mpiexec -n P cosmotrain train --config configs/X.yaml [--set k=v]."""
     from cosmotrain.comm import world
@@ -177,8 +182,12 @@ def train(
         if comm.Get_rank() == 0:
             print(text)
         return
-    summary = run_training(cfg, comm, resume=resume)
-    if summary["stop_reason"] == "interrupted":
+    if resume and overwrite:
+        raise UserError("--resume continues the run in output.dir and --overwrite starts "
+                        "a new one there: pass only one of them")
+    summary = run_training(cfg, comm, resume=resume, overwrite=overwrite,
+                           job_id=os.environ.get("SLURM_JOB_ID"))
+    if summary is not None and summary["stop_reason"] == "interrupted":
         raise typer.Exit(EXIT_INTERRUPTED)
 
 
