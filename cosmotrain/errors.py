@@ -9,6 +9,9 @@ the job).
 from __future__ import annotations
 
 EXIT_USER_ERROR = 2
+#: A rank made no progress for the watchdog's timeout: the job was ended (MPI_Abort with this
+#: code; MPICH's mpiexec then exits 4 too), see :mod:`cosmotrain.comm.watchdog`.
+EXIT_WATCHDOG = 4
 
 
 class UserError(Exception):
@@ -47,3 +50,45 @@ class DataError(UserError):
         if fix:
             message += f"; {fix}"
         super().__init__(message)
+
+
+class WriteError(UserError):
+    """An output that cannot be written: no space, quota, read-only filesystem, permission.
+
+    The message names the file or directory, the operating system's reason and a fix, e.g.
+    ``cannot write 'runs/x/metrics.jsonl': No space left on device; free space or choose
+    another output.dir``.  ``where`` is the setting or option that chose the location.
+    Usually met by the one rank that writes, so it is rank-local unless ``collective``.
+    """
+
+    collective = False
+
+    def __init__(self, path: object, cause: OSError | str, where: str = "output.dir",
+                 collective: bool = False) -> None:
+        self.path = str(path)
+        self.errno = cause.errno if isinstance(cause, OSError) else None
+        self.reason = _os_reason(cause) if isinstance(cause, OSError) else str(cause)
+        self.where = where
+        self.collective = collective
+        super().__init__(f"cannot write '{path}': {self.reason}; "
+                         f"{_write_fix(self.errno, where)}")
+
+
+def _os_reason(err: OSError) -> str:
+    """``No space left on device`` rather than ``[Errno 28] ... : 'path'``."""
+    if err.strerror:
+        return err.strerror
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def _write_fix(code: int | None, where: str) -> str:
+    import errno
+
+    if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return f"free space or choose another {where}"
+    if code == errno.EROFS:
+        return f"the filesystem is read-only: choose another {where}"
+    if code in (errno.EACCES, errno.EPERM):
+        return f"check its permissions or choose another {where}"
+    return f"check the disk or choose another {where}"

@@ -64,6 +64,12 @@ def rank_pids(launcher: subprocess.Popen) -> list[int]:
     return [int(pid) for pid in found.stdout.split()]
 
 
+def rank_of(pid: int) -> int:
+    """A rank process's MPI rank, from the environment hydra started it with."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(item for item in environ if item.startswith(b"PMI_RANK="))[9:])
+
+
 def _descendants(pid: int) -> list[int]:
     children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
     found = [int(child) for child in children.stdout.split()]
@@ -151,3 +157,36 @@ def test_a_nan_voxel_in_a_data_file_is_refused_naming_the_file(tmp_path: Path) -
     assert done.returncode == 2, done.stderr[-3000:]
     assert bad.name in done.stderr and "Traceback" not in done.stderr
     assert not list_checkpoints(tmp_path / "run" / "checkpoints")
+
+
+def test_a_frozen_rank_ends_the_job_naming_it_and_the_run_resumes(tmp_path: Path) -> None:
+    """SIGSTOP on rank 1 (a hung node): the watchdog ends the job with exit 4 naming rank 1
+    and its host; the lock it leaves is stale and the run resumes from its checkpoint."""
+    out = tmp_path / "run"
+    extra = ("train.epochs=2000", "train.watchdog_s=3", "train.checkpoint_every_steps=5")
+    launcher = subprocess.Popen(command(out, *extra), cwd=REPO, env=subprocess_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 90
+    while time.monotonic() < deadline and launcher.poll() is None:
+        if metrics.exists() and metrics.read_text().count('"kind":"train"') >= 12:
+            break
+        time.sleep(0.02)
+    ranks = rank_pids(launcher)
+    started = time.monotonic()
+    try:
+        subprocess.run(["kill", "-STOP", str(next(p for p in ranks if rank_of(p) == 1))])
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        for pid in ranks:
+            subprocess.run(["kill", "-KILL", str(pid)], capture_output=True)
+    assert launcher.returncode == 4, stderr[-3000:]
+    assert time.monotonic() - started < 30
+    named = [line for line in stderr.splitlines() if "watchdog" in line]
+    assert len(named) == 1 and "rank 1 (host " in named[0], stderr[-3000:]
+    stopped = list_checkpoints(out / "checkpoints")[-1][0]
+    target = f"train.max_steps={stopped + 4}"
+    resumed = train(out, *extra[:2], target, resume=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "stale" in resumed.stdout + resumed.stderr
+    straight = train(tmp_path / "straight", *extra[:2], target)
+    assert_same_params(final_params(out), final_params(tmp_path / "straight"))

@@ -147,6 +147,10 @@ class TrainConfig:
     keep_checkpoints: int = spec(3, "checkpoints kept under output.dir/checkpoints (the "
                                  "newest)", minimum=1)
     log_every: int = spec(1, "write a metrics record every N steps", minimum=1)
+    watchdog_s: float | None = spec(300.0, "end the job when a rank makes no progress for "
+                                    "this many seconds (at least 10x the slowest step "
+                                    "seen), naming the rank and host; null = no watchdog",
+                                    minimum=1.0, nullable=True)
 
 
 SCHEDULE_NAMES = ("constant", "step", "cosine")

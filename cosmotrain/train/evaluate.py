@@ -8,7 +8,7 @@ whatever the layout.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,14 +45,20 @@ def predictions(step: HybridStep, reader: Reader, epoch: int = 0
             batch.targets[start:stop]
 
 
-def evaluate(step: HybridStep, reader: Reader, outputs: int) -> Errors:
-    """MSE and MAE per target over the whole split (every rank gets the same result)."""
+def evaluate(step: HybridStep, reader: Reader, outputs: int,
+             on_batch: Callable[[], None] | None = None) -> Errors:
+    """MSE and MAE per target over the whole split (every rank gets the same result).
+
+    ``on_batch`` is called after each batch (the trainer's watchdog beat: a long
+    validation is progress, batch by batch)."""
     from mpi4py import MPI
 
     sums = np.zeros(1 + 2 * outputs)
     for _, pred, target in predictions(step, reader):
         diff = pred.astype(np.float64) - target
         sums += np.concatenate([[len(diff)], (diff ** 2).sum(axis=0), np.abs(diff).sum(axis=0)])
+        if on_batch is not None:
+            on_batch()
     step.grid.group_comms["all"].Allreduce(MPI.IN_PLACE, sums)
     count = max(int(sums[0]), 1)
     return Errors(int(sums[0]), sums[1:1 + outputs] / count, sums[1 + outputs:] / count)

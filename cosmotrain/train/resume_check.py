@@ -158,6 +158,7 @@ RULES: dict[str, Rule] = {
     "train.checkpoint_every_steps": _allow(_CADENCE),
     "train.keep_checkpoints": _allow(_CADENCE),
     "train.log_every": _allow(_CADENCE),
+    "train.watchdog_s": _allow(_CADENCE),
     # optimizer: the update rule is refused, the learning rate and its schedule may change
     "optimizer.name": _refuse(_UPDATE),
     "optimizer.lr": _allow(_SCHEDULE),

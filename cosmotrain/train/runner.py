@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from cosmotrain.backend import select_device
 from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.comm.watchdog import Watchdog
 from cosmotrain.config.parallel import resolve_parallel
 from cosmotrain.config.schema import Config
 from cosmotrain.errors import UserError
@@ -52,8 +54,8 @@ def _train_claimed(cfg: Config, comm: Any, resume: bool, claim: Claim,
     job = build_job(cfg, comm)
     if job.step.device.is_gpu:
         _say(rank0, [f"device (rank 0): {job.step.device.describe()}"])
-    with StopSignals() as signals:
-        trainer = Trainer(job, signals)
+    with StopSignals() as signals, _watchdog(cfg, comm) as watchdog:
+        trainer = Trainer(job, signals, watchdog)
         if rank0:  # the config has passed every check: the job is built, the resume fits
             save_resolved(cfg, job.out_dir)
         if resumed:
@@ -69,6 +71,13 @@ def _train_claimed(cfg: Config, comm: Any, resume: bool, claim: Claim,
             print(interrupted_line(signals, summary, trainer.last_checkpoint), flush=True)
     job.grid.free()
     return summary
+
+
+def _watchdog(cfg: Config, comm: Any) -> Any:
+    """The job's watchdog (``train.watchdog_s``; collective), or a stand-in when off."""
+    if cfg.train.watchdog_s is None:
+        return contextlib.nullcontext()
+    return Watchdog(comm, cfg.train.watchdog_s)
 
 
 def _say(rank0: bool, lines: list[str]) -> None:

@@ -8,6 +8,7 @@ uninterrupted run would be: same batches, same masks, same rates, same losses.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from cosmotrain.comm.watchdog import Watchdog
 from cosmotrain.config.load import dump_yaml
 from cosmotrain.errors import UserError
 from cosmotrain.nn.module import Context
@@ -55,9 +57,11 @@ class Trainer:
     """Runs a :class:`Job` to its end: ``train.epochs`` or ``train.max_steps`` or the
     target MAE, whichever comes first."""
 
-    def __init__(self, job: Job, signals: StopSignals | None = None) -> None:
+    def __init__(self, job: Job, signals: StopSignals | None = None,
+                 watchdog: Watchdog | None = None) -> None:
         self.job, self.cfg = job, job.cfg
         self.signals = signals if signals is not None else StopSignals(())
+        self.watchdog = watchdog
         self.last_checkpoint: str | None = None
         self.train_reader = job.readers["train"]
         val = job.readers.get("validation")
@@ -113,6 +117,7 @@ class Trainer:
         while pos.step < self.total:
             index = pos.step - pos.epoch * self.per_epoch
             stop = self._train_step(pos, index, log, progress)
+            self._beat()
             epoch_done = pos.step - pos.epoch * self.per_epoch == self.per_epoch
             pos.epoch += int(epoch_done)
             if stop:  # every rank agreed in this step's loss allreduce
@@ -175,7 +180,8 @@ class Trainer:
 
     def _validate(self, log: Any, progress: TrainProgress) -> Errors:
         started = time.perf_counter()
-        errors = evaluate(self.job.step, self.val_reader, self.cfg.model.outputs)
+        errors = evaluate(self.job.step, self.val_reader, self.cfg.model.outputs,
+                          on_batch=self._beat)
         if self.outcome.best_mae is None or errors.mean_mae < self.outcome.best_mae:
             self.outcome.best_mae, self.outcome.best_epoch = errors.mean_mae, self.position.epoch
         record = metrics.validation_record(
@@ -208,8 +214,13 @@ class Trainer:
     def _checkpoint(self) -> None:
         """Gather the full state onto rank 0 and write it there.  Only rank 0's
         channel/filter group gathers: every other group holds replicas of its blocks."""
-        job, pos = self.job, self.position
         self._require_finite()
+        with self._long_phase():
+            self._write_checkpoint()
+        self._beat()
+
+    def _write_checkpoint(self) -> None:
+        job, pos = self.job, self.position
         if job.grid.group_comms["data"].Get_rank() != 0:  # not rank 0's group
             return
         gathered = full_state(job.step, root=0)
@@ -226,6 +237,17 @@ class Trainer:
             layout={"strategy": job.grid.layout.describe(), "ranks": job.comm.Get_size()})
         self.last_checkpoint = str(save_checkpoint(checkpoint_dir(job.out_dir), state,
                                                    self.cfg.train.keep_checkpoints))
+
+    def _beat(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(self.position.step)
+
+    def _long_phase(self) -> Any:
+        """A checkpoint write: rank 0's peers wait for it in their next collective, so
+        the watchdog gives it one more timeout before it counts as no progress."""
+        if self.watchdog is None:
+            return contextlib.nullcontext()
+        return self.watchdog.allow(self.watchdog.timeout_s)
 
     def _require_finite(self) -> None:
         """Stop (every rank alike) before a non-finite value is validated or stored."""
