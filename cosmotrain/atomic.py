@@ -1,42 +1,176 @@
-"""Files that appear whole or not at all: write to ``<name>.tmp``, fsync, rename over.
+"""Files that appear whole or not at all, and clear errors when the disk says no.
 
-A crash at any point leaves the previous file (if any) untouched and at worst a ``.tmp``
-leftover; readers never see a half-written file.  Checkpoints and prediction files use it.
+Every output file goes through :func:`write_atomically`: fill ``<name>.tmp`` in the same
+directory, fsync it, rename it over ``<name>``, fsync the directory.  A crash at any point
+leaves the previous file (if any) untouched and at worst a ``.tmp`` leftover; readers never
+see a half-written file.  A failure the disk reports (``ENOSPC``, ``EDQUOT``, ``EROFS``,
+``EACCES``, ``EIO``...) removes the temporary file and raises
+:class:`~cosmotrain.errors.WriteError`, a one-line user error (exit 2) naming the file.
+
+HDF5 files are built in memory (:func:`hdf5_image`) and written here with plain
+``os.write``: HDF5's own writes on a full disk can crash the process (h5py 3.x segfaulted in
+``flush`` when a small file hit ``ENOSPC``), while ``os.write`` always reports an
+``OSError``.  :func:`check_writable` lets a command find an unusable output directory before
+it spends any time computing.
 """
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from cosmotrain.errors import WriteError
 
 TMP_SUFFIX = ".tmp"
+FILE_MODE = 0o644  # before the umask, as ``open(..., "w")`` would create it
+PROBE_NAME = ".cosmotrain-write-probe"
+_MAX_WRITE = 1 << 30  # bytes per os.write call (Linux caps one call at ~2 GiB)
+_NO_DIR_FSYNC = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EISDIR}
 
 
-def write_atomically(final: Path, write: Callable[[Path], None]) -> Path:
-    """Call ``write(tmp)`` to fill a temporary file, then rename it to ``final``."""
+def write_atomically(final: Path, write: Callable[[Path], None],
+                     where: str = "output.dir") -> Path:
+    """Call ``write(tmp)`` to fill a temporary file, then rename it to ``final``.
+
+    An ``OSError`` from ``write``, the fsync or the rename becomes a :class:`WriteError`
+    naming ``final`` (``where`` names the setting to change in its fix); any other exception
+    propagates unchanged.  Either way the temporary file is gone and ``final`` is as before.
+    """
     final = Path(final)
     tmp = final.with_name(final.name + TMP_SUFFIX)
     try:
         write(tmp)
-        fsync_path(tmp)
+        _fsync_file(tmp)
         os.replace(tmp, final)
+    except OSError as err:
+        _remove(tmp)
+        raise WriteError(final, err, where) from None
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _remove(tmp)
         raise
-    fsync_path(final.parent)
+    try:
+        fsync_path(final.parent)
+    except OSError as err:
+        raise WriteError(final.parent, err, where) from None
     return final
 
 
+def write_bytes_atomically(final: Path, data: bytes | bytearray | memoryview,
+                           where: str = "output.dir", mode: int = FILE_MODE) -> Path:
+    """Write ``data`` as the whole of ``final`` (atomically; mode ``mode`` less the umask)."""
+    def write(tmp: Path) -> None:
+        _remove(tmp)  # a crashed run's leftover keeps its old mode under O_TRUNC
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        try:
+            write_all(fd, data)
+        finally:
+            os.close(fd)
+    return write_atomically(final, write, where)
+
+
+def write_text_atomically(final: Path, text: str, where: str = "output.dir",
+                          mode: int = FILE_MODE) -> Path:
+    """Write ``text`` (UTF-8) as the whole of ``final``, atomically."""
+    return write_bytes_atomically(final, text.encode("utf-8"), where, mode)
+
+
+def write_hdf5_atomically(final: Path, fill: Callable[[Any], None],
+                          where: str = "output.dir") -> Path:
+    """Build an HDF5 file in memory with ``fill(h5py.File)``, then write it atomically.
+
+    ``fill`` runs before anything touches the disk: its errors (a bad value) leave no file
+    at all.
+    """
+    return write_bytes_atomically(final, hdf5_image(fill), where)
+
+
+def hdf5_image(fill: Callable[[Any], None]) -> memoryview:
+    """The bytes of a new HDF5 file that ``fill(h5py.File)`` populates, built in memory.
+
+    h5py writes the file into an ``io.BytesIO`` (its file-object driver): nothing touches
+    the disk, so a full disk can only be met later by :func:`write_bytes_atomically`, as a
+    Python ``OSError``.  The image is the buffer itself (no copy): the file costs its size
+    in host memory while it is written.  It is cheaper than HDF5's ``core`` driver, whose
+    ``get_file_image`` copies the whole file once more (108 MiB of arrays: 122 against
+    207 ms to build, best of 7 on a busy 2-core machine).
+    """
+    import h5py
+
+    buffer = io.BytesIO()
+    with h5py.File(buffer, "w", track_order=True) as f:
+        fill(f)
+    return buffer.getbuffer()
+
+
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    """``os.write`` until every byte is out: a short write is retried, so a full disk shows
+    as the ``OSError`` of the next call rather than a silently shorter file."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.write(fd, view[done:done + _MAX_WRITE])
+
+
+def check_writable(directory: str | Path, where: str = "output.dir") -> Path:
+    """Make sure files can be created in ``directory`` before any work is done.
+
+    Creates the directory (and parents) if needed, then creates, writes, fsyncs and removes
+    a small probe file.  Raises :class:`WriteError` naming the directory and the cause (a
+    read-only filesystem, no space, no permission, a file in the way).
+    """
+    folder = Path(directory)
+    if folder.exists() and not folder.is_dir():
+        raise WriteError(folder, "it is a file, not a directory", where)
+    probe = folder / f"{PROBE_NAME}-{os.getpid()}{TMP_SUFFIX}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            write_all(fd, b"cosmotrain write probe\n" * 16)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            _remove(probe)
+    except OSError as err:
+        raise WriteError(folder, err, where) from None
+    return folder
+
+
 def fsync_path(path: Path) -> None:
-    """Flush a file's (or a directory's entries') data to disk before relying on it."""
+    """Flush a directory's entries (or a file's data) to disk before relying on them.
+
+    Platforms or filesystems that cannot open or fsync a directory are tolerated (the
+    rename still holds); a real I/O error is raised as ``OSError``.
+    """
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
-        return  # directories cannot be opened on some platforms; the rename still holds
+        return  # directories cannot be opened on some platforms
     try:
         os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on directories
+    except OSError as err:
+        if err.errno not in _NO_DIR_FSYNC:
+            raise
     finally:
         os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    """fsync a file just written: delayed allocation can report ENOSPC or EIO only here."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    """Best-effort removal of a temporary file (the original error is the one to report)."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -1,9 +1,14 @@
 """HDF5 checkpoints: round trip of every field, atomic writes under interruption, retention,
-clear errors for damaged files, and loading into the torch.nn twin of the tiny model."""
+checksums (a damaged array is named, the newest intact checkpoint is found, version 1 still
+loads), clear errors for damaged files, and loading into the torch.nn twin of the tiny model.
+
+Disk-full and read-only filesystems are in test_write_failures.py."""
 
 from __future__ import annotations
 
+import errno
 import shutil
+import zlib
 from pathlib import Path
 
 import h5py
@@ -12,11 +17,12 @@ import pytest
 
 from cosmotrain import atomic
 from cosmotrain.config.schema import ModelConfig
-from cosmotrain.errors import DataError
+from cosmotrain.errors import DataError, WriteError
 from cosmotrain.models import build_model
 from cosmotrain.train import checkpoint as ck
-from cosmotrain.train.checkpoint import (CheckpointState, checkpoint_dir, checkpoint_name,
-                                         latest_checkpoint, list_checkpoints, load_checkpoint,
+from cosmotrain.train.checkpoint import (CheckpointState, DamagedCheckpoint, checkpoint_dir,
+                                         checkpoint_name, latest_checkpoint, list_checkpoints,
+                                         load_checkpoint, newest_intact_checkpoint,
                                          save_checkpoint)
 from cosmotrain.train.optim import Adam
 
@@ -122,9 +128,9 @@ def test_failed_rename_keeps_the_previous_checkpoint(
     first = save_checkpoint(tmp_path, make_state(100), keep_last=1)
 
     def no_rename(src: object, dst: object) -> None:
-        raise OSError("EIO")
+        raise OSError(errno.EIO, "Input/output error")
     monkeypatch.setattr(atomic.os, "replace", no_rename)
-    with pytest.raises(OSError):
+    with pytest.raises(WriteError, match=r"cannot write '.*ckpt_step0000200.h5': Input/outp"):
         save_checkpoint(tmp_path, make_state(200), keep_last=1)
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
     assert_same(make_state(100), load_checkpoint(first))
@@ -182,7 +188,7 @@ def test_damaged_checkpoint_is_a_data_error_naming_the_file(tmp_path: Path,
     data = path.read_bytes()
     path.write_bytes({"truncate": data[: len(data) * 2 // 3], "garbage": b"\x00junk" * 99,
                       "empty": b""}[damage])
-    with pytest.raises(DataError) as info:
+    with pytest.raises(DamagedCheckpoint) as info:
         load_checkpoint(path)
     message = str(info.value)
     assert message.startswith(f"data file '{path}'") and "; " in message
@@ -198,8 +204,13 @@ def test_partial_or_foreign_files_are_data_errors(tmp_path: Path) -> None:
     partial = save_checkpoint(tmp_path, make_state())
     with h5py.File(partial, "a") as f:
         del f["buffers"]
-    with pytest.raises(DataError, match="unreadable checkpoint"):
+    with pytest.raises(DamagedCheckpoint, match="metadata fails its checksum"):
         load_checkpoint(partial)
+    old = write_v1(tmp_path / "v1.h5", make_state())
+    with h5py.File(old, "a") as f:
+        del f["buffers"]
+    with pytest.raises(DamagedCheckpoint, match="unreadable checkpoint"):      # unverified
+        load_checkpoint(old)
     with h5py.File(partial, "a") as f:
         f.attrs["format_version"] = ck.FORMAT_VERSION + 1
     with pytest.raises(DataError, match="upgrade cosmotrain"):
@@ -284,3 +295,189 @@ def test_copied_checkpoint_loads_anywhere(tmp_path: Path) -> None:
     moved.parent.mkdir()
     shutil.copy(path, moved)
     assert_same(make_state(), load_checkpoint(moved))
+
+
+# --- checksums (format version 2) ----------------------------------------------------------
+
+BIG = "big.weight"  # 64 KiB: room for 4 KiB of damage inside its data
+
+
+def make_big_state(step: int = 7, seed: int = 0) -> CheckpointState:
+    state = make_state(step, seed)
+    big = np.random.default_rng(seed + 1).normal(size=(16, 8, 8, 4, 4)).astype(np.float32)
+    state.params[BIG] = big
+    state.optimizer[BIG] = {"step": step, "exp_avg": big * 0.5, "exp_avg_sq": big * big}
+    return state
+
+
+def flip(path: Path, dataset: str, count: int = 4096, at: int = 0) -> None:
+    """Overwrite ``count`` bytes of ``dataset``'s data (from byte ``at``) with 0xFF."""
+    with h5py.File(path, "r") as f:
+        ds = f[dataset]
+        offset, size = ds.id.get_offset(), ds.id.get_storage_size()
+    assert offset is not None and at + count <= size, (dataset, size)
+    with open(path, "r+b") as handle:
+        handle.seek(offset + at)
+        handle.write(b"\xff" * count)
+
+
+def write_v1(path: Path, state: CheckpointState) -> Path:
+    """A checkpoint exactly as cosmotrain wrote format version 1 (no checksums)."""
+    with h5py.File(path, "w", track_order=True) as f:
+        f.attrs.update({"format": ck.FORMAT, "format_version": 1, "step": state.step,
+                        "epoch": state.epoch, "samples_seen": state.samples_seen})
+        f.create_dataset("config", data=state.config_yaml, dtype=h5py.string_dtype())
+        for group, arrays in (("params", state.params), ("buffers", state.buffers)):
+            g = f.create_group(group, track_order=True)
+            for name, value in arrays.items():
+                g.create_dataset(name, data=np.asarray(value))
+        opt = f.create_group("optimizer", track_order=True)
+        opt.attrs.update(state.optimizer_scalars)
+        for name, slots in state.optimizer.items():
+            g = opt.create_group(name, track_order=True)
+            for key, value in slots.items():
+                if isinstance(value, np.ndarray):
+                    g.create_dataset(key, data=value)
+                else:
+                    g.attrs[key] = value
+        f.create_group("rng").attrs.update(state.rng)
+        f.create_group("layout").attrs.update(state.layout)
+    return path
+
+
+def test_every_dataset_carries_a_checksum(tmp_path: Path) -> None:
+    path = save_checkpoint(tmp_path, make_big_state())
+    with h5py.File(path, "r") as f:
+        assert f.attrs["format_version"] == ck.FORMAT_VERSION == 2
+        assert "checksum" in f.attrs
+        datasets: list[str] = []
+        f.visititems(lambda name, obj: datasets.append(name)
+                     if isinstance(obj, h5py.Dataset) else None)
+        assert "params/big.weight" in datasets and "config" in datasets
+        for name in datasets:
+            assert "crc32" in f[name].attrs, name
+        assert int(f["params/big.weight"].attrs["crc32"]) == \
+            zlib.crc32(f["params/big.weight"][()].tobytes())
+
+
+@pytest.mark.parametrize("dataset, count", [
+    ("params/big.weight", 4096),
+    ("optimizer/big.weight/exp_avg_sq", 4096),
+    ("buffers/bn1.running_var", 16),                      # all of a small array's bytes
+])
+def test_flipped_bytes_inside_an_array_name_the_file_and_the_array(
+        tmp_path: Path, dataset: str, count: int) -> None:
+    path = save_checkpoint(tmp_path, make_big_state())
+    flip(path, dataset, count, at=1024 if count == 4096 else 0)
+    with h5py.File(path, "r") as f:                        # HDF5 itself sees nothing wrong
+        f[dataset][()]
+    with pytest.raises(DamagedCheckpoint) as info:
+        load_checkpoint(path)
+    message = str(info.value)
+    assert message.startswith(f"data file '{path}': array '{dataset}' fails its checksum")
+    assert "\n" not in message and isinstance(info.value, DataError)
+    assert info.value.problem.startswith(f"array '{dataset}'")
+
+
+def test_changed_scalar_or_config_fails_verification(tmp_path: Path) -> None:
+    path = save_checkpoint(tmp_path, make_big_state())
+    with h5py.File(path, "a") as f:
+        f["rng"].attrs["seed"] = 1235
+    with pytest.raises(DamagedCheckpoint, match="metadata fails its checksum"):
+        load_checkpoint(path)
+    path = save_checkpoint(tmp_path, make_big_state(8))
+    with h5py.File(path, "a") as f:
+        f["config"][()] = CONFIG.replace("tiny", "tinY")
+    with pytest.raises(DamagedCheckpoint, match="array 'config' fails its checksum"):
+        load_checkpoint(path)
+
+
+def test_a_truncated_checkpoint_is_damaged(tmp_path: Path) -> None:
+    path = save_checkpoint(tmp_path, make_big_state())
+    with h5py.File(path, "r") as f:
+        cut = f["params/big.weight"].id.get_offset() + 100   # inside the array's data
+    with open(path, "r+b") as handle:
+        handle.truncate(cut)
+    with pytest.raises(DamagedCheckpoint, match=r"unreadable checkpoint .*truncated") as info:
+        load_checkpoint(path)
+    assert str(info.value).startswith(f"data file '{path}'")
+
+
+def test_newest_intact_checkpoint_skips_the_damaged_ones(tmp_path: Path) -> None:
+    assert newest_intact_checkpoint(tmp_path / "missing") == (None, None, [])
+    paths = [save_checkpoint(tmp_path, make_big_state(step, seed=step))
+             for step in (100, 200, 300)]
+    found = newest_intact_checkpoint(tmp_path)
+    assert found.path == paths[-1] and found.skipped == []
+    assert_same(make_big_state(300, seed=300), found.state)
+
+    flip(paths[2], "params/big.weight")
+    paths[1].write_bytes(paths[1].read_bytes()[:3000])
+    path, state, skipped = newest_intact_checkpoint(tmp_path)
+    assert path == paths[0]
+    assert_same(make_big_state(100, seed=100), state)
+    assert [p for p, _ in skipped] == [paths[2], paths[1]]            # newest first
+    assert "array 'params/big.weight' fails its checksum" in skipped[0][1]
+    assert "unreadable checkpoint" in skipped[1][1]
+
+    flip(paths[0], "optimizer/big.weight/exp_avg")
+    path, state, skipped = newest_intact_checkpoint(tmp_path)
+    assert (path, state, len(skipped)) == (None, None, 3)
+
+
+def test_newest_intact_checkpoint_loads_each_file_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, make_state(step))
+    flip(tmp_path / checkpoint_name(3), "buffers/bn1.running_var", 16)
+    opened: list[str] = []
+    real = ck.h5py.File
+
+    def counting(name: object, *args: object, **kwargs: object) -> object:
+        opened.append(Path(str(name)).name)
+        return real(name, *args, **kwargs)
+    monkeypatch.setattr(ck.h5py, "File", counting)
+    found = newest_intact_checkpoint(tmp_path)
+    assert found.path == tmp_path / checkpoint_name(2) and found.state.step == 2
+    assert opened == [checkpoint_name(3), checkpoint_name(2)]
+
+
+def test_a_newer_format_is_not_skipped_as_damaged(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, make_state(1))
+    newer = save_checkpoint(tmp_path, make_state(2))
+    with h5py.File(newer, "a") as f:
+        f.attrs["format_version"] = ck.FORMAT_VERSION + 1
+    with pytest.raises(DataError, match="upgrade cosmotrain"):
+        newest_intact_checkpoint(tmp_path)
+
+
+def test_a_version_1_checkpoint_still_loads_unverified(tmp_path: Path) -> None:
+    state = make_big_state(50)
+    path = write_v1(tmp_path / checkpoint_name(50), state)
+    loaded = load_checkpoint(path)
+    assert loaded.format_version == 1
+    state.format_version = 1
+    assert_same(state, loaded)
+    found = newest_intact_checkpoint(tmp_path)
+    assert found.path == path and found.skipped == []
+    flip(path, "params/big.weight")                       # no checksums: undetectable
+    assert not np.array_equal(load_checkpoint(path).params[BIG], state.params[BIG])
+    resaved = save_checkpoint(tmp_path, loaded)            # a resumed run writes version 2
+    with h5py.File(resaved, "r") as f:
+        assert f.attrs["format_version"] == 2 and "checksum" in f.attrs
+
+
+def test_retention_never_lets_damaged_newer_files_push_out_good_ones(tmp_path: Path) -> None:
+    """Resumed from step 4 past damaged 8 and 9: writing 5 with keep 2 keeps 4 and 5."""
+    for step in (3, 4, 8, 9):
+        save_checkpoint(tmp_path, make_state(step))
+    for step in (8, 9):
+        flip(tmp_path / checkpoint_name(step), "buffers/bn1.running_var", 16)
+    found = newest_intact_checkpoint(tmp_path)
+    assert found.path == tmp_path / checkpoint_name(4)
+    save_checkpoint(tmp_path, make_state(5), keep_last=2)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [4, 5, 8, 9]
+    assert newest_intact_checkpoint(tmp_path).path == tmp_path / checkpoint_name(5)
+    save_checkpoint(tmp_path, make_state(8), keep_last=2)    # replaces the damaged 8
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [5, 8, 9]
+    assert newest_intact_checkpoint(tmp_path).state.step == 8

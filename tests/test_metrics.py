@@ -7,6 +7,7 @@ import copy
 import io
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -275,3 +276,35 @@ def test_documented_example_lines_are_valid() -> None:
         validate_record(record)
         kinds.append(record["kind"])
     assert kinds == ["train", "validation", "summary"]
+
+
+def test_each_record_is_one_write_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                       ) -> None:
+    calls: list[bytes] = []
+    real = os.write
+
+    def spy(fd: int, data: bytes) -> int:
+        calls.append(bytes(data))
+        return real(fd, data)
+    with MetricsLog(tmp_path / "metrics.jsonl") as log:
+        monkeypatch.setattr(os, "write", spy)
+        log.write(train(1))
+        log.write(train(2))
+        monkeypatch.undo()
+    assert len(calls) == 2 and all(c.endswith(b"\n") and c.count(b"\n") == 1 for c in calls)
+
+
+@pytest.mark.parametrize("tail", ['{"kind": "train", "st', "", "VALID"])
+def test_resume_drops_a_torn_last_line(tmp_path: Path, tail: str) -> None:
+    path = tmp_path / "metrics.jsonl"
+    with MetricsLog(path) as log:
+        for step in (1, 2):
+            log.write(train(step))
+    if tail == "VALID":                        # complete JSON but its newline never came
+        tail = json.dumps(train(3), separators=(",", ":"))
+    with open(path, "a") as handle:
+        handle.write(tail)
+    with MetricsLog(path, resume_step=10) as log:
+        log.write(train(4))
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 4]
+    assert path.read_text().endswith("}\n") and not (tmp_path / "metrics.jsonl.tmp").exists()

@@ -141,3 +141,20 @@ def test_bad_predict_arguments_exit_2(trained: Path, tmp_path: Path) -> None:
                     "--out", str(tmp_path / "p.h5"), "--split", "test")
     assert split.returncode == 2 and "no split 'test'" in split.stderr
     assert not (tmp_path / "p.h5").exists()
+
+
+def test_out_is_checked_before_anything_is_loaded(tmp_path: Path) -> None:
+    """A directory as --out (or an unwritable one: test_write_failures.py) is refused
+    before the checkpoint is read: the checkpoint here does not even exist."""
+    missing = str(tmp_path / "nope.h5")
+    done = run_cli("predict", "--checkpoint", missing, "--data", str(tmp_path), "--out",
+                   str(tmp_path))
+    assert done.returncode == 2
+    assert "is a directory; name an HDF5 file" in done.stderr
+    assert "checkpoint not found" not in done.stderr and "Traceback" not in done.stderr
+    blocked = tmp_path / "file"
+    blocked.write_text("x")
+    done = run_cli("predict", "--checkpoint", missing, "--data", str(tmp_path), "--out",
+                   str(blocked / "p.h5"), ranks=2)
+    assert done.returncode == 2
+    assert done.stderr.count(f"cannot write '{blocked}': it is a file") == 1  # rank 0 only

@@ -2,7 +2,7 @@
 
 From a validated config and the job's communicator: BLAS threads per rank, the device
 (``device`` section: backend, GPU binding, precision; checked on every rank alike), the
-process grid, the output directory (with the resolved config), the dataset (generated first when
+process grid, the output directory, the dataset (generated first when
 ``data.source`` is synthetic), the distributed model with its optimizer, and one reader
 per split placed on this rank's input block.  Collective: every rank builds the same.
 """
@@ -16,7 +16,6 @@ from typing import Any
 from cosmotrain.backend import select_device
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.comm.threads import configure_threads
-from cosmotrain.config.load import save_resolved
 from cosmotrain.config.parallel import resolve_parallel
 from cosmotrain.config.schema import Config
 from cosmotrain.data import datagen
@@ -57,7 +56,7 @@ def ensure_synthetic_data(cfg: Config, comm: Any) -> None:
 
 
 def build_job(cfg: Config, comm: Any, splits: tuple[str, ...] | None = None,
-              save_config: bool = True, training: bool = True) -> Job:
+              training: bool = True) -> Job:
     """Set up a run of ``cfg`` on ``comm`` (collective).
 
     ``training`` requires labels in every split read; prediction (False) reads each split
@@ -68,8 +67,6 @@ def build_job(cfg: Config, comm: Any, splits: tuple[str, ...] | None = None,
     device = select_device(cfg.device, comm)
     grid = ProcessGrid(comm, layout)
     out_dir = Path(cfg.output.dir)
-    if save_config and comm.Get_rank() == 0:
-        save_resolved(cfg, out_dir)
     ensure_synthetic_data(cfg, comm)
     step = hybrid_step_from_config(cfg, grid, device)
     manifest = open_dataset(cfg, comm)

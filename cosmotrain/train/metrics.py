@@ -26,10 +26,11 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
+from cosmotrain.atomic import FILE_MODE, write_all, write_text_atomically
 from cosmotrain.comm.timers import PHASES
-from cosmotrain.errors import DataError
+from cosmotrain.errors import DataError, WriteError
 
 METRICS_FILE = "metrics.jsonl"
 TIME_KEYS = ("compute", *PHASES, "io_wait", "other")
@@ -223,30 +224,61 @@ class MetricsLog:
     """Appends validated records to ``metrics.jsonl``, one flushed line each (rank 0 only).
 
     ``resume_step`` None starts a new file; an int keeps the valid records up to that step
-    (the checkpoint resumed from) and drops the rest, including a line cut by a crash.
+    (the checkpoint resumed from) and drops the rest, including a last line torn by a crash
+    (no newline, or not valid JSON).
+
+    Each record goes out as one complete line in one ``os.write`` on an ``O_APPEND``
+    descriptor (no user-space buffer: a reader sees it at once).  When the disk refuses it
+    (``ENOSPC``, ``EDQUOT``, ``EIO``...), the file is cut back to its last complete line and
+    a :class:`WriteError` names the file: a failed write never leaves half a record.
     """
 
     def __init__(self, path: str | Path, resume_step: int | None = None) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step is None:
-            self.path.write_text("")
-        else:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise WriteError(self.path.parent, err) from None
+        if resume_step is not None:
             _keep_until(self.path, resume_step)
-        self._file: TextIO | None = open(self.path, "a", encoding="utf-8")
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+        if resume_step is None:
+            flags |= os.O_TRUNC
+        try:
+            self._fd: int | None = os.open(self.path, flags, FILE_MODE)
+            self._size = os.fstat(self._fd).st_size
+        except OSError as err:
+            raise WriteError(self.path, err) from None
 
     def write(self, record: Mapping[str, Any]) -> None:
         """Validate ``record`` and append it as one line, flushed so readers see it now."""
-        if self._file is None:
+        if self._fd is None:
             raise ValueError(f"metrics log '{self.path}' is closed")
         validate_record(record)
-        self._file.write(json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n")
-        self._file.flush()
+        line = (json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n")
+        self._append(line.encode("utf-8"))
+
+    def _append(self, data: bytes) -> None:
+        assert self._fd is not None
+        try:
+            write_all(self._fd, data)
+        except OSError as err:
+            self._cut_back()
+            raise WriteError(self.path, err) from None
+        self._size += len(data)
+
+    def _cut_back(self) -> None:
+        """Drop the part of a line a failed write left (best effort: the write error is
+        what gets reported)."""
+        try:
+            os.ftruncate(self._fd, self._size)  # type: ignore[arg-type]
+        except OSError:
+            pass
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
 
     def __enter__(self) -> MetricsLog:
         return self
@@ -257,15 +289,22 @@ class MetricsLog:
 
 def _keep_until(path: Path, step: int) -> None:
     """Rewrite ``path`` atomically with only its valid records of step <= ``step``; an old
-    summary goes too (the resumed run writes its own)."""
-    if not path.exists():
+    summary goes too (the resumed run writes its own), and so does a torn last line (one
+    without its newline, even if what is there happens to parse)."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
         return
-    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise DataError(path, f"cannot read the metrics file ({err.strerror or err})",
+                        "check the disk or start afresh without --resume") from None
+    lines = text.split("\n")[:-1]  # the piece after the last newline is torn, or empty
+    kept = [line for line in lines
             if (record := _parse(line)) is not None and record["step"] <= step
             and record["kind"] != "summary"]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    if kept == lines and (not text or text.endswith("\n")):
+        return  # nothing to drop: no rewrite, no extra space needed
+    write_text_atomically(path, "".join(line + "\n" for line in kept))
 
 
 def _parse(line: str) -> dict[str, Any] | None:

@@ -30,13 +30,13 @@ import h5py
 import numpy as np
 import yaml
 
-from cosmotrain.atomic import write_atomically
+from cosmotrain.atomic import check_writable, write_hdf5_atomically
 from cosmotrain.config.load import config_from_mapping, parse_assignment
 from cosmotrain.config.parallel import sample_groups
 from cosmotrain.config.schema import AUTO, Config
 from cosmotrain.data.manifest import Manifest
 from cosmotrain.data.reader import Reader
-from cosmotrain.errors import UserError
+from cosmotrain.errors import UserError, WriteError
 from cosmotrain.train.checkpoint import CheckpointState, load_checkpoint
 from cosmotrain.train.evaluate import Errors, predictions
 from cosmotrain.train.job import Job, build_job
@@ -89,12 +89,14 @@ def run_prediction(checkpoint: Path, data: Path, out: Path, comm: Any,
                    ) -> dict[str, SplitPredictions] | None:
     """Predict every sample of ``splits`` (default: all) and write ``out`` (collective).
 
+    ``out`` is checked first (rank 0 writes it): a directory, or a location that cannot
+    be written, fails on every rank before the checkpoint or any data is read.
     Returns the results on rank 0, None elsewhere.
     """
+    check_out_collectively(out, comm)
     state = load_checkpoint(checkpoint)
     cfg = predict_config(state.config_yaml, data, list(overrides or []), comm.Get_size())
-    job = build_job(cfg, comm, tuple(splits) if splits else None, save_config=False,
-                    training=False)
+    job = build_job(cfg, comm, tuple(splits) if splits else None, training=False)
     try:
         restore(job.step, state.params, state.buffers, {}, str(checkpoint))
         results = {split: collect(job, split, reader) for split, reader in job.readers.items()}
@@ -107,6 +109,38 @@ def run_prediction(checkpoint: Path, data: Path, out: Path, comm: Any,
     final = {split: result for split, result in results.items() if result is not None}
     write_predictions(out, final, state, checkpoint, cfg)
     return final
+
+
+def check_out(out: Path) -> Path:
+    """Refuse an ``--out`` that is a directory or whose directory cannot be written
+    (created if missing, then probed with a small file): UserError / WriteError."""
+    out = Path(out)
+    if out.is_dir():
+        raise UserError(f"--out '{out}' is a directory; name an HDF5 file such as "
+                        f"{out / 'predictions.h5'}")
+    check_writable(out.parent, where="--out")
+    return out
+
+
+def check_out_collectively(out: Path, comm: Any) -> None:
+    """:func:`check_out` on rank 0, its verdict raised alike on every rank (so every rank
+    exits 2 and rank 0 prints one line), before any rank does any work."""
+    verdict: tuple[Any, ...] | None = None
+    if comm.Get_rank() == 0:
+        try:
+            check_out(out)
+        except WriteError as err:
+            cause = err.reason if err.errno is None else OSError(err.errno, err.reason)
+            verdict = ("write", err.path, cause)
+        except UserError as err:
+            verdict = ("user", str(err))
+    if comm.Get_size() > 1:
+        verdict = comm.bcast(verdict, root=0)
+    if verdict is None:
+        return
+    if verdict[0] == "write":
+        raise WriteError(verdict[1], verdict[2], where="--out", collective=True)
+    raise UserError(verdict[1])
 
 
 def collect(job: Job, split: str, reader: Reader) -> SplitPredictions | None:
@@ -143,23 +177,19 @@ def in_dataset_order(manifest: Manifest, split: str, prediction: np.ndarray
 
 def write_predictions(out: Path, results: dict[str, SplitPredictions],
                       state: CheckpointState, checkpoint: Path, cfg: Config) -> Path:
-    """Write the prediction file atomically (rank 0)."""
-    out = Path(out)
-    if out.is_dir():
-        raise UserError(f"--out '{out}' is a directory; name an HDF5 file such as "
-                        f"{out / 'predictions.h5'}")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    """Write the prediction file atomically (rank 0): built in memory, then written with
+    plain file I/O, so a full or read-only disk is a WriteError and leaves no ``.tmp``."""
+    out = check_out(out)
 
-    def write(path: Path) -> None:
-        with h5py.File(path, "w", track_order=True) as f:
-            f.attrs.update({"format": FORMAT, "format_version": 1,
-                            "checkpoint": str(Path(checkpoint).resolve()),
-                            "step": state.step, "data": str(Path(cfg.data.path).resolve()),
-                            "width": cfg.model.width, "transform": cfg.data.transform})
-            for split, result in results.items():
-                _write_split(f.create_group(split), result)
+    def fill(f: h5py.File) -> None:
+        f.attrs.update({"format": FORMAT, "format_version": 1,
+                        "checkpoint": str(Path(checkpoint).resolve()),
+                        "step": state.step, "data": str(Path(cfg.data.path).resolve()),
+                        "width": cfg.model.width, "transform": cfg.data.transform})
+        for split, result in results.items():
+            _write_split(f.create_group(split), result)
 
-    return write_atomically(out, write)
+    return write_hdf5_atomically(out, fill, where="--out")
 
 
 def _write_split(group: h5py.Group, result: SplitPredictions) -> None:

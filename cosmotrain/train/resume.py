@@ -21,6 +21,7 @@ import yaml
 from cosmotrain.config.load import config_to_dict
 from cosmotrain.config.schema import Config
 from cosmotrain.data.collective import on_root
+from cosmotrain.errors import WriteError
 from cosmotrain.train.checkpoint import (CheckpointState, checkpoint_dir, load_checkpoint,
                                          newest_intact_checkpoint)
 from cosmotrain.train.resume_check import compare_for_resume
@@ -65,7 +66,10 @@ def _newest_intact(folder: Path, loaded: list[CheckpointState]
     notes = []
     for path, reason in found.skipped:
         kept = path.with_name(path.name + DAMAGED_SUFFIX)
-        os.replace(path, kept)
+        try:
+            os.replace(path, kept)
+        except OSError as err:
+            raise WriteError(kept, err) from None
         notes.append(f"cosmotrain: warning: skipped damaged checkpoint {path} ({reason}); "
                      f"kept as {kept.name}")
     return (str(found.path) if found.path is not None else None), notes
