@@ -120,3 +120,90 @@ def test_resolved_config_is_saved_atomically(tmp_path: Path) -> None:
     assert yaml.safe_load(path.read_text())["train"]["batch_size"] == 12
     assert [p.name for p in path.parent.iterdir()] == ["config.yaml"]
     assert load_config(path).train.batch_size == 12
+
+
+@pytest.mark.parametrize("assignment", [
+    "optimizer.lr=nan", "optimizer.lr=inf", "optimizer.lr=.inf", "optimizer.lr=-.inf",
+    "optimizer.eps=NaN", "model.dropout=nan", "train.target_mae=inf",
+    "parallel.bucket_mb=1e999", "optimizer.schedule.warmup_epochs=nan",
+    "data.synthetic.val_fraction=nan", "model.leaky_slope=nan",
+])
+def test_non_finite_floats_are_rejected(assignment: str) -> None:
+    key = assignment.split("=")[0]
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [assignment])
+    assert info.value.key == key and "is not a finite number" in str(info.value)
+
+
+def test_every_float_key_rejects_nan_and_inf(tmp_path: Path) -> None:
+    """No float key of the schema lets nan or inf through, from --set or from YAML."""
+    import dataclasses
+    import typing
+
+    from cosmotrain.config.schema import Config
+
+    def float_keys(cls: type, prefix: str = "") -> list[str]:
+        found = []
+        for f in dataclasses.fields(cls):
+            hint = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(hint):
+                found += float_keys(hint, f"{prefix}{f.name}.")
+            elif float in (hint, *typing.get_args(hint)):
+                found.append(f"{prefix}{f.name}")
+        return found
+
+    keys = float_keys(Config)
+    assert "optimizer.lr" in keys and len(keys) >= 10
+    for key in keys:
+        for text in ("nan", "-inf"):
+            with pytest.raises(ConfigError, match="not a finite number"):
+                load_config(None, [f"{key}={text}"])
+        tree: dict = {}
+        *sections, leaf = key.split(".")
+        node = tree
+        for part in sections:
+            node = node.setdefault(part, {})
+        node[leaf] = float("nan")
+        path = tmp_path / "c.yaml"
+        path.write_text(yaml.safe_dump(tree))  # written as .nan
+        with pytest.raises(ConfigError) as info:
+            load_config(path)
+        assert info.value.key == key
+
+
+def test_config_file_that_is_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("model:\n  name: tiny  # r\u00e9sum\u00e9\n".encode("latin-1"))
+    with pytest.raises(UserError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert f"config file '{path}'" in message and "not UTF-8" in message
+    assert "line 2" in message and "UTF-8 encoding" in message and "\n" not in message
+    bom = tmp_path / "bom.yaml"
+    bom.write_bytes(b"\xef\xbb\xbfmodel:\n  name: tiny\n")  # UTF-8 with a byte-order mark
+    assert load_config(bom).model.name == "tiny"
+
+
+@pytest.mark.parametrize("text, key, lines", [
+    ("train:\n  batch_size: 4\n  epochs: 2\n  batch_size: 8\n", "train.batch_size", (2, 4)),
+    ("model:\n  name: tiny\ntrain:\n  epochs: 1\nmodel:\n  width: 8\n", "model", (1, 5)),
+    ("parallel:\n  layers:\n    conv1: {algorithm: y, algorithm: x}\n",
+     "parallel.layers.conv1.algorithm", (3, 3)),
+])
+def test_duplicate_yaml_keys_are_rejected(tmp_path: Path, text: str, key: str,
+                                          lines: tuple[int, int]) -> None:
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.key == key
+    assert f"lines {lines[0]} and {lines[1]}" in str(info.value)
+    assert f"'{path}'" in str(info.value) and "keep one" in str(info.value)
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path: Path) -> None:
+    from cosmotrain.config.load import read_yaml
+
+    path = tmp_path / "merge.yaml"
+    path.write_text("base: &b {lr: 0.1, eps: 1.0e-6}\noptimizer:\n  <<: *b\n  lr: 0.01\n")
+    assert read_yaml(path)["optimizer"] == {"lr": 0.01, "eps": 1e-6}

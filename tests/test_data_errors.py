@@ -5,7 +5,9 @@ error handling) in which only one rank meets the bad file while the other waits 
 next collective: the job must still end, with code 2, within the timeout.  The cases cover
 a truncated file, a corrupt one, a missing dataset, a wrong shape and a wrong dtype, met
 by the preload pass, by a direct read, by the direct reader's prefetch thread, and by the
-manifest's label pass.  The launches run concurrently to save time.
+manifest's label pass (each of which reaches one verdict on every rank, so the message is
+printed once: tests/test_bad_input.py checks that).  The launches run concurrently to save
+time.
 """
 
 from __future__ import annotations

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
-import tempfile
+import math
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -62,11 +61,17 @@ def _expand_backend(raw: dict[str, Any]) -> None:
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
-    """Parse a YAML file into a mapping, turning every failure into a one-line UserError."""
+    """Parse a YAML file into a mapping, turning every failure into a one-line UserError.
+
+    The file must be UTF-8 (a byte-order mark is allowed) and may not give a key twice in
+    one mapping: PyYAML would silently keep the last value.
+    """
     if not path.is_file():
         raise UserError(f"config file '{path}' not found; pass an existing YAML file to --config")
+    text = _read_text(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        _check_duplicate_keys(path, yaml.compose(text, Loader=yaml.SafeLoader))
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -78,6 +83,47 @@ def read_yaml(path: Path) -> dict[str, Any]:
         raise UserError(f"config file '{path}': the top level must be a mapping of sections "
                         f"(model, data, parallel, train, optimizer, output, device)")
     return data
+
+
+def _read_text(path: Path) -> str:
+    """The file's text, decoded as UTF-8; a one-line UserError when it cannot be."""
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise UserError(f"config file '{path}' cannot be read ({err.strerror or err}); "
+                        f"check its permissions") from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = raw[:err.start].count(b"\n") + 1
+        raise UserError(f"config file '{path}' is not UTF-8 text (byte 0x{raw[err.start]:02x} "
+                        f"at line {line}); save it with UTF-8 encoding") from None
+
+
+def _check_duplicate_keys(path: Path, node: yaml.Node | None, prefix: str = "",
+                          seen_nodes: set[int] | None = None) -> None:
+    """Reject a key given twice in one mapping, naming its dotted path and both lines."""
+    seen_nodes = set() if seen_nodes is None else seen_nodes
+    if id(node) in seen_nodes:  # an alias of a node already checked (or a recursive one)
+        return
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _check_duplicate_keys(path, item, prefix, seen_nodes)
+    if not isinstance(node, yaml.MappingNode):
+        return
+    seen: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node,
+                                                                        yaml.ScalarNode):
+            continue
+        key, line = f"{prefix}{key_node.value}", key_node.start_mark.line + 1
+        if key in seen:
+            raise ConfigError(key, f"is given twice in config file '{path}' (lines "
+                              f"{seen[key]} and {line})",
+                              "keep one of them (YAML would silently use the last)")
+        seen[key] = line
+        _check_duplicate_keys(path, value_node, f"{key}.", seen_nodes)
 
 
 def parse_assignment(assignment: str) -> tuple[str, Any]:
@@ -257,6 +303,8 @@ _COERCERS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
 def _check_range(path: str, value: Any, meta: Mapping[str, Any]) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return
+    if not math.isfinite(value):  # nan passes every comparison, inf every maximum-less range
+        raise ConfigError(path, f"{value} is not a finite number", "use a finite value")
     low, high = meta.get("minimum"), meta.get("maximum")
     if low is not None and value < low:
         raise ConfigError(path, f"{value} is below the minimum {low}", f"use a value >= {low}")
@@ -279,12 +327,10 @@ def dump_yaml(cfg: Config) -> str:
 
 
 def save_resolved(cfg: Config, out_dir: str | Path, name: str = "config.yaml") -> Path:
-    """Write the resolved config into ``out_dir`` atomically (temporary file, then rename)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    target = out / name
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        handle.write(dump_yaml(cfg))
-    os.replace(tmp, target)
-    return target
+    """Write the resolved config into ``out_dir`` atomically (temporary file, then rename),
+    mode 0644 (less the umask); a directory or disk that refuses it is a WriteError, and no
+    temporary file is left behind."""
+    from cosmotrain.atomic import check_writable, write_text_atomically
+
+    out = check_writable(out_dir)
+    return write_text_atomically(out / name, dump_yaml(cfg))

@@ -7,6 +7,9 @@ axes the input is not split along) do not read it twice: the first reads, the ot
 it by ``Bcast``.  With ``data.prefetch`` a background thread reads (and transforms) the
 next batch while the caller computes; ``stats.wait_seconds`` is then what it did not hide.
 Nothing is held between steps, so any dataset size works (``data.reader: direct``).
+A bad file (unreadable, or holding NaN/Inf or values the transform cannot take) met by
+any rank is raised on every rank alike (one small allreduce per batch), so the job ends
+with one message and exit code 2 even when several ranks read blocks of that file.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ import numpy as np
 
 from cosmotrain.config.schema import Config
 from cosmotrain.data import formats
+from cosmotrain.data.collective import together
 from cosmotrain.data.manifest import Manifest
 from cosmotrain.data.placement import BlockPlacement, RankTable
 from cosmotrain.data.prefetch import Prefetcher
 from cosmotrain.data.reader import Delivery, Reader
+from cosmotrain.data.transform import check_domain
 
 
 class DirectReader(Reader):
@@ -50,6 +55,7 @@ class DirectReader(Reader):
             path, origin = self.manifest.locate(self.split, int(sample))
             formats.read_block(path, self.manifest.volume, self.placement.box, origin,
                                self.placement.channel_slice, out=raw[k])
+            check_domain(path, raw[k], self.transform)
         seconds = time.perf_counter() - start
         return Delivery(self.transformed(raw, rows), seconds, raw.nbytes, transformed=True)
 
@@ -63,17 +69,20 @@ class DirectReader(Reader):
             self.replicas = None
 
     def _deliver(self, epoch: int, index: int, indices: np.ndarray) -> Delivery:
-        if self.reads:
-            delivery = self._fetch(epoch, index, indices)
-        else:
-            rows = self.placement.rows(len(indices))
-            shape = (rows[1] - rows[0],) + self.placement.block_shape
-            delivery = Delivery(np.empty(shape, dtype=np.float32), transformed=True)
+        delivery = together(self.comm, lambda: self._own_part(epoch, index, indices))
         if self.replicas is not None:
             self.replicas.Bcast(delivery.raw, root=0)
             if not self.reads:
                 delivery.bytes_received = delivery.raw.nbytes
         return delivery
+
+    def _own_part(self, epoch: int, index: int, indices: np.ndarray) -> Delivery:
+        """My rows as read, or an empty buffer for the replica Bcast to fill."""
+        if self.reads:
+            return self._fetch(epoch, index, indices)
+        rows = self.placement.rows(len(indices))
+        shape = (rows[1] - rows[0],) + self.placement.block_shape
+        return Delivery(np.empty(shape, dtype=np.float32), transformed=True)
 
     def _fetch(self, epoch: int, index: int, indices: np.ndarray) -> Delivery:
         if self.prefetcher is None:

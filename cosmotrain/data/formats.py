@@ -7,7 +7,8 @@ One sample is one HDF5 file with two datasets:
   default) or ``channels-first`` ``[4, W, W, W]`` (C, D, H, W; LBANN's split files), stored as
   ``int16`` (counts clipped to 32767, the default) or ``float32``;
 - ``unitPar``: the 4 normalised cosmological parameters, float32 in ``[-1, 1]``.  Training
-  needs it; a file without it (data to predict on) reads as NaN labels.
+  needs it; a file without it (data to predict on) reads as NaN labels.  Labels that are
+  there must be finite and in ``[-1, 1]``; float32 volumes must be finite.
 
 Files written here record their layout in the ``layout`` attribute of the root group, so a
 reader never has to guess; files from elsewhere are recognised by their shape.  In memory the
@@ -113,7 +114,13 @@ def write_sample(
 
 
 def detect_layout(shape: tuple[int, ...], stored: object = None) -> str:
-    """The layout of a ``full`` dataset: the recorded attribute if any, else from its shape."""
+    """The layout of a ``full`` dataset: the recorded attribute if any, else from its shape.
+
+    A volume that is not 4-D is rejected whatever the attribute says.
+    """
+    if len(shape) != 4:
+        raise ValueError(f"'{VOLUME_DATASET}' has shape {tuple(shape)} ({len(shape)}-D), "
+                         f"expected 4-D [W, W, W, 4] or [4, W, W, W]")
     if isinstance(stored, bytes):
         stored = stored.decode()
     if stored in LAYOUTS:
@@ -129,6 +136,9 @@ Box = tuple[slice, slice, slice]
 FORMAT_HINT = (f"expected datasets '{VOLUME_DATASET}' ([W, W, W, 4] or [4, W, W, W], "
                f"{' or '.join(DTYPES)}) and '{LABELS_DATASET}' (4 float32)")
 REPLACE_HINT = "replace or remove the file, then rebuild the manifest (delete its cache)"
+LABEL_RANGE = (-1.0, 1.0)  # unitPar: normalised cosmological parameters
+LABEL_HINT = (f"labels are the 4 normalised cosmological parameters, each in "
+              f"[{LABEL_RANGE[0]:g}, {LABEL_RANGE[1]:g}]: fix or replace the file")
 
 
 @dataclass(frozen=True)
@@ -156,7 +166,7 @@ def probe(path: Path, expect: VolumeInfo | None = None) -> tuple[VolumeInfo, np.
         with h5py.File(path, "r") as handle:
             volume, labels = _datasets(path, handle)
             info = _volume_info(path, handle, volume)
-            label_values = _label_values(labels)
+            label_values = _label_values(path, labels)
     except (OSError, ValueError, KeyError) as err:
         raise DataError(path, str(err), FORMAT_HINT) from err
     if expect is not None:
@@ -178,11 +188,14 @@ def read_sample(path: Path, layout: str | None = None, box: Box | None = None,
     try:
         with h5py.File(path, "r") as handle:
             volume, labels = _datasets(path, handle)
-            layout = layout or detect_layout(volume.shape, handle.attrs.get(LAYOUT_ATTR))
+            layout = layout or _volume_info(path, handle, volume).layout
+            check_layout(layout)
+            _check_cube(path, tuple(volume.shape), layout)
             block = _hyperslab(path, volume, layout, box, origin, slice(0, NUM_CHANNELS))
-            label_values = _label_values(labels)
+            label_values = _label_values(path, labels)
     except (OSError, ValueError, KeyError) as err:
         raise DataError(path, str(err), FORMAT_HINT) from err
+    check_finite(path, block)
     return np.ascontiguousarray(block, dtype=np.float32), label_values
 
 
@@ -205,18 +218,50 @@ def read_block(path: Path, expect: VolumeInfo, box: Box | None = None,
             block = _hyperslab(path, volume, expect.layout, box, origin, channels, out)
     except (OSError, ValueError, KeyError) as err:
         raise DataError(path, str(err), FORMAT_HINT) from err
+    check_finite(path, block)
     return np.ascontiguousarray(block)
+
+
+def check_finite(path: Path, block: np.ndarray) -> None:
+    """Reject a float block holding NaN or Inf, naming the file (int16 cannot hold them).
+
+    One float64 sum, with no temporary array: it is finite exactly when every value is
+    (float32 values cannot overflow it).
+    """
+    if block.dtype.kind != "f" or block.size == 0:
+        return
+    if not np.isfinite(block.sum(dtype=np.float64)):
+        bad = int(np.count_nonzero(~np.isfinite(block)))
+        raise DataError(path, f"'{VOLUME_DATASET}' holds {bad} non-finite value(s) (NaN or "
+                        f"Inf) in the block read", "fix or replace the file: training must "
+                        "not see NaN or Inf inputs")
 
 
 def _volume_info(path: Path, handle: h5py.File, volume: h5py.Dataset) -> VolumeInfo:
     layout = detect_layout(volume.shape, handle.attrs.get(LAYOUT_ATTR))
     shape = tuple(int(n) for n in volume.shape)
+    _check_cube(path, shape, layout)
+    return VolumeInfo(shape, volume.dtype.name, layout)
+
+
+def volume_problem(shape: tuple[int, ...], layout: str) -> str | None:
+    """What is wrong with a ``full`` shape in ``layout`` (None: a 4-channel cube)."""
+    if len(shape) != 4:
+        return (f"'{VOLUME_DATASET}' has shape {tuple(shape)} ({len(shape)}-D), expected "
+                f"4-D [W, W, W, 4] or [4, W, W, W]")
     spatial = shape[:3] if layout == CHANNELS_LAST else shape[1:]
     channels = shape[3] if layout == CHANNELS_LAST else shape[0]
-    if channels != NUM_CHANNELS or len(set(spatial)) != 1:
-        raise DataError(path, f"'{VOLUME_DATASET}' has shape {shape}, expected a cube of "
-                        f"{NUM_CHANNELS} channels ({layout})", FORMAT_HINT)
-    return VolumeInfo(shape, volume.dtype.name, layout)
+    if channels != NUM_CHANNELS or len(set(spatial)) != 1 or min(spatial) < 1:
+        return (f"'{VOLUME_DATASET}' has shape {tuple(shape)}, expected a cube of "
+                f"{NUM_CHANNELS} channels ({layout}: "
+                f"{'[W, W, W, 4]' if layout == CHANNELS_LAST else '[4, W, W, W]'})")
+    return None
+
+
+def _check_cube(path: Path, shape: tuple[int, ...], layout: str) -> None:
+    problem = volume_problem(shape, layout)
+    if problem is not None:
+        raise DataError(path, problem, FORMAT_HINT)
 
 
 def _check_expected(path: Path, info: VolumeInfo, expect: VolumeInfo) -> None:
@@ -242,11 +287,30 @@ def _datasets(path: Path, handle: h5py.File) -> tuple[h5py.Dataset, h5py.Dataset
     return volume, labels
 
 
-def _label_values(labels: h5py.Dataset | None) -> np.ndarray:
-    """float32 ``(4,)``: the labels, or NaN for a file without them."""
+def _label_values(path: Path, labels: h5py.Dataset | None) -> np.ndarray:
+    """float32 ``(4,)``: the labels, or NaN for a file without them.
+
+    Labels that are there must be finite and in :data:`LABEL_RANGE` (a NaN label would
+    otherwise read as a missing one, and an out-of-range one would train silently).
+    """
     if labels is None:
         return np.full(NUM_LABELS, np.nan, dtype=np.float32)
-    return np.asarray(labels[()], dtype=np.float32)
+    values = np.asarray(labels[()], dtype=np.float32)
+    problem = label_problem(values)
+    if problem is not None:
+        raise DataError(path, problem, LABEL_HINT)
+    return values
+
+
+def label_problem(values: np.ndarray) -> str | None:
+    """What is wrong with one file's present labels (None: finite and in range)."""
+    shown = "[" + ", ".join(f"{v:g}" for v in np.asarray(values).ravel()) + "]"
+    if not np.isfinite(values).all():
+        return f"'{LABELS_DATASET}' holds a non-finite label (NaN or Inf): {shown}"
+    low, high = LABEL_RANGE
+    if (values < low).any() or (values > high).any():
+        return f"'{LABELS_DATASET}' holds a label outside [{low:g}, {high:g}]: {shown}"
+    return None
 
 
 def _region(path: Path, box: Box, origin: tuple[int, int, int],

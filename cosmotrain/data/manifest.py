@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from cosmotrain.data import cache, formats, sample_table, scan
-from cosmotrain.data.collective import on_root, self_comm
+from cosmotrain.data.collective import everyone, on_root, self_comm
 from cosmotrain.errors import ConfigError, DataError
 
 MANIFEST_NAME = "manifest.json"
@@ -102,9 +102,10 @@ class Manifest:
         """Training and validation need labels: name the first file that has none."""
         missing = self.unlabelled_files(split)
         if missing:
-            raise DataError(self.root / missing[0], f"has no '{formats.LABELS_DATASET}' labels "
-                            f"({len(missing)} of the {split} split's files lack them)",
-                            "train on labelled files; cosmotrain predict reads unlabelled ones")
+            raise everyone(DataError(
+                self.root / missing[0], f"has no '{formats.LABELS_DATASET}' labels "
+                f"({len(missing)} of the {split} split's files lack them)",
+                "train on labelled files; cosmotrain predict reads unlabelled ones"))
 
     def sample_means(self, split: str, indices: np.ndarray) -> np.ndarray:
         """float64 mean count of each sample (opened with ``means=True``)."""
@@ -136,14 +137,14 @@ def open_manifest(root: str | Path, width: int, comm: Any = None, *, means: bool
                   cache_dir: str | None = None) -> Manifest:
     """Describe dataset ``root`` at model width ``width`` (collective over ``comm``).
 
-    Every rank returns the same manifest or raises the same error; a bad sample file found
-    while building the label table raises :class:`DataError` on the rank that read it.
+    Every rank returns the same manifest or raises the same error, printed once: a bad
+    sample file found while building the label table (by whichever rank read it) is
+    reported on every rank alike, the first bad file in dataset order.
     ``means`` also loads (or computes once and caches) each sample's mean count.
     """
     comm = self_comm(comm)
     root = Path(root)
-    source, description = on_root(comm, lambda: read_description(root, cache_dir))
-    volume, files = parse_description(source, description)
+    source, volume, files = on_root(comm, lambda: _described(root, cache_dir))
     _check_width(root, volume, width)
     labels = sample_table.file_labels(root, files, volume, comm, cache_dir)
     manifest = Manifest(root, source, volume, width, files, labels)
@@ -152,6 +153,13 @@ def open_manifest(root: str | Path, width: int, comm: Any = None, *, means: bool
         table = sample_table.sample_means(root, files, volume, origins, width, comm, cache_dir)
         manifest = Manifest(root, source, volume, width, files, labels, table)
     return manifest
+
+
+def _described(root: Path, cache_dir: str | None
+               ) -> tuple[Path, formats.VolumeInfo, dict[str, tuple[str, ...]]]:
+    """Rank 0's part of :func:`open_manifest`: the description, read and checked once."""
+    source, description = read_description(root, cache_dir)
+    return (source, *parse_description(source, description))
 
 
 def read_description(root: Path, cache_dir: str | None = None) -> tuple[Path, dict[str, Any]]:
@@ -191,6 +199,10 @@ def parse_description(path: Path, description: Mapping[str, Any]
     if volume.layout not in formats.LAYOUTS or volume.dtype not in formats.DTYPES:
         raise DataError(path, f"names layout {volume.layout!r} and dtype {volume.dtype!r}",
                         f"expected one of {formats.LAYOUTS} and {formats.DTYPES}")
+    problem = formats.volume_problem(volume.shape, volume.layout)
+    if problem is not None:
+        raise DataError(path, f"volume_shape: {problem}", "regenerate it (cosmotrain "
+                        "datagen) or delete it to rescan the directory")
     return volume, files
 
 

@@ -15,7 +15,8 @@ holding one (channel, spatial) block swap the blocks of the batch's rows in one
 ``Alltoallw`` whose datatypes pick the blocks straight out of the store and drop them
 straight into the rows (no packing copies); the receiver then applies the transform.
 Owners and the order are fixed by (seed, epoch), not by timing, so the result is
-deterministic.
+deterministic.  A bad file (unreadable, or holding NaN/Inf or values the transform cannot
+take) met by any rank during the read is raised on every rank alike: one message, exit 2.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ import numpy as np
 
 from cosmotrain.config.schema import Config
 from cosmotrain.data import formats, order
+from cosmotrain.data.collective import together
 from cosmotrain.data.manifest import Manifest
 from cosmotrain.data.memory import check_preload_memory
 from cosmotrain.data.placement import BlockPlacement, RankTable
 from cosmotrain.data.reader import Delivery, Reader
+from cosmotrain.data.transform import check_domain
 
 
 class PreloadReader(Reader):
@@ -72,18 +75,24 @@ class PreloadReader(Reader):
         if check_memory:
             check_preload_memory(self.comm, self.store_bytes, self.memory_fraction)
         start = time.perf_counter()
+        store = together(self.comm, lambda: self._read_store(progress))
+        self.store = store
+        self.stats.load_seconds = time.perf_counter() - start
+        self.stats.load_bytes = store.nbytes
+        self._blocktype = _block_datatype(store.dtype, self.placement.block_size)
+
+    def _read_store(self, progress: Callable[[int], None] | None) -> np.ndarray:
+        """Read this rank's units; a bad file raises :class:`DataError` naming it."""
         store = np.empty((len(self.owned),) + self.placement.block_shape,
                          dtype=self.manifest.volume.dtype)
         for slot, sample in enumerate(self.owned):
             path, origin = self.manifest.locate(self.split, int(sample))
             formats.read_block(path, self.manifest.volume, self.placement.box, origin,
                                self.placement.channel_slice, out=store[slot])
+            check_domain(path, store[slot], self.transform)
             if progress is not None:
                 progress(slot + 1)
-        self.store = store
-        self.stats.load_seconds = time.perf_counter() - start
-        self.stats.load_bytes = store.nbytes
-        self._blocktype = _block_datatype(store.dtype, self.placement.block_size)
+        return store
 
     def close(self) -> None:
         """Free the exchange communicator and datatype (collective), drop the store."""

@@ -11,9 +11,10 @@ manifest (``cache.py``):
 - ``cosmotrain-means-w<W>.npz``: the mean count of every model-width sample (sub-cube),
   only when ``data.transform`` is ``mean`` (it reads the whole dataset once).
 
-The files (the samples, for the means) are shared out round-robin over the ranks; a rank
-that meets a bad file raises :class:`DataError` (rank-local: the job is aborted with exit
-code 2).  A cache whose file lists differ from the manifest's is ignored and rebuilt.
+The files (the samples, for the means) are shared out round-robin over the ranks; the
+first bad file in dataset order, whichever rank met it, is raised as a :class:`DataError`
+on every rank alike (collective: printed once, exit code 2).  A cache whose file lists
+differ from the manifest's is ignored and rebuilt.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from cosmotrain.data import cache, formats
-from cosmotrain.data.collective import on_root
+from cosmotrain.data.collective import collective_error, on_root
+from cosmotrain.errors import UserError
 
 LABELS_NAME = "cosmotrain-labels.npz"
 SLAB_BYTES = 1 << 26  # the mean pass reads at most 64 MiB at a time
@@ -86,14 +88,29 @@ def _cached_table(root: Path, name: str, files: Mapping[str, Sequence[str]], com
 
 def _collective_pass(counts: Mapping[str, int], comm: Any,
                      work: Callable[[str, int], Any]) -> dict[str, np.ndarray]:
-    """``work(split, i)`` for every item, shared round-robin over the ranks; all get all."""
+    """``work(split, i)`` for every item, shared round-robin over the ranks; all get all.
+
+    A user error (a bad file) does not stop a rank's share: every rank gathers every
+    failure and raises the first in dataset order, alike (collective: printed once).
+    """
     jobs = [(split, i) for split, count in counts.items() for i in range(count)]
     rank, size = comm.Get_rank(), comm.Get_size()
-    mine = [(split, i, work(split, i)) for split, i in jobs[rank::size]]
+    mine, failure = [], None
+    for n, (split, i) in enumerate(jobs[rank::size]):
+        try:
+            mine.append((split, i, work(split, i)))
+        except UserError as err:
+            failure = (rank + n * size, type(err).__name__, str(err))
+            break  # the rest of my share cannot come before this one in dataset order
     table: dict[str, list[Any]] = {split: [None] * count for split, count in counts.items()}
-    for part in comm.allgather(mine):
+    failures = []
+    for part, failed in comm.allgather((mine, failure)):
+        failures += [failed] if failed is not None else []
         for split, i, value in part:
             table[split][i] = value
+    if failures:
+        _, kind, message = min(failures)
+        raise collective_error(kind, message)
     return {split: np.asarray(values) for split, values in table.items()}
 
 

@@ -9,9 +9,29 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
+from cosmotrain.errors import DataError
+
 TRANSFORMS = ("log1p", "mean", "none")
+
+
+def check_domain(path: Path | str, raw: np.ndarray, name: str) -> None:
+    """Reject stored values the transform would turn into NaN or Inf, naming the file.
+
+    ``log1p`` is undefined below -1 (-Inf at -1); particle counts are never negative, but
+    int16 or float32 files can hold anything.  One ``min`` over the block as read (NaN and
+    Inf in float files are rejected by the reader itself, ``formats.check_finite``).
+    """
+    if name != "log1p" or raw.size == 0:
+        return
+    low = raw.min()
+    if low <= -1:
+        raise DataError(path, f"'full' holds the value {low:g}, which the log1p transform "
+                        f"turns into NaN or -Inf (particle counts are >= 0)",
+                        "fix or replace the file, or set data.transform to none or mean")
 
 
 def apply_transform(raw: np.ndarray, name: str, means: np.ndarray | None = None
