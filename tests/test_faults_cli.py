@@ -10,6 +10,8 @@ uninterrupted run's parameters.  docs/RELIABILITY.md lists the faults and these 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -189,4 +191,127 @@ def test_a_frozen_rank_ends_the_job_naming_it_and_the_run_resumes(tmp_path: Path
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "stale" in resumed.stdout + resumed.stderr
     straight = train(tmp_path / "straight", *extra[:2], target)
+    assert_same_params(final_params(out), final_params(tmp_path / "straight"))
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """An uninterrupted 3-epoch run (9 steps an epoch), a checkpoint after each epoch."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    done = train(out, "train.epochs=3", "train.keep_checkpoints=3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def flip_bytes_inside(path: Path, name: str = "params/fc.weight") -> None:
+    """4 KiB of 0xFF over the data of one array, as a failing disk would leave it."""
+    with h5py.File(path, "r") as f:
+        offset, size = f[name].id.get_offset(), f[name].id.get_storage_size()
+    with open(path, "r+b") as raw:
+        raw.seek(offset)
+        raw.write(b"\xff" * min(4096, size))
+
+
+def test_a_damaged_checkpoint_is_skipped_on_resume_and_refused_by_predict(
+        finished: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    newest = list_checkpoints(out / "checkpoints")[-1][1]
+    with h5py.File(newest, "r") as f:
+        name = next(f"params/{key}" for key in f["params"] if f["params"][key].size >= 64)
+    flip_bytes_inside(newest, name)
+    predicted = subprocess.run(
+        [sys.executable, "-m", "cosmotrain", "predict", "--checkpoint", str(newest),
+         "--data", str(out / "data"), "--out", str(tmp_path / "p.h5")], cwd=REPO,
+        env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert predicted.returncode == 2 and newest.name in predicted.stderr
+    assert "Traceback" not in predicted.stderr and not (tmp_path / "p.h5").exists()
+    resumed = train(out, "train.epochs=3", "train.keep_checkpoints=3", resume=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    said = resumed.stdout + resumed.stderr
+    assert f"skipped damaged checkpoint {newest}" in said and "resuming from" in said
+    assert newest.with_name(newest.name + ".damaged").exists()
+    assert_same_params(final_params(out), final_params(finished))
+
+
+def test_a_fresh_run_into_a_used_directory_is_refused_and_overwrite_keeps_it(
+        finished: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    again = train(out, "train.epochs=1")
+    assert again.returncode == 2 and again.stderr.count("cosmotrain: error:") == 1
+    assert "already holds a run" in again.stderr and "--overwrite" in again.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+    fresh = subprocess.run([*command(out, "train.epochs=1"), "--overwrite"], cwd=REPO,
+                           env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    kept = list(out.glob("previous-*/checkpoints"))
+    assert len(kept) == 1 and sorted(p.name for p in kept[0].iterdir()) == before
+
+
+def test_resume_with_a_changed_model_or_batch_is_refused_in_one_line(
+        finished: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    config = (out / "config.yaml").read_text()
+    changed = train(out, "train.epochs=4", "train.batch_size=2", "model.dropout=0.5",
+                    resume=True)
+    assert changed.returncode == 2, changed.stderr[-3000:]
+    errors = [line for line in changed.stderr.splitlines() if "cosmotrain: error:" in line]
+    assert len(errors) == 1 and "cannot resume" in errors[0]
+    assert "train.batch_size (4 -> 2)" in errors[0] and "model.dropout" in errors[0]
+    assert (out / "config.yaml").read_text() == config  # nothing was written
+    done = train(out, "train.epochs=3", resume=True)
+    assert done.returncode == 0 and "already finished at step 27" in done.stdout
+
+
+def test_a_second_writer_is_refused_while_the_first_runs(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    first = subprocess.Popen(command(out, "train.epochs=2000"), cwd=REPO,
+                             env=subprocess_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = train(out, "train.epochs=2000", resume=True)
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert second.stderr.count("cosmotrain: error:") == 1
+        assert f"is in use by pid {rank_pids(first)[0]}" in second.stderr or \
+            "is in use by pid" in second.stderr
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=60)
+    assert first.returncode == EXIT_INTERRUPTED
+    assert not (out / ".cosmotrain.lock").exists()
+
+
+def test_kill_9_of_the_writer_during_checkpoints_keeps_a_resumable_run(
+        tmp_path: Path) -> None:
+    """Rank 0 is killed the moment a checkpoint's temporary file appears (a checkpoint
+    every step): what survives is intact and resumes to the uninterrupted parameters."""
+    out = tmp_path / "run"
+    extra = ("train.epochs=2000", "train.checkpoint_every_steps=1")
+    launcher = subprocess.Popen(command(out, *extra), cwd=REPO, env=subprocess_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    folder, deadline = out / "checkpoints", time.monotonic() + 60
+    writer = None
+    while time.monotonic() < deadline and launcher.poll() is None:
+        names = os.listdir(folder) if folder.is_dir() else []
+        if len(names) >= 3 and any(n.endswith(".tmp") for n in names):
+            writer = writer or next(p for p in rank_pids(launcher) if rank_of(p) == 0)
+            os.kill(writer, signal.SIGKILL)
+            break
+        if writer is None and len(names) >= 2:
+            writer = next(p for p in rank_pids(launcher) if rank_of(p) == 0)
+    launcher.communicate(timeout=60)
+    assert launcher.returncode != 0
+    survived = list_checkpoints(folder)[-1][0]
+    target = f"train.max_steps={survived + 3}"
+    resumed = train(out, extra[0], target, resume=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert not list(folder.glob("*.tmp"))
+    straight = train(tmp_path / "straight", extra[0], target)
+    assert straight.returncode == 0, straight.stderr[-3000:]
     assert_same_params(final_params(out), final_params(tmp_path / "straight"))
