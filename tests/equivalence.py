@@ -218,3 +218,122 @@ def adam64_failures(world, models: dict, strategies: dict, pairs: list[tuple[str
 def everyone_failures(world, failures: list[str]) -> list[str]:
     """Every rank's failures on every rank, so all reach the same verdict."""
     return sorted(set(sum(world.allgather(failures), [])))
+
+
+# Short batches: fewer samples than sample groups -------------------------------------
+#
+# The model is planned for ``train.batch_size`` (as the trainer does) and then fed
+# batches of ``sizes[i]`` samples (a last partial batch, a small validation split), so
+# some sample groups hold none.  Every step's predictions, loss and gradients are
+# compared (not only the first), then an evaluation forward of ``eval_size`` samples
+# (running statistics, no dropout: the validation and ``predict`` path).
+
+
+def short_batches(cfg, dtype, sizes) -> list[tuple]:
+    """``(x, targets)`` of ``n`` samples for each ``n`` of ``sizes`` (fixed seed)."""
+    rng = np.random.default_rng(11)
+    width, channels = cfg.model.width, cfg.model.channels
+    return [(rng.normal(size=(n, channels, width, width, width)).astype(dtype),
+             rng.normal(size=(n, cfg.model.outputs)).astype(dtype)) for n in sizes]
+
+
+def serial_short_run(cfg, dtype, sizes, eval_size: int) -> dict:
+    """The one-process trajectory over batches of ``sizes``, then an evaluation forward."""
+    model = build_model(cfg.model, cfg.train.seed)
+    as_dtype(model.named_parameters(), dtype)
+    optimizer = build_optimizer(cfg.optimizer)
+    run = {"initial": {n: p.data.copy() for n, p in model.named_parameters()}, "steps": []}
+    for it, (x, targets) in enumerate(short_batches(cfg, dtype, sizes)):
+        ctx = Context(step=it, seed=cfg.train.seed)
+        pred = model.forward(x, ctx)
+        loss, dpred = batch_loss(pred, targets, targets.size)
+        model.backward(dpred, ctx)
+        params = list(model.named_parameters())
+        run["steps"].append(dict(pred=pred, loss=loss,
+                                 grads={n: p.grad.copy() for n, p in params}))
+        optimizer.step(params)
+        optimizer.zero_grad(params)
+    (x, _), = short_batches(cfg, dtype, [eval_size])
+    run["eval"] = model.forward(x, Context(training=False, seed=0))
+    run["params"] = {n: p.data.copy() for n, p in model.named_parameters()}
+    run["buffers"] = {n: np.asarray(layer.buffers[k]).copy()
+                      for n, layer, k in model.named_buffers()}
+    return run
+
+
+def hybrid_short_run(cfg, comm, dtype, sizes, eval_size: int) -> dict:
+    """The same on ``comm``, through the trainer's step; everything gathered in full."""
+    grid = ProcessGrid(comm, resolve_parallel(cfg, comm.Get_size()))
+    step = hybrid_step_from_config(cfg, grid)
+    as_dtype(step.model.named_parameters(), dtype)
+    run = {"steps": []}
+    for it, (x, targets) in enumerate(short_batches(cfg, dtype, sizes)):
+        dist, coord = step.model.input_distribution(x.shape)
+        out = step.gradients(DistTensor.scatter(x, dist, coord), targets,
+                             Context(step=it, seed=cfg.train.seed))
+        run["steps"].append(dict(pred=gather_rows(comm, out.rows, out.pred, targets.shape),
+                                 loss=out.loss, grads=full_gradients(step.model)))
+        step.update()
+    (x, _), = short_batches(cfg, dtype, [eval_size])
+    dist, coord = step.model.input_distribution(x.shape)
+    pred = step.model.forward(DistTensor.scatter(x, dist, coord),
+                              Context(training=False, seed=0))
+    run["eval"] = gather_rows(comm, step.model.sample_range(), pred,
+                              (eval_size, cfg.model.outputs))
+    run["params"] = step.model.full_parameters()
+    run["buffers"] = step.model.full_buffers()
+    grid.free()
+    return run
+
+
+def short_errors(got: dict, ref: dict) -> dict[str, float]:
+    """Relative error of every step's output, loss and gradients, the evaluation
+    output, the parameter changes and the buffers of ``got`` against ``ref``."""
+    found = {"eval": relative_error(got["eval"], ref["eval"])}
+    for i, (mine, theirs) in enumerate(zip(got["steps"], ref["steps"])):
+        found[f"pred{i}"] = relative_error(mine["pred"], theirs["pred"])
+        found[f"loss{i}"] = abs(mine["loss"] - theirs["loss"]) / abs(theirs["loss"])
+        found.update({f"grad{i} {n}": relative_error(mine["grads"][n], g)
+                      for n, g in theirs["grads"].items()})
+    found.update({f"param {n}": relative_error(got["params"][n] - ref["initial"][n],
+                                               p - ref["initial"][n])
+                  for n, p in ref["params"].items()})
+    found.update({f"buffer {n}": relative_error(got["buffers"][n], b)
+                  for n, b in ref["buffers"].items()})
+    return found
+
+
+def short_reference(cfg, dtype, sizes, eval_size: int) -> dict:
+    """:func:`serial_short_run`, with (in float32) its own error against float64."""
+    run = serial_short_run(cfg, dtype, sizes, eval_size)
+    if dtype == np.float32:
+        run["own_error"] = short_errors(run, serial_short_run(cfg, np.float64, sizes,
+                                                              eval_size))
+    return run
+
+
+def run_short_waves(world, cases: list[tuple], dtype, rtol: float) -> list[str]:
+    """Run every case ``(ranks, label, cfg, sizes, eval_size)`` against its one-process
+    reference (computed on rank 0 once per distinct config and sizes, and broadcast)."""
+    keys = {_short_key(case): case for case in cases}
+    refs = {key: short_reference(c[2], dtype, c[3], c[4]) for key, c in keys.items()} \
+        if world.rank == 0 else None
+    refs = world.bcast(refs, root=0)
+    failures = []
+    for wave in waves(cases, world.Get_size()):
+        mine, comm = join_case(world, wave)
+        if mine is not None:
+            got = hybrid_short_run(mine[2], comm, dtype, mine[3], mine[4])
+            ref = refs[_short_key(mine)]
+            bounds = {k: max(rtol, 2 * e) for k, e in ref.get("own_error", {}).items()}
+            failures += [f"{mine[1]}: {key} ({err:.1e})"
+                         for key, err in short_errors(got, ref).items()
+                         if not err <= bounds.get(key, rtol)]
+        comm.Free()
+    return failures
+
+
+def _short_key(case: tuple) -> tuple:
+    """What a reference depends on: the model (not the layout), the batch sizes."""
+    return (repr(case[2].model), repr(case[2].optimizer), case[2].train.seed,
+            tuple(case[3]), case[4])

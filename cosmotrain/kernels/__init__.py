@@ -16,7 +16,9 @@ Shared conventions (:mod:`.geometry`): ``stride`` and ``kernel`` are triples (or
 ``padding`` is one ``(lo, hi)`` pair of zero padding per spatial dimension, asymmetric
 because a block that already carries halos is called with 0 on those sides and the true
 padding only on global boundaries.  Output size ``(n + lo + hi - k) // s + 1``.  Shape
-mismatches raise ``ValueError``.  The CPU kernels accept float32 (training) and float64
+mismatches raise ``ValueError``; a batch of no sample (``N = 0``: a sample group left
+empty by a short batch, which still runs its layers for their collectives) is valid and
+gives empty results and zero weight gradients.  The CPU kernels accept float32 (training) and float64
 (tests), run their chunks on a small worker pool (:mod:`._parallel`) and never import
 torch.
 

@@ -45,8 +45,13 @@ def bn_local_sums(x: Any) -> Any:
 
 
 def bn_statistics(sums: Any) -> tuple[Any, Any]:
-    """Mean and biased variance from globally reduced :func:`bn_local_sums`."""
+    """Mean and biased variance from globally reduced :func:`bn_local_sums`.
+
+    A count of 0 (statistics over a sample group left empty by a short batch, under
+    ``bn_statistics: local``) gives mean and variance 0 rather than 0 / 0: such a group
+    normalises no element, and NaN statistics would only raise warnings."""
     total, squares, count = sums
+    count = array_module(count).maximum(count, 1.0)
     mean = total / count
     var = squares / count - mean * mean
     return mean, var.clip(min=0.0)
@@ -88,9 +93,12 @@ def bn_backward_local_sums(dy: Any, xhat: Any) -> Any:
 
 def bn_backward_apply(dy: Any, xhat: Any, gamma: Any, inv_std: Any, sums: Any, count: float
                       ) -> Any:
-    """dx = gamma * inv_std * (dy - mean(dy) - xhat * mean(dy * xhat)), global means."""
+    """dx = gamma * inv_std * (dy - mean(dy) - xhat * mean(dy * xhat)), global means.
+
+    ``count`` 0 (an empty group's, see :func:`bn_statistics`) divides by 1: no element."""
     if is_bf16(dy):
         return narrow(bn_backward_apply(widen(dy), widen(xhat), gamma, inv_std, sums, count))
+    count = max(count, 1.0)
     mean_dy = (sums[0] / count).astype(dy.dtype)
     mean_dy_xhat = (sums[1] / count).astype(dy.dtype)
     xp = array_module(dy)

@@ -4,7 +4,8 @@ Conventions: NCDHW float arrays (float32 in training; float64 accepted, the test
 it), weights ``(F, C, kD, kH, kW)`` as in PyTorch (cross-correlation), stride a triple,
 padding one ``(lo, hi)`` pair of zeros per spatial dimension (asymmetric: a block that
 already carries halos is called with 0 on those sides, see :mod:`.geometry`).  Output
-``Do = (D + lo + hi - kD) // sD + 1``.
+``Do = (D + lo + hi - kD) // sD + 1``.  A batch of no sample (``N = 0``, a sample group
+left empty by a short batch) gives empty results and a zero weight gradient on any device.
 
 Algorithm: chunked GEMM lowering (:mod:`.lowering`).  Each sample's output depth planes
 are cut into chunks (about 8 per sample, see :func:`_chunks`) that run on a pool of
@@ -57,7 +58,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from cosmotrain.backend import is_device_array
+from cosmotrain.backend import array_module, is_device_array
 from cosmotrain.precision import is_bf16, narrow, widen
 
 from . import _parallel
@@ -109,6 +110,20 @@ def _elsewhere(out: Optional[np.ndarray], *arrays: np.ndarray) -> bool:
     if out is not None:
         raise ValueError("out= is supported for float32/float64 numpy arrays only")
     return True
+
+
+def _no_samples(like: np.ndarray, shape: Sequence[int], out: Optional[np.ndarray] = None
+                ) -> np.ndarray:
+    """The result of a call on a batch of no sample: empty, or zeros for a weight gradient.
+
+    Why: a sample group that holds no sample of a short batch (a last partial batch, a
+    1-sample validation split) still runs its layers so that its halo exchanges and
+    collectives pair with the other ranks'; its convolutions compute nothing.  Answered
+    before the device dispatch, so no backend (cuDNN, the bf16 emulation) sees N = 0.
+    """
+    if out is not None:
+        return output_buffer(out, shape, like.dtype)
+    return array_module(like).zeros(tuple(shape), dtype=like.dtype)
 
 
 def choose_lowering(geo: ConvGeometry, max_shift: int) -> Lowering:
@@ -170,6 +185,9 @@ def conv3d_forward(x: np.ndarray, w: np.ndarray, stride: "int | Sequence[int]" =
     ``out``: optional C-contiguous result buffer (reusing one saves the page faults of a
     fresh allocation, about 5 ms per 128 MiB here).
     """
+    if x.shape[0] == 0:
+        return _no_samples(x, ConvGeometry.create(x.shape, w.shape, stride, padding).y_shape,
+                           out)
     if _elsewhere(out, x, w):
         if is_device_array(x):
             return gpu_kernels().conv3d_forward(x, w, stride, padding)
@@ -186,7 +204,12 @@ def conv3d_backward_filter(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int]
                            padding: PaddingLike = 0) -> np.ndarray:
     """``dL/dw`` from the input x and the output gradient dy; shape ``w_shape``.
 
-    bf16 (CPU emulation): computed in float32, returned as bf16 like the GPU kernel."""
+    bf16 (CPU emulation): computed in float32, returned as bf16 like the GPU kernel.
+    No sample (``N = 0``): zeros, the empty sum."""
+    if x.shape[0] == 0:
+        geo = ConvGeometry.create(x.shape, w_shape, stride, padding)
+        geo.check("dy", dy.shape, geo.y_shape)
+        return _no_samples(x, geo.w_shape)
     if _elsewhere(None, x, dy):
         if is_device_array(x):
             return gpu_kernels().conv3d_backward_filter(x, dy, w_shape, stride, padding)
@@ -217,6 +240,10 @@ def conv3d_backward_data(dy: np.ndarray, w: np.ndarray, x_shape: Sequence[int],
                          stride: "int | Sequence[int]" = 1, padding: PaddingLike = 0,
                          *, out: Optional[np.ndarray] = None) -> np.ndarray:
     """``dL/dx`` from the output gradient dy and the weights; shape ``x_shape``."""
+    if dy.shape[0] == 0:
+        geo = ConvGeometry.create(x_shape, w.shape, stride, padding)
+        geo.check("dy", dy.shape, geo.y_shape)
+        return _no_samples(dy, geo.x_shape, out)
     if _elsewhere(out, dy, w):
         if is_device_array(dy):
             return gpu_kernels().conv3d_backward_data(dy, w, x_shape, stride, padding)

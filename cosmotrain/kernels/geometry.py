@@ -81,6 +81,18 @@ def output_shape(spatial: Sequence[int], kernel: Triple, stride: Triple, padding
     return out  # type: ignore[return-value]
 
 
+def check_batch_shape(x_shape: Tuple[int, ...]) -> None:
+    """Reject anything but ``(N, C, D, H, W)`` with ``N >= 0`` and positive C, D, H, W.
+
+    ``N = 0`` is valid: a sample group holding no sample of a short batch still runs
+    every layer (its halo exchanges and collectives pair with the other ranks'), and the
+    kernels answer it with empty results (zero weight gradients) before any compute.
+    """
+    if len(x_shape) != 5 or x_shape[0] < 0 or min(x_shape[1:]) < 1:
+        raise ValueError(f"x shape must be (N, C, D, H, W) with N >= 0 and positive "
+                         f"C, D, H, W, got {x_shape}")
+
+
 @dataclass(frozen=True)
 class ConvGeometry:
     """Everything shape-related about one 3D convolution (validated on construction)."""
@@ -99,8 +111,7 @@ class ConvGeometry:
                stride: "int | Sequence[int]", padding: PaddingLike) -> "ConvGeometry":
         """Validate shapes; the ``ValueError`` names the offending argument."""
         x_shape, w_shape = tuple(int(v) for v in x_shape), tuple(int(v) for v in w_shape)
-        if len(x_shape) != 5 or min(x_shape) < 1:
-            raise ValueError(f"x shape must be (N, C, D, H, W) with positive sizes, got {x_shape}")
+        check_batch_shape(x_shape)
         if len(w_shape) != 5 or min(w_shape) < 1:
             raise ValueError(
                 f"w shape must be (F, C, kD, kH, kW) with positive sizes, got {w_shape}")

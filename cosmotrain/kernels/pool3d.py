@@ -1,7 +1,8 @@
 """3D average and max pooling for the CPU (numpy), forward and backward.
 
 Conventions as for the convolutions: NCDHW arrays, ``kernel`` and ``stride`` triples (or
-ints; ``stride=None`` means ``kernel``), asymmetric padding ``((lo, hi),) * 3``.
+ints; ``stride=None`` means ``kernel``), asymmetric padding ``((lo, hi),) * 3``; a batch of
+no sample (``N = 0``) gives empty results on any device.
 
 * average: zero padding *counted* in the divisor, which is always ``kD*kH*kW``
   (PyTorch ``count_include_pad=True``, the CosmoFlow k3 s2 p1 pooling);
@@ -30,12 +31,12 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from cosmotrain.backend import is_device_array
+from cosmotrain.backend import array_module, is_device_array
 from cosmotrain.precision import is_bf16, narrow, widen
 
 from . import _parallel, pool3d_xp
-from .geometry import (Padding, PaddingLike, Triple, normalize_padding, normalize_triple,
-                       output_shape)
+from .geometry import (Padding, PaddingLike, Triple, check_batch_shape, normalize_padding,
+                       normalize_triple, output_shape)
 
 # A chunk (channels of one sample) is reduced whole when its input block is at most
 # WHOLE_BYTES, else one output plane at a time on blocks of about BLOCK_BYTES per plane.
@@ -50,8 +51,7 @@ class _Pool:
     def __init__(self, x_shape: Sequence[int], kernel, stride, padding,
                  max_pool: bool = False) -> None:
         x_shape = tuple(int(v) for v in x_shape)
-        if len(x_shape) != 5 or min(x_shape) < 1:
-            raise ValueError(f"x shape must be (N, C, D, H, W) with positive sizes, got {x_shape}")
+        check_batch_shape(x_shape)
         self.x_shape = x_shape
         self.kernel: Triple = normalize_triple(kernel, "kernel")
         self.stride: Triple = normalize_triple(self.kernel if stride is None else stride, "stride")
@@ -61,6 +61,17 @@ class _Pool:
                              f"kernel {self.kernel} (a window of padding only has no maximum)")
         self.out: Triple = output_shape(x_shape[2:], self.kernel, self.stride, self.padding)
         self.y_shape = x_shape[:2] + self.out
+
+    @property
+    def argmax_dtype(self) -> np.dtype:
+        """int8 offsets, int16 for windows over 127 elements."""
+        return np.dtype(np.int8 if np.prod(self.kernel) <= 127 else np.int16)
+
+    @property
+    def empty(self) -> bool:
+        """No sample (a sample group left empty by a short batch): nothing to compute, on
+        any device; the results are empty arrays."""
+        return self.x_shape[0] == 0
 
     def taps(self, dim: int, e: int) -> Tuple[int, int, int]:
         """Outputs ``j0:j1`` whose tap ``e`` reads a real input; ``i0`` = input of ``j0``.
@@ -214,13 +225,14 @@ def _elsewhere(array) -> bool:
 
 def avg_pool3d_forward(x: np.ndarray, kernel, stride=None, padding: PaddingLike = 0) -> np.ndarray:
     """Average pooling, zero padding counted: divisor ``kD*kH*kW`` everywhere."""
+    pool = _Pool(x.shape, kernel, stride, padding)
+    if pool.empty:
+        return array_module(x).zeros(pool.y_shape, dtype=x.dtype)
     if _elsewhere(x):
-        pool = _Pool(x.shape, kernel, stride, padding)
         if is_bf16(x):
             return narrow(avg_pool3d_forward(widen(x), kernel, stride, padding))
         return pool3d_xp.avg_pool3d_forward(x, pool)
     x = np.ascontiguousarray(x)
-    pool = _Pool(x.shape, kernel, stride, padding)
     scale = 1.0 / int(np.prod(pool.kernel))
     return _reduce(x, pool, np.add, 0.0, lambda chunk, yb: np.multiply(yb, scale, out=yb))
 
@@ -230,6 +242,8 @@ def avg_pool3d_backward(dy: np.ndarray, x_shape: Sequence[int], kernel, stride=N
     """Gradient of :func:`avg_pool3d_forward` with respect to its input."""
     pool = _Pool(x_shape, kernel, stride, padding)
     _check_dy(dy, pool)
+    if pool.empty:
+        return array_module(dy).zeros(pool.x_shape, dtype=dy.dtype)
     if _elsewhere(dy):
         if is_bf16(dy):
             return narrow(avg_pool3d_backward(widen(dy), x_shape, kernel, stride, padding))
@@ -271,13 +285,17 @@ def max_pool3d_forward(x: np.ndarray, kernel, stride=None,
                        padding: PaddingLike = 0) -> Tuple[np.ndarray, np.ndarray]:
     """Max pooling with ``-inf`` padding; returns ``(y, argmax)`` (see module doc)."""
     pool = _Pool(x.shape, kernel, stride, padding, max_pool=True)
+    if pool.empty:
+        xp = array_module(x)
+        return (xp.zeros(pool.y_shape, dtype=x.dtype),
+                xp.zeros(pool.y_shape, dtype=pool.argmax_dtype))
     if _elsewhere(x):
         if is_bf16(x):
             y, arg = max_pool3d_forward(widen(x), kernel, stride, padding)
             return narrow(y), arg
         return pool3d_xp.max_pool3d_forward(x, pool)
     x = np.ascontiguousarray(x)
-    arg = np.zeros(pool.y_shape, dtype=np.int8 if np.prod(pool.kernel) <= 127 else np.int16)
+    arg = np.zeros(pool.y_shape, dtype=pool.argmax_dtype)
     whole = pool.whole(x.itemsize)
 
     def find_argmax(chunk, yb) -> None:
@@ -307,6 +325,8 @@ def max_pool3d_backward(dy: np.ndarray, argmax: np.ndarray, x_shape: Sequence[in
     _check_dy(dy, pool)
     if argmax.shape != dy.shape:
         raise ValueError(f"argmax shape {argmax.shape} does not match dy shape {dy.shape}")
+    if pool.empty:
+        return array_module(dy).zeros(pool.x_shape, dtype=dy.dtype)
     if _elsewhere(dy):
         if is_bf16(dy):
             return narrow(max_pool3d_backward(widen(dy), argmax, x_shape, kernel, stride,

@@ -99,7 +99,7 @@ def max_pool3d_forward(x: Any, pool: Any) -> tuple[Any, Any]:
     xp = array_module(x)
     padded = _padded(x, pool.padding, -np.inf)
     y = _reduce(padded, pool, xp.maximum)
-    arg = xp.zeros(y.shape, dtype=np.int8 if np.prod(pool.kernel) <= 127 else np.int16)
+    arg = xp.zeros(y.shape, dtype=pool.argmax_dtype)
     taps = _taps(pool)[::-1]  # the last match written is the first offset
     for offset, index in taps:
         arg[padded[index] == y] = offset

@@ -41,6 +41,18 @@ class DistBatchNorm3d(BatchNorm3d):
                 self.transport.allreduce(self.comm, sums)
         return sums
 
+    def _update_running(self, mean: Any, var: Any) -> None:
+        """The serial rule, unless the group saw no sample: then there is nothing to
+        average in (its statistics would be 0 / 0) and the running ones stay as they are.
+
+        Only ``bn_statistics: local`` meets it, on a sample group left empty by a short
+        batch (fewer samples than groups); the global statistics always count a sample.
+        """
+        if self._count > 0:
+            super()._update_running(mean, var)
+        else:
+            self.buffers["num_batches_tracked"] = self.buffers["num_batches_tracked"] + 1
+
 
 @dataclass
 class SpatialBatchNorm3d(OnBlocks, DistBatchNorm3d):

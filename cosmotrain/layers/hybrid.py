@@ -43,6 +43,7 @@ from cosmotrain.nn.layers import BatchNorm3d, Conv3d, Dropout, LeakyReLU, Pool3d
 from cosmotrain.nn.module import Context, Layer, Parameter, layer_path
 from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.tensor.distribution import Distribution
+from cosmotrain.tensor.windows import spatial_halos
 
 MIN_BLOCK_PLANES = 4
 # The ranks whose batch-norm sums are reduced, by ``parallel.bn_statistics``: in the block
@@ -63,7 +64,9 @@ def spatial_stop(model: Sequential, input_shape: tuple[int, ...], ways: tuple[in
     """Index of the first top-level layer that runs on whole samples."""
     names = [layer.name for layer in model.items]
     if until != AUTO:
-        return _named_stop(model, names, until)
+        index = _named_stop(model, names, until)
+        check_block_halos(model.items[:index], input_shape, ways, until)
+        return index
     if all(w == 1 for w in ways) and channel_ways == 1:
         return 0
     shape = input_shape
@@ -82,6 +85,44 @@ def _thin(shape: tuple[int, ...], ways: tuple[int, int, int]) -> bool:
 def has_window(layer: Layer) -> bool:
     """Whether ``layer`` contains a convolution or pooling (a layer with halos)."""
     return any(isinstance(sub, (Conv3d, Pool3d)) for sub in layer.layers())
+
+
+def check_block_halos(items: list[Layer], input_shape: tuple[int, ...],
+                      ways: tuple[int, int, int], until: str) -> None:
+    """Refuse a named stop whose block part holds a convolution or pooling the halo
+    exchange cannot serve: the engine's own rule (``tensor.windows.check_halos``, through
+    ``spatial_halos``), met here when the model is built instead of at the first step."""
+    shape = input_shape
+    for top in items:
+        for path, layer, in_shape in _windows(top, shape, ""):
+            try:
+                spatial_halos(Distribution(in_shape, (1, 1) + tuple(ways)), layer.kernel,
+                              layer.stride, layer.padding)
+            except ValueError as err:
+                reason = str(err).split(";")[0]
+                raise ConfigError("parallel.spatial_until", f"{until!r} keeps layer {path!r} "
+                                  f"on spatial blocks too thin for its halo ({reason})",
+                                  f"stop at or before {top.name!r}, use auto, or split the "
+                                  f"spatial dimensions fewer ways") from None
+        shape = top.output_shape(shape)
+
+
+def _windows(layer: Layer, shape: tuple[int, ...], prefix: str
+             ) -> Iterator[tuple[str, Any, tuple[int, ...]]]:
+    """``(dotted name, layer, input shape)`` of every convolution and pooling in ``layer``."""
+    path = layer_path(prefix, layer.name)
+    if isinstance(layer, (Conv3d, Pool3d)):
+        yield path, layer, shape
+    elif isinstance(layer, Sequential):
+        inner = f"{path}." if path else ""
+        for child in layer.items:
+            yield from _windows(child, shape, inner)
+            shape = child.output_shape(shape)
+    elif isinstance(layer, Residual):
+        inner = f"{path}." if path else ""
+        yield from _windows(layer.body, shape, inner)
+        if layer.shortcut is not None:
+            yield from _windows(layer.shortcut, shape, inner)
 
 
 def _named_stop(model: Sequential, names: list[str], until: str) -> int:

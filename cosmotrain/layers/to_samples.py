@@ -5,7 +5,8 @@ linear layers need whole samples anyway.  This layer gathers each sample group's
 partitioned activations (spatial blocks, and channel blocks when channels are split) into
 whole samples *spread over the same ranks*: the group's ``Bg`` samples are cut into
 balanced blocks over its ``P`` ranks (one all-to-all inside the group, ``grid``'s
-``model`` communicator; a rank gets no sample when ``Bg < P``).  Everything
+``model`` communicator; a rank gets no sample when ``Bg < P``, and a group with
+``Bg = 0``, left empty by a short batch, moves nothing).  Everything
 after it is plain data parallelism on local samples.  Backward is the inverse all-to-all.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from cosmotrain.backend import array_module
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.nn.module import Context, Layer
 from cosmotrain.tensor.dist_tensor import DistTensor
@@ -54,6 +56,8 @@ class ToSamples(Layer):
         self._x = (x.dist, x.coord)
         if self._comm.Get_size() == 1:
             return x.data
+        if _group_empty(x.dist, x.coord):
+            return array_module(x.data).zeros((0,) + x.dist.global_shape[1:], x.data.dtype)
         with self.grid.timers.phase("redistribution"):  # type: ignore[union-attr]
             return self._plan(x)(x.data)
 
@@ -63,5 +67,19 @@ class ToSamples(Layer):
             return None
         if self._comm.Get_size() == 1:
             return DistTensor(dy, dist, coord)
+        if _group_empty(dist, coord):
+            return DistTensor(array_module(dy).zeros(dist.local_shape(coord), dy.dtype),
+                              dist, coord)
         with self.grid.timers.phase("redistribution"):  # type: ignore[union-attr]
             return DistTensor(self._plans[dist].reverse()(dy), dist, coord)
+
+
+def _group_empty(dist: Distribution, coord: tuple[int, ...]) -> bool:
+    """Whether my sample group holds no sample of the batch (a short batch: fewer samples
+    than sample groups).
+
+    Then it has nothing to redistribute.  Every rank of the ``model`` communicator shares
+    my sample coordinate, so all of them skip the all-to-all together, and no rank
+    waits on another: skipping it on some ranks only would hang.
+    """
+    return dist.local_shape(coord)[0] == 0
