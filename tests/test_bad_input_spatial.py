@@ -16,16 +16,10 @@ import pytest
 
 from cosmotrain.config import load_config
 from cosmotrain.errors import ConfigError
-from cosmotrain.layers import hybrid
 from cosmotrain.layers.hybrid import spatial_stop
 from cosmotrain.models import build_model
 
 TIMEOUT = 120
-# The check lives in layers/hybrid.py (check_block_halos), owned by another change; until it
-# lands these tests are skipped, not failed.
-pytestmark = pytest.mark.skipif(not hasattr(hybrid, "check_block_halos"),
-                                reason="needs layers/hybrid.py check_block_halos "
-                                       "(the spatial_until halo check)")
 
 
 def model_of(name: str, width: int):  # noqa: ANN201 - a Sequential

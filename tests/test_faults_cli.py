@@ -191,6 +191,7 @@ def test_a_frozen_rank_ends_the_job_naming_it_and_the_run_resumes(tmp_path: Path
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "stale" in resumed.stdout + resumed.stderr
     straight = train(tmp_path / "straight", *extra[:2], target)
+    assert straight.returncode == 0, straight.stderr[-3000:]
     assert_same_params(final_params(out), final_params(tmp_path / "straight"))
 
 
