@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -85,3 +86,13 @@ def abort_on_error(test: Callable[..., None]) -> Callable[..., None]:
             MPI.COMM_WORLD.Abort(1)
 
     return wrapper
+
+
+def stderr_of(job: "subprocess.Popen[str]", name: str, timeout: float) -> str:
+    """Wait for ``job`` and return its stderr; a job still running after ``timeout`` s is
+    killed and the test fails naming it (a hang is the failure these tests look for)."""
+    try:
+        return job.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        job.kill()
+        pytest.fail(f"{name}: the job hung")

@@ -131,9 +131,14 @@ def errors(got: dict, ref: dict) -> dict[str, float]:
                   for i, (a, b) in enumerate(zip(got["losses"], ref["losses"]))})
     found.update({f"grad {n}": relative_error(got["grads"][n], g)
                   for n, g in ref["grads"].items()})
-    found.update({f"param {n}": relative_error(got["params"][n] - ref["initial"][n],
-                                               p - ref["initial"][n])
-                  for n, p in ref["params"].items()})
+    return {**found, **state_errors(got, ref)}
+
+
+def state_errors(got: dict, ref: dict) -> dict[str, float]:
+    """Relative error of the parameter changes and of the buffers after the run."""
+    found = {f"param {n}": relative_error(got["params"][n] - ref["initial"][n],
+                                          p - ref["initial"][n])
+             for n, p in ref["params"].items()}
     found.update({f"buffer {n}": relative_error(got["buffers"][n], b)
                   for n, b in ref["buffers"].items()})
     return found
@@ -295,12 +300,7 @@ def short_errors(got: dict, ref: dict) -> dict[str, float]:
         found[f"loss{i}"] = abs(mine["loss"] - theirs["loss"]) / abs(theirs["loss"])
         found.update({f"grad{i} {n}": relative_error(mine["grads"][n], g)
                       for n, g in theirs["grads"].items()})
-    found.update({f"param {n}": relative_error(got["params"][n] - ref["initial"][n],
-                                               p - ref["initial"][n])
-                  for n, p in ref["params"].items()})
-    found.update({f"buffer {n}": relative_error(got["buffers"][n], b)
-                  for n, b in ref["buffers"].items()})
-    return found
+    return {**found, **state_errors(got, ref)}
 
 
 def short_reference(cfg, dtype, sizes, eval_size: int) -> dict:

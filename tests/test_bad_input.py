@@ -246,7 +246,7 @@ def test_the_label_pass_reports_the_first_bad_file_in_dataset_order() -> None:
 
 def test_bad_files_print_once_under_two_ranks(template: dict[str, Path],
                                               tmp_path: Path) -> None:
-    from conftest import REPO, mpiexec, subprocess_env
+    from conftest import stderr_of, REPO, mpiexec, subprocess_env
 
     def cached(root: Path) -> Path:
         open_manifest(root, 8)  # the label cache exists: the readers meet the damage
@@ -284,11 +284,7 @@ def test_bad_files_print_once_under_two_ranks(template: dict[str, Path],
         jobs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=subprocess_env()))
     for (name, _, _, fragment), job in zip(cases, jobs):
-        try:
-            _, err = job.communicate(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            job.kill()
-            pytest.fail(f"{name}: the job hung")
+        err = stderr_of(job, name, TIMEOUT)
         assert job.returncode == 2, f"{name}: exit {job.returncode}\n{err}"
         assert err.count("cosmotrain: error:") == 1, f"{name}: {err}"
         assert err.count(fragment) == 1, f"{name}: {err}"

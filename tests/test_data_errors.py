@@ -96,7 +96,7 @@ CASES = [  # (damage, reader, prefetch, before the label cache is built)
 
 
 def test_bad_files_end_the_job_with_exit_2_naming_the_file(tmp_path: Path) -> None:
-    from conftest import mpiexec, subprocess_env
+    from conftest import stderr_of, mpiexec, subprocess_env
 
     template = make_dataset(tmp_path / "template")
     victim = f"train/sample_{second_batch_sample():06d}.hdf5"
@@ -113,11 +113,7 @@ def test_bad_files_end_the_job_with_exit_2_naming_the_file(tmp_path: Path) -> No
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env=subprocess_env())))
     for how, reader, path, job in jobs:
-        try:
-            _, err = job.communicate(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            job.kill()
-            pytest.fail(f"{how} ({reader}): the job hung")
+        err = stderr_of(job, f"{how} ({reader})", TIMEOUT)
         assert job.returncode == 2, f"{how} ({reader}): exit {job.returncode}\n{err}"
         assert f"cosmotrain: error: data file '{path}'" in err, f"{how} ({reader}): {err}"
         assert "Traceback" not in err, err

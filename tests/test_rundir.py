@@ -14,8 +14,9 @@ import pytest
 
 from cosmotrain.errors import UserError
 from cosmotrain.train import rundir
+from cosmotrain.train.run_outputs import check_fresh_directory
 from cosmotrain.train.rundir import (LOCK_NAME, LocalProcesses, LockHolder, RunDirError,
-                                     RunLock, check_fresh_directory, this_process)
+                                     RunLock, this_process)
 
 HOST = "node-a"
 STARTED = time.mktime((2026, 11, 23, 15, 2, 0, 0, 0, -1))
@@ -289,3 +290,17 @@ def test_an_output_dir_that_cannot_be_created_is_a_user_error(tmp_path: Path) ->
     (tmp_path / "file").write_text("")
     with pytest.raises(RunDirError, match=r"output.dir '.*' cannot be created .*; choose"):
         lock(tmp_path / "file" / "x", 999, FakeProbe({999: 5})).acquire()
+
+
+def test_a_zombie_holds_no_lock(tmp_path: Path) -> None:
+    """An aborted MPI rank is a zombie for a moment after mpiexec returns: its lock is
+    stale at once, so a --resume right after the abort is not refused."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child.pid}/stat").read_text().split(") ")[1][0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    try:
+        assert not LocalProcesses().alive(child.pid)
+    finally:
+        child.wait()

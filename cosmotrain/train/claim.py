@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from cosmotrain.data.collective import on_root
-from cosmotrain.train.rundir import RunLock, check_fresh_directory, this_process
+from cosmotrain.train.run_outputs import check_fresh_directory
+from cosmotrain.train.rundir import RunLock, this_process
 
 MODES = ("fresh", "resume", "overwrite")
 

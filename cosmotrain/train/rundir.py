@@ -1,4 +1,4 @@
-"""Run-directory safety: one writer per ``output.dir``, and no run mixed into another.
+"""Run-directory safety: one writer per ``output.dir`` at a time.
 
 :class:`RunLock` is a lock file ``<output.dir>/.cosmotrain.lock`` that names its holder
 (host, pid, start time, command line, Slurm job id).  It is created atomically
@@ -8,10 +8,7 @@ or now belongs to another process, told apart by its start time in ``/proc/<pid>
 is stale: it is replaced, and ``acquire`` says so.  A lock from another host cannot be
 checked and is refused with the command that removes it.
 
-:func:`check_fresh_directory` keeps a new run out of a directory that holds another run's
-outputs (checkpoints, ``metrics.jsonl``): refused, or with ``overwrite`` moved aside into
-``previous-<timestamp>/``, never deleted.  Anything else there (``data/``, config files)
-stays where it is.
+Whether the directory holds another run is :mod:`cosmotrain.train.run_outputs`'s.
 
 Pure building blocks: no MPI, no printing, no environment reads.  The caller (rank 0)
 passes who it is (:func:`this_process`) and prints the notes returned.
@@ -42,13 +39,6 @@ TAKEOVER_EXPIRY_S = 30.0
 #: how long a lock file that is still being written (empty or partial JSON) is waited for
 READ_PATIENCE_S = 2.0
 
-CHECKPOINT_DIR = "checkpoints"
-CHECKPOINT_GLOB = "ckpt_step*.h5"
-METRICS_FILE = "metrics.jsonl"
-CONFIG_FILE = "config.yaml"
-#: a previous run's outputs, moved aside together by ``overwrite`` (in this order)
-RUN_OUTPUTS = (CHECKPOINT_DIR, METRICS_FILE, CONFIG_FILE)
-MODES = ("fresh", "resume", "overwrite")
 
 
 class RunDirError(UserError):
@@ -138,6 +128,8 @@ class LocalProcesses:
     """This host's processes: ``kill(pid, 0)`` and ``/proc/<pid>/stat``."""
 
     def alive(self, pid: int) -> bool:
+        """Whether ``pid`` runs; a zombie (exited, not yet reaped: an aborted MPI rank
+        for a moment after mpiexec returns) holds nothing and counts as gone."""
         if pid <= 0:  # kill(0 or -n) would address process groups, never a lock holder
             return False
         try:
@@ -146,19 +138,23 @@ class LocalProcesses:
             return False
         except PermissionError:  # exists, owned by another user
             return True
-        return True
+        return _stat_fields(pid)[:1] != ["Z"]
 
     def start_time(self, pid: int) -> int | None:
         """Field 22 of ``/proc/<pid>/stat`` (after the parenthesised name), else None."""
         try:
-            text = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            return None
-        fields = text[text.rfind(")") + 2:].split()
-        try:
-            return int(fields[19])
+            return int(_stat_fields(pid)[19])
         except (IndexError, ValueError):
             return None
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """``/proc/<pid>/stat`` from field 3 (the state) on; empty where there is none."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return []
+    return text[text.rfind(")") + 2:].split()
 
 
 @dataclass(frozen=True)
@@ -388,102 +384,3 @@ def _fsync_dir(path: Path) -> None:
         pass  # some filesystems refuse fsync on directories
     finally:
         os.close(fd)
-
-
-# ---------------------------------------------------------- another run's outputs
-
-
-@dataclass(frozen=True)
-class RunOutputs:
-    """What of a run ``out_dir`` holds: its checkpoints and whether it has metrics."""
-
-    checkpoints: int
-    metrics: bool
-
-    @property
-    def any(self) -> bool:
-        return self.checkpoints > 0 or self.metrics
-
-    def describe(self) -> str:
-        """``3 checkpoints, metrics.jsonl``."""
-        parts = []
-        if self.checkpoints:
-            parts.append(f"{self.checkpoints} checkpoint" + "s" * (self.checkpoints != 1))
-        if self.metrics:
-            parts.append(METRICS_FILE)
-        return ", ".join(parts)
-
-
-@dataclass(frozen=True)
-class MovedAside:
-    """A previous run's outputs moved into ``dest`` by ``overwrite``."""
-
-    dest: Path
-    names: tuple[str, ...]  # as they were named in out_dir (directories with a slash)
-
-    def note(self) -> str:
-        return (f"cosmotrain: moved the previous run's outputs ({', '.join(self.names)}) to "
-                f"{self.dest}/")
-
-
-def find_run_outputs(out_dir: str | Path) -> RunOutputs:
-    """Count the run outputs in ``out_dir``: finished checkpoints, a non-empty
-    ``metrics.jsonl`` (an empty one is what a run that wrote nothing leaves)."""
-    out = Path(out_dir)
-    folder = out / CHECKPOINT_DIR
-    count = sum(1 for p in folder.glob(CHECKPOINT_GLOB) if p.is_file()) \
-        if folder.is_dir() else 0
-    metrics = out / METRICS_FILE
-    return RunOutputs(count, metrics.is_file() and metrics.stat().st_size > 0)
-
-
-def check_fresh_directory(out_dir: str | Path, mode: str, *, now: float | None = None
-                          ) -> MovedAside | None:
-    """Make sure a new run does not mix with another run's outputs in ``out_dir``.
-
-    ``mode``: ``resume`` accepts anything; ``fresh`` raises :class:`RunDirError` when
-    ``out_dir`` holds a run; ``overwrite`` moves that run's checkpoints/, metrics.jsonl and
-    config.yaml into ``out_dir/previous-<timestamp>/`` and returns what it moved (None when
-    there was no run).  Other files and directories (``data/``) stay.  Call it holding the
-    :class:`RunLock`, before the new run writes anything (its config.yaml included).
-    """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if mode == "resume":
-        return None
-    out = Path(out_dir)
-    found = find_run_outputs(out)
-    if not found.any:
-        return None
-    if mode == "fresh":
-        raise RunDirError(f"output.dir '{out}' already holds a run ({found.describe()}); "
-                          f"continue it with --resume, start over with --overwrite, or "
-                          f"choose another output.dir")
-    return _move_aside(out, time.time() if now is None else now)
-
-
-def _move_aside(out: Path, now: float) -> MovedAside:
-    dest = _new_previous_dir(out, now)
-    moved = []
-    for name in RUN_OUTPUTS:
-        source = out / name
-        if source.exists() or source.is_symlink():
-            os.rename(source, dest / name)
-            moved.append(name + "/" if (dest / name).is_dir() else name)
-    _fsync_dir(dest)
-    _fsync_dir(out)
-    return MovedAside(dest, tuple(moved))
-
-
-def _new_previous_dir(out: Path, now: float) -> Path:
-    """Create ``previous-<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``... when it exists)."""
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
-    for n in range(1, 1000):
-        dest = out / (f"previous-{stamp}" + (f"-{n}" if n > 1 else ""))
-        try:
-            dest.mkdir()
-            return dest
-        except FileExistsError:
-            continue
-    raise RunDirError(f"output.dir '{out}': too many previous-{stamp}* directories; "
-                      f"clean up or choose another output.dir")
