@@ -39,8 +39,9 @@ def claim_output_dir(out_dir: str | Path, comm: Any, mode: str,
                      job_id: str | None = None) -> Claim:
     """Lock ``out_dir`` for this run (collective).
 
-    ``mode``: ``fresh`` refuses a directory holding another run, ``overwrite`` moves that
-    run aside into ``previous-<time>/``, ``resume`` continues it.  ``job_id`` (Slurm's) is
+    ``mode``: ``fresh`` refuses a directory holding another run; ``resume`` and
+    ``overwrite`` accept it (the latter moves it aside with :func:`move_aside_outputs` once
+    the job has been built, so a config that fails its checks moves nothing).  ``job_id`` (Slurm's) is
     recorded in the lock so a refused user knows which job holds the directory.
     """
     if mode not in MODES:
@@ -56,7 +57,7 @@ def claim_output_dir(out_dir: str | Path, comm: Any, mode: str,
         stale = lock.acquire()
         held.append(lock)
         try:
-            moved = check_fresh_directory(out, mode)
+            moved = check_fresh_directory(out, "fresh" if mode == "fresh" else "resume")
         except BaseException:
             lock.release()
             raise
@@ -67,8 +68,9 @@ def claim_output_dir(out_dir: str | Path, comm: Any, mode: str,
 
 
 def move_aside_outputs(claim: Claim, comm: Any) -> list[str]:
-    """``--resume`` found no intact checkpoint: keep whatever the directory holds under
-    ``previous-<time>/`` and start afresh (collective; rank 0 moves, every rank learns)."""
+    """Keep whatever run the directory holds under ``previous-<time>/`` and start afresh
+    (``--overwrite``, or ``--resume`` with no intact checkpoint); collective: rank 0
+    moves, every rank gets the note."""
 
     def work() -> list[str]:
         moved = check_fresh_directory(claim.out_dir, "overwrite")

@@ -35,23 +35,26 @@ def run_training(cfg: Config, comm: Any, resume: bool = False, overwrite: bool =
     mode = "resume" if resume else "overwrite" if overwrite else "fresh"
     claim = claim_output_dir(cfg.output.dir, comm, mode, job_id)
     try:
-        return _train_claimed(cfg, comm, resume, claim, chosen)
+        return _train_claimed(cfg, comm, mode, claim, chosen)
     finally:
         claim.release()
 
 
-def _train_claimed(cfg: Config, comm: Any, resume: bool, claim: Claim,
+def _train_claimed(cfg: Config, comm: Any, mode: str, claim: Claim,
                    chosen: str | None) -> dict[str, Any] | None:
     rank0 = comm.Get_rank() == 0
     _say(rank0, [*claim.notes, *([chosen] if chosen else [])])
-    point = find_resume_point(claim.out_dir, cfg, comm) if resume else None
+    point = find_resume_point(claim.out_dir, cfg, comm) if mode == "resume" else None
     resumed = point is not None and point.state is not None
     if point is not None:
         _say(rank0, point.notes)
-        if not resumed:
-            _say(rank0, [*move_aside_outputs(claim, comm), f"cosmotrain: no intact "
-                         f"checkpoint under {claim.out_dir}/checkpoints: starting afresh"])
     job = build_job(cfg, comm)
+    if mode == "overwrite" or (point is not None and not resumed):
+        # only now: a config that fails its checks moves nothing
+        _say(rank0, move_aside_outputs(claim, comm))
+        if point is not None:
+            _say(rank0, [f"cosmotrain: no intact checkpoint under {claim.out_dir}/"
+                         f"checkpoints: starting afresh"])
     if job.step.device.is_gpu:
         _say(rank0, [f"device (rank 0): {job.step.device.describe()}"])
     with StopSignals() as signals, _watchdog(cfg, comm) as watchdog:
