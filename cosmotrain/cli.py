@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -186,7 +187,8 @@ def train(
         raise UserError("--resume continues the run in output.dir and --overwrite starts "
                         "a new one there: pass only one of them")
     summary = run_training(cfg, comm, resume=resume, overwrite=overwrite,
-                           job_id=os.environ.get("SLURM_JOB_ID"))
+                           job_id=os.environ.get("SLURM_JOB_ID"),
+                           before_step=fault_hook(os.environ.get(FAULT_ENV)))
     if summary is not None and summary["stop_reason"] == "interrupted":
         raise typer.Exit(EXIT_INTERRUPTED)
 
@@ -369,6 +371,22 @@ def scale_study(
     if not any(p.status == "ok" for p in results["points"]):
         raise UserError(f"scale-study: no point could run; the reasons are in "
                         f"{out / 'results.md'}")
+
+
+FAULT_ENV = "COSMOTRAIN_FAULT"  # "RANK:STEP": raise on that rank before that step (tests)
+
+
+def fault_hook(fault: str | None) -> Callable[[int, int], None] | None:
+    """Fault injection for the abort tests: ``COSMOTRAIN_FAULT=RANK:STEP`` makes that rank
+    raise before that step, as a bug would; the whole job must then end, not hang."""
+    if not fault:
+        return None
+
+    def inject(rank: int, step: int) -> None:
+        if fault == f"{rank}:{step}":
+            raise RuntimeError(f"fault injected by {FAULT_ENV}={fault}")
+
+    return inject
 
 
 def _world_size() -> int:

@@ -19,15 +19,17 @@ from cosmotrain.train.guard import StopSignals
 from cosmotrain.train.job import build_job
 from cosmotrain.train.resume import find_resume_point
 from cosmotrain.train.step import hybrid_step_from_config
-from cosmotrain.train.trainer import Trainer
+from cosmotrain.train.trainer import StepHook, Trainer
 
 
 def run_training(cfg: Config, comm: Any, resume: bool = False, overwrite: bool = False,
-                 job_id: str | None = None) -> dict[str, Any] | None:
+                 job_id: str | None = None, before_step: StepHook | None = None
+                 ) -> dict[str, Any] | None:
     """Train ``cfg`` on ``comm`` (collective); returns the summary record, or None when
     ``resume`` found the run already finished.
 
-    ``output.dir`` is claimed first (writable, locked, not another run's unless
+    ``before_step(rank, step)`` runs before every step (the CLI's fault injection for
+    the abort tests).  ``output.dir`` is claimed first (writable, locked, not another run's unless
     ``resume`` or ``overwrite``), and config.yaml is written only once the job is built
     and a resumed checkpoint has been checked against the config.
     """
@@ -35,13 +37,13 @@ def run_training(cfg: Config, comm: Any, resume: bool = False, overwrite: bool =
     mode = "resume" if resume else "overwrite" if overwrite else "fresh"
     claim = claim_output_dir(cfg.output.dir, comm, mode, job_id)
     try:
-        return _train_claimed(cfg, comm, mode, claim, chosen)
+        return _train_claimed(cfg, comm, mode, claim, chosen, before_step)
     finally:
         claim.release()
 
 
-def _train_claimed(cfg: Config, comm: Any, mode: str, claim: Claim,
-                   chosen: str | None) -> dict[str, Any] | None:
+def _train_claimed(cfg: Config, comm: Any, mode: str, claim: Claim, chosen: str | None,
+                   before_step: StepHook | None) -> dict[str, Any] | None:
     rank0 = comm.Get_rank() == 0
     _say(rank0, [*claim.notes, *([chosen] if chosen else [])])
     point = find_resume_point(claim.out_dir, cfg, comm) if mode == "resume" else None
@@ -58,7 +60,7 @@ def _train_claimed(cfg: Config, comm: Any, mode: str, claim: Claim,
     if job.step.device.is_gpu:
         _say(rank0, [f"device (rank 0): {job.step.device.describe()}"])
     with StopSignals() as signals, _watchdog(cfg, comm) as watchdog:
-        trainer = Trainer(job, signals, watchdog)
+        trainer = Trainer(job, signals, watchdog, before_step)
         if rank0:  # the config has passed every check: the job is built, the resume fits
             save_resolved(cfg, job.out_dir)
         if resumed:

@@ -9,8 +9,8 @@ uninterrupted run would be: same batches, same masks, same rates, same losses.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +29,7 @@ from cosmotrain.train.progress import TrainProgress
 from cosmotrain.train.schedule import build_schedule
 from cosmotrain.train.snapshot import full_state, restore
 
-FAULT_ENV = "COSMOTRAIN_FAULT"  # "RANK:STEP": raise on that rank before that step (tests)
+StepHook = Callable[[int, int], None]  # (rank, step about to run): the tests' fault hook
 
 
 @dataclass
@@ -58,8 +58,10 @@ class Trainer:
     target MAE, whichever comes first."""
 
     def __init__(self, job: Job, signals: StopSignals | None = None,
-                 watchdog: Watchdog | None = None) -> None:
+                 watchdog: Watchdog | None = None, before_step: StepHook | None = None
+                 ) -> None:
         self.job, self.cfg = job, job.cfg
+        self.before_step = before_step
         self.signals = signals if signals is not None else StopSignals(())
         self.watchdog = watchdog
         self.last_checkpoint: str | None = None
@@ -137,7 +139,8 @@ class Trainer:
                     progress: TrainProgress) -> bool:
         """One optimizer step; True when some rank asked to stop (agreed on every rank)."""
         job = self.job
-        _inject_fault(job.rank, pos.step)
+        if self.before_step is not None:
+            self.before_step(job.rank, pos.step)
         started = time.perf_counter()
         batch = self.train_reader.batch(pos.epoch, index)
         lr = self.schedule(pos.step, self.per_epoch)
@@ -278,10 +281,3 @@ class Trainer:
             stop_reason=out.reason, time_s=out.totals or metrics.time_breakdown(0.0, {}),
             memory_hwm_mib=self._memory())
 
-
-def _inject_fault(rank: int, step: int) -> None:
-    """Fault injection for the abort tests: ``COSMOTRAIN_FAULT=RANK:STEP`` makes that rank
-    raise before that step, as a bug would; the whole job must then end, not hang."""
-    fault = os.environ.get(FAULT_ENV)
-    if fault and fault == f"{rank}:{step}":
-        raise RuntimeError(f"fault injected by {FAULT_ENV}={fault}")
