@@ -26,8 +26,8 @@ from cosmotrain.kernels.loss import mse_backward, mse_sum  # noqa: E402
 from cosmotrain.models import build_model  # noqa: E402
 from cosmotrain.nn.module import Context  # noqa: E402
 from cosmotrain.nn.profile import LayerTimer  # noqa: E402
-from cosmotrain.perf.flops import training_flops  # noqa: E402
-from cosmotrain.perf.memory import training_memory  # noqa: E402
+from cosmotrain.plan.flops import training_flops  # noqa: E402
+from cosmotrain.plan.memory import training_memory  # noqa: E402
 from cosmotrain.train.optim import Adam  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""CosmoFlow's convolutions on one GPU: cosmotrain.gpu (cuDNN and gemm) against PyTorch.
+"""CosmoFlow's convolutions on one GPU: cosmotrain.kernels.cuda (cuDNN, gemm) vs PyTorch.
 
     python benchmarks/bench_gpu.py [--width 128] [--batch 1 8 32]
         [--precisions fp32 tf32 bf16] [--algorithms cudnn gemm] [--layouts ndhwc ncdhw]
@@ -8,12 +8,12 @@ What is timed.  For every batch size, precision (fp32; tf32 = fp32 storage with 
 tensor-core math; bf16 = bfloat16 storage, fp32 accumulation) and algorithm: the
 convolutions of the default ``cosmoflow`` model at width W (conv1..conv7, shapes taken
 from the model the trainer builds), each as forward + wgrad + dgrad (no dgrad for conv1,
-as in training), through :mod:`cosmotrain.gpu.conv` on cupy arrays.  Figures are
+as in training), through :mod:`cosmotrain.kernels.cuda.conv` on cupy arrays.  Figures are
 samples/s of that convolution work (batch / sum of the per-layer medians, CUDA events)
 and the per-layer milliseconds (JSON).  These are the layers that hold nearly all of a
 CosmoFlow step's FLOPs; the engine's other layers and the optimizer on cupy are not part
-of cosmotrain.gpu, so the cosmotrain columns are *convolution* throughput, not whole
-training steps (``benchmarks/bench_step.py`` times those).
+of cosmotrain.kernels.cuda.conv, so the cosmotrain columns are *convolution* throughput,
+not whole training steps (``benchmarks/bench_step.py`` times those).
 
 PyTorch (when ``import torch`` works with CUDA): the same convolutions
 (``F.conv3d``, ``torch.nn.grad.conv3d_weight`` / ``conv3d_input``; eager, NCDHW, cuDNN
@@ -47,8 +47,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from cosmotrain.config.schema import ModelConfig  # noqa: E402
-from cosmotrain.gpu import conv as gpu_conv  # noqa: E402
-from cosmotrain.gpu.settings import ConvSettings, configure  # noqa: E402
+from cosmotrain.kernels.cuda import conv as gpu_conv  # noqa: E402
+from cosmotrain.kernels.cuda.settings import ConvSettings, configure  # noqa: E402
 from cosmotrain.kernels.geometry import ConvGeometry  # noqa: E402
 from cosmotrain.models import build_model  # noqa: E402
 from cosmotrain.nn.layers import Conv3d  # noqa: E402
@@ -156,7 +156,7 @@ def layer_operands(cupy, layer: ConvLayer, batch: int, dtype, seed: int = 0):
 
 
 def ours_layer_ms(cupy, layer: ConvLayer, batch: int, dtype, repeats: int) -> Dict[str, float]:
-    """Median ms of forward, wgrad (and dgrad) of one layer through cosmotrain.gpu.conv."""
+    """Median ms of forward, wgrad (and dgrad) of one layer through kernels.cuda.conv."""
     x, w, dy = layer_operands(cupy, layer, batch, dtype)
     ops = {"fwd": lambda: gpu_conv.conv3d_forward(x, w, layer.stride, layer.padding),
            "wgrad": lambda: gpu_conv.conv3d_backward_filter(x, dy, w.shape, layer.stride,
@@ -254,7 +254,7 @@ _skipped: set = set()
 
 
 def select(algo: str, precision: str, layout: str) -> bool:
-    """Configure cosmotrain.gpu; False (and one message) when ``algo`` is unavailable.
+    """Configure cosmotrain.kernels.cuda; False (and one message) when ``algo`` is unavailable.
 
     cuDNN is requested as ``auto`` so that a missing cuDNN skips its columns instead of
     raising; the resolved algorithm tells which one runs.

@@ -42,8 +42,8 @@ from mpi4py import MPI
 
 from cosmotrain.config.load import load_config
 from cosmotrain.data.direct import DirectReader
+from cosmotrain.data.open import make_reader, open_dataset
 from cosmotrain.data.placement import BlockPlacement
-from cosmotrain.data.readers import make_reader, open_dataset
 
 MIB = float(1 << 20)
 

@@ -3,8 +3,8 @@
     python benchmarks/projection.py                          # Markdown on stdout
     python benchmarks/projection.py --out docs/PROJECTION.md  # refresh the generated part
 
-No training and no MPI: every figure is :mod:`cosmotrain.perf`'s prediction for the
-``v100-abci``, ``a100`` and ``h100`` presets (:mod:`cosmotrain.perf.presets`), 4 GPUs (one
+No training and no MPI: every figure is :mod:`cosmotrain.plan`'s prediction for the
+``v100-abci``, ``a100`` and ``h100`` presets (:mod:`cosmotrain.plan.presets`), 4 GPUs (one
 rank each) per node, the default ``cosmoflow`` network (no batch norm, no dropout, Adam),
 set beside the published figures of REFERENCE.md:
 
@@ -40,14 +40,14 @@ from pathlib import Path
 from cosmotrain.config import load_config
 from cosmotrain.config.schema import Config
 from cosmotrain.models import build_model
-from cosmotrain.perf.cost import predict
-from cosmotrain.perf.flops import training_flops
-from cosmotrain.perf.machine import Fit, LinkModel, MachineModel
-from cosmotrain.perf.memory import workload_memory
-from cosmotrain.perf.planner import (REFUSED, Planned, candidates, default_memory_per_rank,
+from cosmotrain.plan.cost import predict
+from cosmotrain.plan.flops import training_flops
+from cosmotrain.plan.machine import Fit, LinkModel, MachineModel
+from cosmotrain.plan.memory import workload_memory
+from cosmotrain.plan.planner import (REFUSED, Planned, candidates, default_memory_per_rank,
                                      load_machine)
-from cosmotrain.perf.strategy import Strategy, parse_strategy
-from cosmotrain.perf.workload import build_workload
+from cosmotrain.plan.strategy import Strategy, parse_strategy
+from cosmotrain.plan.workload import build_workload
 
 GiB = 2.0 ** 30
 GPUS_PER_NODE = 4
@@ -149,7 +149,7 @@ def _priced(cfg: Config, strategy: Strategy, machines: list[Target], model
 
 
 def plan_targets(cfg: Config, ranks: int, machines: list[Target]) -> dict[str, list[Planned]]:
-    """:func:`cosmotrain.perf.planner.plan` on several presets at once, unfiltered.
+    """:func:`cosmotrain.plan.planner.plan` on several presets at once, unfiltered.
 
     The same candidates, workloads and ranking as the planner (fastest first), but each
     workload is built once and priced on every preset (the workload does not depend on

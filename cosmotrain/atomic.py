@@ -7,6 +7,12 @@ see a half-written file.  A failure the disk reports (``ENOSPC``, ``EDQUOT``, ``
 ``EACCES``, ``EIO``...) removes the temporary file and raises
 :class:`~cosmotrain.errors.WriteError`, a one-line user error (exit 2) naming the file.
 
+``<name>.tmp`` suits a file that one process writes.  Where several processes may write
+the same file at once (the leaders of the nodes staging onto one shared directory, two
+jobs caching one dataset's manifest), ``unique=True`` takes a hidden temporary name no
+other process can pick, ``.<name>.<pid>.<random>.tmp``: each writer renames its own
+complete file, and the last rename wins.
+
 HDF5 files are built in memory (:func:`hdf5_image`) and written here with plain
 ``os.write``: HDF5's own writes on a full disk can crash the process (h5py 3.x segfaulted in
 ``flush`` when a small file hit ``ENOSPC``), while ``os.write`` always reports an
@@ -19,6 +25,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,15 +40,16 @@ _NO_DIR_FSYNC = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, err
 
 
 def write_atomically(final: Path, write: Callable[[Path], None],
-                     where: str = "output.dir") -> Path:
+                     where: str = "output.dir", *, unique: bool = False) -> Path:
     """Call ``write(tmp)`` to fill a temporary file, then rename it to ``final``.
 
     An ``OSError`` from ``write``, the fsync or the rename becomes a :class:`WriteError`
     naming ``final`` (``where`` names the setting to change in its fix); any other exception
     propagates unchanged.  Either way the temporary file is gone and ``final`` is as before.
+    ``unique`` picks a temporary name of this call's own (see :func:`temporary_path`).
     """
     final = Path(final)
-    tmp = final.with_name(final.name + TMP_SUFFIX)
+    tmp = temporary_path(final, unique)
     try:
         write(tmp)
         _fsync_file(tmp)
@@ -59,8 +67,20 @@ def write_atomically(final: Path, write: Callable[[Path], None],
     return final
 
 
+def temporary_path(final: Path, unique: bool = False) -> Path:
+    """Where :func:`write_atomically` fills ``final``: ``<name>.tmp`` beside it, or with
+    ``unique`` a hidden name of this call's own, ``.<name>.<pid>.<8 hex digits>.tmp`` (the
+    random part tells apart processes with the same pid on two nodes)."""
+    final = Path(final)
+    if unique:
+        return final.with_name(f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}"
+                               f"{TMP_SUFFIX}")
+    return final.with_name(final.name + TMP_SUFFIX)
+
+
 def write_bytes_atomically(final: Path, data: bytes | bytearray | memoryview,
-                           where: str = "output.dir", mode: int = FILE_MODE) -> Path:
+                           where: str = "output.dir", mode: int = FILE_MODE, *,
+                           unique: bool = False) -> Path:
     """Write ``data`` as the whole of ``final`` (atomically; mode ``mode`` less the umask)."""
     def write(tmp: Path) -> None:
         _remove(tmp)  # a crashed run's leftover keeps its old mode under O_TRUNC
@@ -69,23 +89,23 @@ def write_bytes_atomically(final: Path, data: bytes | bytearray | memoryview,
             write_all(fd, data)
         finally:
             os.close(fd)
-    return write_atomically(final, write, where)
+    return write_atomically(final, write, where, unique=unique)
 
 
 def write_text_atomically(final: Path, text: str, where: str = "output.dir",
-                          mode: int = FILE_MODE) -> Path:
+                          mode: int = FILE_MODE, *, unique: bool = False) -> Path:
     """Write ``text`` (UTF-8) as the whole of ``final``, atomically."""
-    return write_bytes_atomically(final, text.encode("utf-8"), where, mode)
+    return write_bytes_atomically(final, text.encode("utf-8"), where, mode, unique=unique)
 
 
 def write_hdf5_atomically(final: Path, fill: Callable[[Any], None],
-                          where: str = "output.dir") -> Path:
+                          where: str = "output.dir", *, unique: bool = False) -> Path:
     """Build an HDF5 file in memory with ``fill(h5py.File)``, then write it atomically.
 
     ``fill`` runs before anything touches the disk: its errors (a bad value) leave no file
     at all.
     """
-    return write_bytes_atomically(final, hdf5_image(fill), where)
+    return write_bytes_atomically(final, hdf5_image(fill), where, unique=unique)
 
 
 def hdf5_image(fill: Callable[[Any], None]) -> memoryview:

@@ -234,8 +234,8 @@ def calibrate(
     """Fit the performance model's constants on this machine (run under mpiexec -n P)."""
     from cosmotrain.comm import world
     from cosmotrain.config import load_config
-    from cosmotrain.perf.calibrate import Settings, calibrate as run_calibration
-    from cosmotrain.perf.planner import default_machine_path
+    from cosmotrain.plan.planner import default_machine_path
+    from cosmotrain.study.calibrate import Settings, calibrate as run_calibration
 
     cfg = load_config(config_file, overrides or [])
     comm = world()
@@ -269,8 +269,8 @@ def plan(
 ) -> None:
     """Rank the parallel strategies for a config on P ranks by predicted step time."""
     from cosmotrain.config import load_config
-    from cosmotrain.perf.plan_report import plan_json, plan_table, write_applied
-    from cosmotrain.perf.planner import load_machine, plan as make_plan
+    from cosmotrain.plan.planner import load_machine, plan as make_plan
+    from cosmotrain.plan.report import plan_json, plan_table, write_applied
 
     cfg = load_config(config_file, overrides or [])
     model = load_machine(machine)
@@ -336,9 +336,9 @@ def scale_study(
 ) -> None:
     """Measured strong or weak scaling: one short training run per point, tables, plots,
     measured vs predicted."""
-    from cosmotrain.perf.study import StudySpec, reprice, run_study
-    from cosmotrain.perf.study_points import parse_ranks, parse_strategy_names
-    from cosmotrain.perf.study_report import load_results, render, write_results
+    from cosmotrain.study.scale import StudySpec, reprice, run_study
+    from cosmotrain.study.points import parse_ranks, parse_strategy_names
+    from cosmotrain.study.report import load_results, render, write_results
 
     if report is not None:
         results = load_results(report)

@@ -15,6 +15,8 @@ import subprocess
 from typing import Any
 
 import cosmotrain
+from cosmotrain.device.probe import nccl_loads
+from cosmotrain.device.xp import import_cupy
 
 
 def package_versions() -> dict[str, str]:
@@ -91,11 +93,9 @@ def _cuda_devices() -> str:
 
 
 def _nccl_status() -> str:
-    from cosmotrain.backend import _cupy, _nccl_loads
-
-    if _cupy() is None:
+    if import_cupy()[0] is None:
         return "not available (cupy does not import)"
-    if not _nccl_loads():
+    if not nccl_loads():
         return "not loadable (pip install 'nvidia-nccl-cu12>=2.18.1,<3')"
     from cupy.cuda import nccl  # type: ignore[import-not-found]
 

@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 from equivalence import full_gradients, gather_rows, relative_error
 
-from cosmotrain.backend import Device, to_host
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.load import load_config
 from cosmotrain.config.parallel import resolve_parallel
+from cosmotrain.device.select import Device
+from cosmotrain.device.xp import to_host
 from cosmotrain.nn.module import Context
 from cosmotrain.precision import widen
 from cosmotrain.tensor.dist_tensor import DistTensor

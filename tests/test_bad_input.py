@@ -19,8 +19,8 @@ import h5py
 import numpy as np
 import pytest
 
+from cosmotrain.comm.collective import together
 from cosmotrain.data import formats
-from cosmotrain.data.collective import together
 from cosmotrain.data.datagen import generate_dataset
 from cosmotrain.data.manifest import open_manifest
 from cosmotrain.data.transform import check_domain
@@ -168,7 +168,7 @@ def test_the_readers_refuse_bad_volumes(template: dict[str, Path], tmp_path: Pat
     """End to end in one process: the readers' own reads meet the damage."""
     from cosmotrain.config.load import load_config
     from cosmotrain.data.placement import BlockPlacement
-    from cosmotrain.data.readers import make_readers, open_dataset
+    from cosmotrain.data.open import make_readers, open_dataset
 
     for dtype, change, fragment in [
             ("float32", lambda v: v.__setitem__((0, 0, 0, 1), np.nan), "non-finite"),

@@ -26,7 +26,7 @@ from equivalence import (STEPS, adam64_failures, broadcast_refs, everyone_failur
 
 from cosmotrain.kernels import _parallel
 from cosmotrain.layers.channel_conv import ChannelConv3d
-from cosmotrain.layers.channel_split import comm_volume
+from cosmotrain.tensor.channel_split import comm_volume
 
 RTOL = 1e-4
 MODELS = {

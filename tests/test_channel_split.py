@@ -10,10 +10,10 @@ import pytest
 from cosmotrain.config.load import load_config
 from cosmotrain.errors import ConfigError
 from cosmotrain.layers.channel_plan import plan_channels
-from cosmotrain.layers.channel_split import (ChannelBlocks, Factor, algorithm_factor,
-                                             choose_algorithm, comm_volume, fine_block)
 from cosmotrain.layers.shards import Shard, gather_full
 from cosmotrain.models import build_model
+from cosmotrain.tensor.channel_split import (ChannelBlocks, Factor, algorithm_factor,
+                                             choose_algorithm, comm_volume, fine_block)
 
 SHAPES = [(4, 16), (16, 32), (5, 3), (3, 7), (64, 64)]
 FACTORS = [Factor(1, 1), Factor(2, 1), Factor(1, 2), Factor(2, 2), Factor(4, 2), Factor(2, 4),

@@ -21,14 +21,14 @@ from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.parallel import ParallelLayout
 from cosmotrain.kernels.conv3d import conv3d_forward
 from cosmotrain.kernels.geometry import normalize_padding, normalize_triple, output_size
-from cosmotrain.layers.conv import REDO_SHELL_MAX, SpatialConv3d
-from cosmotrain.layers.interior import (Box, ConvDim, OverlapPlan, box_shape, box_slices,
-                                        conv_dim, input_window, interior_range, intersect,
-                                        onion, overlap_plan, run_sub_conv)
+from cosmotrain.layers.conv import SpatialConv3d
 from cosmotrain.nn.layers import Conv3d
 from cosmotrain.nn.module import Context, Parameter
 from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.tensor.distribution import Distribution
+from cosmotrain.tensor.interior import (REDO_SHELL_MAX, Box, ConvDim, OverlapPlan, box_shape,
+                                        box_slices, conv_dim, input_window, interior_range,
+                                        intersect, onion, overlap_plan, run_sub_conv)
 from cosmotrain.tensor.windows import halo_plans, window_halos
 
 

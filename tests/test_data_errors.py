@@ -34,7 +34,7 @@ def run_job(root: str, reader: str, prefetch: str) -> None:
     from cosmotrain.cli import report_user_error
     from cosmotrain.config.load import load_config
     from cosmotrain.data.placement import BlockPlacement
-    from cosmotrain.data.readers import make_readers, open_dataset
+    from cosmotrain.data.open import make_readers, open_dataset
     from cosmotrain.errors import EXIT_USER_ERROR, UserError
 
     comm = MPI.COMM_WORLD

@@ -5,7 +5,9 @@ sample index -> (file, sub-cube) map, labels and per-sample means, and the error
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from pathlib import Path
 
 import h5py
@@ -112,6 +114,33 @@ def test_read_only_dataset_caches_in_the_cache_dir(tmp_path: Path,
     assert not (tmp_path / "data" / SCAN_CACHE_NAME).exists()
     again = open_manifest(tmp_path / "data", 4, cache_dir=str(tmp_path / "cache"))
     np.testing.assert_array_equal(again.labels["train"], manifest.labels["train"])
+
+
+def test_caches_are_written_atomically_and_a_refused_write_is_no_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scan and the tables are cached through temporary names of the process's own
+    (two jobs may cache one dataset at once); a disk that refuses them costs a rescan next
+    time, never the job."""
+    write_universes(tmp_path / "data", 4, 2, "channels-last", "int16")
+    real = os.replace
+    renamed: list[tuple[str, str]] = []
+
+    def replace(src: object, dst: object) -> None:
+        renamed.append((Path(str(src)).name, Path(str(dst)).name))
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(os, "replace", replace)
+    manifest = open_manifest(tmp_path / "data", 4, means=True)
+    assert manifest.count("train") == 2 and manifest.means is not None
+    assert sorted(dst for _, dst in renamed) == sorted(
+        [SCAN_CACHE_NAME, LABELS_NAME, means_name(4)])
+    for src, dst in renamed:
+        assert src.startswith(f".{dst}.{os.getpid()}.") and src.endswith(".tmp"), src
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["train", "validation"]
+    monkeypatch.setattr(os, "replace", real)
+    again = open_manifest(tmp_path / "data", 4, means=True)
+    np.testing.assert_array_equal(again.means["train"], manifest.means["train"])
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == sorted(
+        [SCAN_CACHE_NAME, LABELS_NAME, means_name(4), "train", "validation"])
 
 
 def test_transforms() -> None:

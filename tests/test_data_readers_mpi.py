@@ -29,8 +29,8 @@ from cosmotrain.config.load import load_config
 from cosmotrain.data import order
 from cosmotrain.data.datagen import generate_dataset
 from cosmotrain.data.manifest import open_manifest
+from cosmotrain.data.open import make_readers, open_dataset
 from cosmotrain.data.placement import BlockPlacement
-from cosmotrain.data.readers import make_readers, open_dataset
 from cosmotrain.errors import ConfigError
 
 DATASETS = {  # name -> config overrides

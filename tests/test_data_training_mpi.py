@@ -22,8 +22,8 @@ from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.load import load_config
 from cosmotrain.config.parallel import resolve_parallel
 from cosmotrain.data.datagen import generate_dataset
+from cosmotrain.data.open import make_reader, open_dataset
 from cosmotrain.data.placement import BlockPlacement
-from cosmotrain.data.readers import make_reader, open_dataset
 from cosmotrain.kernels import _parallel
 from cosmotrain.nn.module import Context
 from cosmotrain.train.step import hybrid_step_from_config

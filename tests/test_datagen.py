@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 from pathlib import Path
 
 import h5py
@@ -230,3 +232,25 @@ def test_unwritable_output_is_a_user_error(tmp_path: Path) -> None:
     not_a_directory.write_text("")
     with pytest.raises(UserError, match="cannot prepare output directory.*--out"):
         datagen.generate_dataset(not_a_directory, 2, 8, 0)
+
+
+@pytest.mark.parametrize("fails", ["sample", "manifest"])
+def test_a_failed_write_is_one_line_naming_the_file(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    fails: str) -> None:
+    """Samples and the manifest go through the atomic writer: the disk's refusal is one
+    collective line naming the file, and no ``.tmp`` is left."""
+    failed = tmp_path / ("manifest.json" if fails == "manifest" else "train/sample_000000.hdf5")
+    real = os.replace
+
+    def replace(src: object, dst: object) -> None:
+        if Path(str(dst)) == failed:
+            raise OSError(errno.EROFS, "Read-only file system")
+        real(src, dst)
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(UserError) as info:
+        datagen.generate_dataset(tmp_path, 3, 8, 0, comm=FakeComm(0, 1))
+    assert str(info.value) == (f"cannot write '{failed}': Read-only file system; the "
+                               f"filesystem is read-only: choose another --out")
+    assert info.value.collective
+    assert not list(tmp_path.rglob("*.tmp")) and not failed.exists()

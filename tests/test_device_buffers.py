@@ -1,4 +1,4 @@
-"""The device-buffer layer (``comm/device_buffers.py``) without a GPU.
+"""The transports (``cosmotrain/device/transport/``) without a GPU.
 
 * numpy arrays: every call hands MPI the caller's own array (no copy, no staging), and
   bfloat16 travels as a uint16 view of the same memory;
@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from conftest import abort_on_error
 
-from cosmotrain.comm.device_buffers import DeviceBuffers, displacements
+from cosmotrain.device.transport import displacements
+from cosmotrain.device.transport import make_transport as DeviceBuffers
 from cosmotrain.precision import bfloat16
 
 

@@ -1,7 +1,7 @@
 """The ``device`` section: schema, shorthand, validation, GPU binding (no GPU needed).
 
 Device selection is a pure function of the config and every rank's probe
-(:func:`cosmotrain.backend.decide`), so the rules are tested here with made-up probes:
+(:func:`cosmotrain.device.select.decide`), so the rules are tested here with made-up probes:
 nodes with and without cupy or devices, NCCL, several ranks per GPU.  The CLI tests
 replace the machine probe with a fake, so they mean the same on a GPU machine.
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from cosmotrain import backend
-from cosmotrain.backend import Device, Probe, bind, decide, host_device
 from cosmotrain.config.load import load_config
 from cosmotrain.config.schema import DeviceConfig
+from cosmotrain.device import select as backend
+from cosmotrain.device.select import Device, Probe, bind, decide, host_device
 from cosmotrain.errors import ConfigError
 
 

@@ -1,4 +1,4 @@
-"""The GPU convolution package (cosmotrain.gpu) against the CPU kernels.
+"""The GPU convolution package (cosmotrain.kernels.cuda) against the CPU kernels.
 
 Runs everywhere (numpy):
 * the im2col + GEMM fallback (``conv_gemm``), which is written against the array module of
@@ -27,10 +27,10 @@ import numpy as np
 import pytest
 from numpy.lib.stride_tricks import as_strided
 
-from cosmotrain.gpu import conv, conv_cudnn, conv_gemm, settings
-from cosmotrain.gpu.settings import ConvSettings
 from cosmotrain.kernels.conv3d import (conv3d_backward_data, conv3d_backward_filter,
                                        conv3d_forward)
+from cosmotrain.kernels.cuda import conv, conv_cudnn, conv_gemm, settings
+from cosmotrain.kernels.cuda.settings import ConvSettings
 from cosmotrain.kernels.geometry import ConvGeometry, normalize_padding
 
 # N, C, F, spatial, kernel, stride, padding
@@ -245,7 +245,7 @@ def test_cublas_math_switches_and_restores(monkeypatch, caplog) -> None:
     assert linalg.sets == [7, 1]
     monkeypatch.setattr(settings, "_cupy_linalg", lambda: None)
     monkeypatch.setattr(settings, "_warned_no_switch", False)
-    with caplog.at_level(logging.WARNING, logger="cosmotrain.gpu"):
+    with caplog.at_level(logging.WARNING, logger="cosmotrain.kernels.cuda"):
         for _ in range(2):
             with settings.cublas_math(fake_cupy, True):
                 pass
@@ -277,7 +277,7 @@ def test_auto_is_resolved_once_per_configure_and_logged(monkeypatch, caplog) -> 
     probes = []
     monkeypatch.setattr(conv, "cudnn_status",
                         lambda: probes.append(1) or (False, "import cudnn failed"))
-    with caplog.at_level(logging.INFO, logger="cosmotrain.gpu"):
+    with caplog.at_level(logging.INFO, logger="cosmotrain.kernels.cuda"):
         assert conv.algorithm()[0] == "gemm"
         assert conv.algorithm()[0] == "gemm"
         settings.configure(ConvSettings(algorithm="auto"))
@@ -447,7 +447,7 @@ def test_dispatch_runs_cudnn_and_falls_back_to_gemm(monkeypatch, caplog) -> None
             raise conv_cudnn.CudnnUnsupported(f"no engine for {call.op}")
 
     monkeypatch.setattr(conv, "default_runner", lambda: Unsupported())
-    with caplog.at_level(logging.WARNING, logger="cosmotrain.gpu"):
+    with caplog.at_level(logging.WARNING, logger="cosmotrain.kernels.cuda"):
         for _ in range(2):
             for op in OPS:
                 assert rel_error(run_op(conv, op, x, w, dy, stride, pad),

@@ -46,7 +46,7 @@ from conftest import abort_on_error  # noqa: E402
 from equivalence import relative_error  # noqa: E402
 from precision_runs import over, precision_errors, step_run  # noqa: E402
 
-from cosmotrain.comm.device_buffers import DeviceBuffers  # noqa: E402
+from cosmotrain.device.transport import make_transport as DeviceBuffers  # noqa: E402
 from cosmotrain.kernels import (activation, batchnorm, conv3d, dropout, linear, loss,  # noqa: E402
                                 pool3d)
 from cosmotrain.precision import bfloat16, widen  # noqa: E402
@@ -131,7 +131,7 @@ def test_kernels_on_the_gpu_match_the_cpu(dtype, rtol, gemm_rtol) -> None:
 
 @pytest.mark.parametrize("precision, rtol", [("fp32", 1e-4), ("tf32", 5e-3), ("bf16", 1e-2)])
 def test_convolutions_through_the_engine(precision, rtol) -> None:
-    from cosmotrain.gpu.settings import ConvSettings, configure, current
+    from cosmotrain.kernels.cuda.settings import ConvSettings, configure, current
 
     before = current()
     configure(ConvSettings(math="tf32" if precision == "tf32" else "fp32"))
@@ -212,7 +212,7 @@ def test_ranks_sharing_the_gpu_with_spatial_splits_match_the_cpu() -> None:
 def test_nccl_collectives_on_one_rank() -> None:
     from mpi4py import MPI
 
-    from cosmotrain.backend import _nccl_loads
+    from cosmotrain.device.probe import nccl_loads as _nccl_loads
 
     if not _nccl_loads():
         pytest.skip("cupy.cuda.nccl does not load (pip install nvidia-nccl-cu12)")

@@ -11,15 +11,15 @@ import pytest
 from mpi4py import MPI
 
 from cosmotrain.config import load_config
-from cosmotrain.perf import layer_timing
-from cosmotrain.perf.calibrate import _channel_block, candidate_workloads
-from cosmotrain.perf.cost import layer_elements, layer_key, layer_seconds, shape_key
-from cosmotrain.perf.layer_timing import (StepTimer, capped, layer_curves, level_sequences,
-                                          make_layer, slowest_step_shares, timed_sequence)
-from cosmotrain.perf.machine import Curve, MachineModel
-from cosmotrain.perf.planner import candidates
-from cosmotrain.perf.strategy import Strategy
-from cosmotrain.perf.workload import build_workload
+from cosmotrain.plan.cost import layer_elements, layer_key, layer_seconds, shape_key
+from cosmotrain.plan.machine import Curve, MachineModel
+from cosmotrain.plan.planner import candidates
+from cosmotrain.plan.strategy import Strategy
+from cosmotrain.plan.workload import build_workload
+from cosmotrain.study import layer_timing
+from cosmotrain.study.calibrate import _channel_block, candidate_workloads
+from cosmotrain.study.layer_timing import (StepTimer, capped, layer_curves, level_sequences,
+                                           make_layer, slowest_step_shares, timed_sequence)
 
 CFG = load_config(None, ["model.width=32", "train.batch_size=4"])
 

@@ -6,8 +6,8 @@ import pytest
 
 from cosmotrain.config.schema import ModelConfig
 from cosmotrain.models import build_model
-from cosmotrain.perf.flops import layer_costs, training_flops
-from cosmotrain.perf.memory import training_memory
+from cosmotrain.plan.flops import layer_costs, training_flops
+from cosmotrain.plan.memory import training_memory
 
 
 def test_cosmoflow_flops_at_128() -> None:

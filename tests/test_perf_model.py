@@ -14,13 +14,13 @@ import pytest
 
 from cosmotrain.config import load_config
 from cosmotrain.errors import UserError
-from cosmotrain.perf.cost import layer_key, predict
-from cosmotrain.perf.machine import Curve, Fit, LinkModel, MachineModel
-from cosmotrain.perf.planner import load_machine, plan
-from cosmotrain.perf.presets import PRESETS
-from cosmotrain.perf.strategy import (Strategy, enumerate_strategies, factorisations,
+from cosmotrain.plan.cost import layer_key, predict
+from cosmotrain.plan.machine import Curve, Fit, LinkModel, MachineModel
+from cosmotrain.plan.planner import load_machine, plan
+from cosmotrain.plan.presets import PRESETS
+from cosmotrain.plan.strategy import (Strategy, enumerate_strategies, factorisations,
                                       parse_strategy)
-from cosmotrain.perf.workload import build_workload
+from cosmotrain.plan.workload import build_workload
 
 
 def config(*sets: str):

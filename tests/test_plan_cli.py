@@ -12,7 +12,7 @@ import yaml
 from conftest import REPO, mpiexec, subprocess_env
 
 from cosmotrain.config import load_config
-from cosmotrain.perf.machine import MachineModel
+from cosmotrain.plan.machine import MachineModel
 
 TINY = ["model.name=tiny", "model.width=16", "train.batch_size=4"]
 

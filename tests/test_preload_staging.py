@@ -17,8 +17,8 @@ from test_data_manifest import write_universes
 from cosmotrain.config.load import load_config
 from cosmotrain.data import staging
 from cosmotrain.data.manifest import open_manifest
+from cosmotrain.data.open import make_reader, open_dataset
 from cosmotrain.data.placement import BlockPlacement
-from cosmotrain.data.readers import make_reader, open_dataset
 from cosmotrain.errors import DataError
 
 ARGS = ["--set", "model.width=4", "--set", "train.batch_size=6"]
@@ -89,6 +89,10 @@ def test_a_bad_copy_and_a_bad_source_are_named(cli, tmp_path: Path,
     with pytest.raises(DataError, match="does not match the source's checksum"):
         staging.copy_verified(source, tmp_path / "stage/universe_000.hdf5")
     monkeypatch.undo()
+    missing = tmp_path / "data/train/universe_009.hdf5"  # a source that cannot be read
+    with pytest.raises(DataError, match=f"data file '{missing}': cannot be staged to"):
+        staging.copy_verified(missing, tmp_path / "stage/universe_009.hdf5")
+    assert list((tmp_path / "stage").iterdir()) == []  # no copy, no temporary file
     source.write_bytes(source.read_bytes()[:100])
     code, _, err = cli("preload", "--set", f"data.path={tmp_path / 'data'}", *ARGS,
                        "--dest", str(tmp_path / "stage"))
@@ -138,3 +142,27 @@ def test_reader_io_counters(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="do not hold every block"):
         make_reader(cfg, open_dataset(cfg, MPI.COMM_SELF), "train", MPI.COMM_SELF,
                     BlockPlacement((1, 1, 2, 1, 1), (0, 0, 1, 0, 0), 4, 4))
+
+
+def test_copies_go_through_temporary_names_of_their_own(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    """Nodes staging onto one shared directory copy the same file at once: each copy is
+    made under a hidden name of its process's own, so none overwrites another's."""
+    write_universes(tmp_path / "data", 4, 1, "channels-last", "int16", val_files=0)
+    source = tmp_path / "data/train/universe_000.hdf5"
+    target = tmp_path / "stage/universe_000.hdf5"
+    real, seen = staging._copy, []
+
+    def copy(src: Path, dst: Path) -> int:
+        seen.append(dst)
+        if len(seen) == 1:  # another node copies the same file meanwhile
+            assert staging.copy_verified(src, target) == source.stat().st_size
+        return real(src, dst)
+    monkeypatch.setattr(staging, "_copy", copy)
+    assert staging.copy_verified(source, target) == source.stat().st_size
+    assert len(seen) == 2 and seen[0] != seen[1]
+    assert all(p.parent == target.parent and p.name.startswith(f".{target.name}.")
+               and p.name.endswith(".tmp") for p in seen)
+    assert target.read_bytes() == source.read_bytes()
+    assert [p.name for p in target.parent.iterdir()] == [target.name]

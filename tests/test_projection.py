@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 
 from conftest import REPO
-from cosmotrain.perf.planner import MEMORY_RESERVE, plan
+from cosmotrain.plan.planner import MEMORY_RESERVE, plan
 
 spec = importlib.util.spec_from_file_location("projection", REPO / "benchmarks" / "projection.py")
 projection = importlib.util.module_from_spec(spec)

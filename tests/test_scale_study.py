@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 from conftest import REPO, mpiexec, subprocess_env
 
-from cosmotrain.perf.strategy import Strategy
-from cosmotrain.perf.study_points import build_points, parse_ranks, point_batch, spatial_strategy
-from cosmotrain.perf.study_launch import Launcher, find_launcher, slurm_tasks_per_node
-from cosmotrain.perf.study_report import CSV_COLUMNS
+from cosmotrain.plan.strategy import Strategy
+from cosmotrain.study.launch import Launcher, find_launcher, slurm_tasks_per_node
+from cosmotrain.study.points import build_points, parse_ranks, point_batch, spatial_strategy
+from cosmotrain.study.report import CSV_COLUMNS
 from cosmotrain.train.metrics import TIME_KEYS
 
 TINY = str(REPO / "configs/tiny.yaml")
@@ -177,7 +177,7 @@ def test_without_matplotlib_everything_but_the_plots(strong: Path, tmp_path: Pat
                                                      monkeypatch) -> None:
     for name in [n for n in sys.modules if n.split(".")[0] == "matplotlib"] + ["matplotlib"]:
         monkeypatch.setitem(sys.modules, name, None)  # importing it fails
-    monkeypatch.delitem(sys.modules, "cosmotrain.perf.study_plots", raising=False)
+    monkeypatch.delitem(sys.modules, "cosmotrain.study.plots", raising=False)
     shutil.copy(strong / "results.json", tmp_path / "results.json")
     code, out, err = cli("scale-study", "--report", str(tmp_path))
     assert code == 0, err

@@ -194,6 +194,31 @@ def test_check_writable_on_a_full_filesystem(small_fs: Callable[..., Path]) -> N
     assert list((folder / "run").iterdir()) == []                  # the probe is gone
 
 
+def test_datagen_and_staging_onto_a_full_filesystem(small_fs: Callable[..., Path],
+                                                   tmp_path: Path) -> None:
+    """Samples, copies and caches go through the atomic writer: a small sample meeting
+    ENOSPC in h5py's flush used to segfault; now each is one line naming the file, with
+    no temporary file left."""
+    from cosmotrain.data import datagen, staging
+
+    folder = small_fs("512k")
+    for leave in (0, 4096, 8192, 12288):
+        fill(folder, leave)
+        with pytest.raises(UserError) as info:
+            datagen.generate_dataset(folder / "data", 2, 12, 0, overwrite=True)
+        assert str(info.value) == (f"cannot write '{folder / 'data/train/sample_000000.hdf5'}"
+                                   f"': {ENOSPC}; free space or choose another --out")
+        assert not list(folder.rglob("*.tmp")) and not list(folder.rglob(".*"))
+        (folder / "filler").unlink()
+    source = datagen.generate_dataset(tmp_path / "data", 1, 64, 0)  # 2 MiB per sample
+    sample = tmp_path / "data" / source["splits"]["train"]["files"][0]
+    with pytest.raises(WriteError) as info:
+        staging.copy_verified(sample, folder / "stage/sample.hdf5")
+    assert str(info.value) == (f"cannot write '{folder / 'stage/sample.hdf5'}': {ENOSPC}; "
+                               f"free space or choose another --dest")
+    assert list((folder / "stage").iterdir()) == []
+
+
 def test_checkpoints_survive_a_remount_read_only(small_fs: Callable[..., Path]) -> None:
     folder = small_fs("512k")
     first = save_checkpoint(folder, make_state(1))
@@ -287,6 +312,36 @@ def test_injected_fsync_and_rename_failures(tmp_path: Path,
                 write_text_atomically(target, "new\n")
         assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
         assert target.read_text() == "old\n"
+
+
+def test_unique_temporary_names_keep_concurrent_writers_apart(tmp_path: Path) -> None:
+    """Two processes writing one file (two nodes' leaders, two jobs caching one dataset):
+    with ``unique`` each fills a hidden temporary file of its own, so neither clobbers
+    or removes the other's, and the last rename wins."""
+    final = tmp_path / "manifest.json"
+    assert atomic.temporary_path(final) == tmp_path / "manifest.json.tmp"
+    names = {atomic.temporary_path(final, unique=True).name for _ in range(100)}
+    assert len(names) == 100
+    assert all(n.startswith(f".manifest.json.{os.getpid()}.") and n.endswith(".tmp")
+               for n in names)
+    seen = []
+
+    def slow(tmp: Path) -> None:
+        seen.append(tmp)
+        tmp.write_text("first\n")
+        write_text_atomically(final, "second\n", unique=True)  # another writer meanwhile
+        assert final.read_text() == "second\n" and tmp.read_text() == "first\n"
+    atomic.write_atomically(final, slow, unique=True)
+    assert final.read_text() == "first\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]
+    assert seen[0].parent == tmp_path and seen[0].name.startswith(".manifest.json.")
+
+    def clobbered(tmp: Path) -> None:  # without unique, the second writer takes the name
+        tmp.write_text("first\n")
+        write_text_atomically(final, "third\n")
+    with pytest.raises(WriteError, match="No such file or directory"):
+        atomic.write_atomically(final, clobbered)
+    assert final.read_text() == "third\n"
 
 
 def test_a_bug_in_the_writer_is_not_a_write_error(tmp_path: Path) -> None:

@@ -1,4 +1,9 @@
-"""MPI communication: the world communicator, job-wide exits; the process grid is in grid.py.
+"""MPI communication: the world communicator, node placement and job-wide exits (here).
+
+The package also owns the process grid (``grid``: sub-communicators per axis and group),
+the collective error helpers that give every rank one verdict (``collective``), the
+communication timers of a step's time breakdown (``timers``), the BLAS threads per rank
+(``threads``) and the watchdog that ends a job whose rank stopped (``watchdog``).
 
 mpi4py is imported lazily so that importing cosmotrain never initialises MPI; commands
 ask for the communicator when they need it.
@@ -7,6 +12,8 @@ ask for the communicator when they need it.
 from __future__ import annotations
 
 from typing import Any
+
+from cosmotrain.device.probe import node_position
 
 
 def world() -> Any:
@@ -19,17 +26,6 @@ def world() -> Any:
 def node_ranks(comm: Any) -> int:
     """How many ranks of ``comm`` share this rank's node (collective)."""
     return node_position(comm)[1]
-
-
-def node_position(comm: Any) -> tuple[int, int]:
-    """``(local rank, local size)``: this rank's place among the ranks of ``comm`` on its
-    node (collective); the local rank is what binds a rank to one of the node's GPUs."""
-    from mpi4py import MPI
-
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    position = local.Get_rank(), local.Get_size()
-    local.Free()
-    return position
 
 
 ABORT_GRACE_S = 0.5

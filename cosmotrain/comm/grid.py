@@ -6,8 +6,9 @@ launcher they share a node, and the halo traffic stays on it.  Every sub-communi
 layer may need is created up front, collectively, so no rank can ever wait in a ``Sub``
 that another rank skipped.
 
-``transport`` carries the grid's device buffers through MPI (``device_buffers.py``): a
-pass-through for numpy arrays; the step sets it from the job's ``device.communication``.
+``transport`` carries the grid's buffers through MPI (:mod:`cosmotrain.device.transport`):
+the host transport (numpy pass-through) until the step of a GPU job sets it from the job's
+``device.communication``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from cosmotrain.comm.device_buffers import DeviceBuffers
 from cosmotrain.comm.timers import PhaseTimers
 from cosmotrain.config.parallel import ParallelLayout
+from cosmotrain.device.transport import make_transport
 
 AXES = ("sample", "channel", "filter", "depth", "height", "width")
 SPATIAL = ("depth", "height", "width")
@@ -49,7 +50,7 @@ class ProcessGrid:
         self.axis_comms = {axis: self._sub((axis,)) for axis in AXES}
         self.group_comms = {name: self._sub(axes) for name, axes in GROUPS.items()}
         self.timers = PhaseTimers()
-        self.transport = DeviceBuffers()
+        self.transport = make_transport()
         self._factor_comms: dict[Any, tuple[Any, Any]] = {}
 
     def _sub(self, axes: Sequence[str]) -> Any:

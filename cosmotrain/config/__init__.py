@@ -1,4 +1,10 @@
-"""Configuration: typed schema, YAML loading, ``--set`` overrides and validation."""
+"""Configuration: typed schema, YAML loading, ``--set`` overrides and validation.
+
+``schema`` (the typed sections), ``load`` (YAML, ``--set``, the resolved ``config.yaml``),
+``parallel`` (the layout of the ranks over N, C, F, D, H, W), ``device`` (the ``device``
+rules that need no probe of the machine) and ``reference`` (the generated config
+reference).
+"""
 
 from cosmotrain.config.load import config_to_dict, dump_yaml, load_config, save_resolved
 from cosmotrain.config.parallel import ParallelLayout, resolve_parallel

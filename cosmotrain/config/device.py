@@ -3,7 +3,7 @@
 A setting that only means something on a GPU (TF32 math, a GPU convolution algorithm,
 a way of moving GPU buffers) contradicts a CPU backend.  With ``backend: cpu`` the
 loader rejects it at once (``cosmotrain config`` shows it); with ``backend: auto`` the
-answer depends on the machine, so :func:`cosmotrain.backend.decide` applies the same
+answer depends on the machine, so :func:`cosmotrain.device.select.decide` applies the same
 rule once the ranks have probed theirs.
 """
 

@@ -201,7 +201,7 @@ COMMUNICATIONS = ("staging", "cuda-aware", "nccl")
 
 @dataclass
 class DeviceConfig:
-    """Where the network runs and in which precision (``cosmotrain.backend``, docs/GPU.md)."""
+    """Where the network runs and in which precision (``cosmotrain.device``, docs/GPU.md)."""
 
     backend: str = spec(AUTO, "cpu (numpy), gpu (cupy) or auto: gpu when cupy imports and a "
                         "CUDA device is visible on every rank, else cpu; `backend: gpu` at "

@@ -13,6 +13,7 @@ Lookups try the dataset directory first, then the cache directory.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 from collections.abc import Mapping
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from cosmotrain.atomic import write_bytes_atomically, write_text_atomically
 
 CACHE_ENV = "COSMOTRAIN_CACHE_DIR"
 
@@ -65,18 +68,19 @@ def target(root: Path, name: str, cache_dir: str | Path | None = None) -> Path:
     return directory / name
 
 
-def write_json(path: Path, data: Mapping[str, Any]) -> None:
-    """Write ``data`` as JSON atomically (a per-process temporary file, then rename)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+def write_json(path: Path, data: Mapping[str, Any], where: str = "data.cache_dir") -> Path:
+    """Write ``data`` as JSON atomically, through a temporary file of this process's own:
+    two jobs (or two nodes' leaders) may cache the same file at once.  A write the disk
+    refuses is a :class:`~cosmotrain.errors.WriteError` naming ``path``."""
+    return write_text_atomically(path, json.dumps(data, indent=2) + "\n", where, unique=True)
 
 
-def write_npz(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
-    """Write ``arrays`` as an .npz atomically."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
+def write_npz(path: Path, arrays: Mapping[str, np.ndarray],
+              where: str = "data.cache_dir") -> Path:
+    """Write ``arrays`` as an .npz atomically (built in memory; as :func:`write_json`)."""
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return write_bytes_atomically(path, buffer.getbuffer(), where, unique=True)
 
 
 def files_key(files: list[str] | tuple[str, ...]) -> str:

@@ -16,14 +16,14 @@ collective.
 from __future__ import annotations
 
 import json
-import os
 from numbers import Integral, Real
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cosmotrain.atomic import write_text_atomically
 from cosmotrain.data import formats, synthetic
-from cosmotrain.errors import UserError
+from cosmotrain.errors import UserError, WriteError
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -163,12 +163,11 @@ def build_manifest(
     }
 
 
-def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
-    """Write ``manifest.json`` atomically (temporary file in the same directory, then rename)."""
-    path = out_dir / MANIFEST_NAME
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, path)
+def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> Path:
+    """Write ``manifest.json`` atomically (``manifest.json.tmp`` beside it, then rename);
+    a write the disk refuses is a :class:`WriteError` naming it."""
+    return write_text_atomically(out_dir / MANIFEST_NAME,
+                                 json.dumps(manifest, indent=2) + "\n", where="--out")
 
 
 def generate_dataset(
@@ -199,6 +198,8 @@ def generate_dataset(
     try:
         _write_samples(out_dir, range(rank, samples, size), samples, width, seed,
                        layout, dtype, val_fraction, progress)
+    except WriteError as err:
+        error = str(err)  # names the sample file and the cause
     except OSError as err:
         error = f"cannot write samples under '{out_dir}': {err}; check free space and permissions"
     _agree(comm, error)  # every sample is on disk past this point
@@ -207,7 +208,7 @@ def generate_dataset(
     if rank == 0:
         try:
             write_manifest(out_dir, manifest)
-        except OSError as err:
-            error = f"cannot write '{out_dir / MANIFEST_NAME}': {err}"
+        except WriteError as err:
+            error = str(err)
     _agree(comm, error)  # the manifest exists on return, on every rank
     return manifest

@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from cosmotrain.comm.collective import together
 from cosmotrain.config.schema import Config
 from cosmotrain.data import formats
-from cosmotrain.data.collective import together
 from cosmotrain.data.manifest import Manifest
 from cosmotrain.data.placement import BlockPlacement, RankTable
 from cosmotrain.data.prefetch import Prefetcher

@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from cosmotrain.comm.collective import everyone, on_root, self_comm
 from cosmotrain.data import cache, formats, sample_table, scan
-from cosmotrain.data.collective import everyone, on_root, self_comm
-from cosmotrain.errors import ConfigError, DataError
+from cosmotrain.errors import ConfigError, DataError, WriteError
 
 MANIFEST_NAME = "manifest.json"
 SCAN_CACHE_NAME = "cosmotrain-manifest.json"
@@ -176,7 +176,7 @@ def read_description(root: Path, cache_dir: str | None = None) -> tuple[Path, di
     try:
         target = cache.target(root, SCAN_CACHE_NAME, cache_dir)
         cache.write_json(target, description)
-    except OSError:
+    except (OSError, WriteError):
         target = root  # nowhere to cache it: rescanned next time, not an error
     return target, description
 

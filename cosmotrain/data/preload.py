@@ -27,12 +27,12 @@ from typing import Any
 
 import numpy as np
 
+from cosmotrain.comm.collective import together
 from cosmotrain.config.schema import Config
 from cosmotrain.data import formats, order
-from cosmotrain.data.collective import together
 from cosmotrain.data.manifest import Manifest
-from cosmotrain.data.memory import check_preload_memory
 from cosmotrain.data.placement import BlockPlacement, RankTable
+from cosmotrain.data.preload_memory import check_preload_memory
 from cosmotrain.data.reader import Delivery, Reader
 from cosmotrain.data.transform import check_domain
 

@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from cosmotrain.comm.collective import collective_error, on_root
 from cosmotrain.data import cache, formats
-from cosmotrain.data.collective import collective_error, on_root
-from cosmotrain.errors import UserError
+from cosmotrain.errors import UserError, WriteError
 
 LABELS_NAME = "cosmotrain-labels.npz"
 SLAB_BYTES = 1 << 26  # the mean pass reads at most 64 MiB at a time
@@ -137,5 +137,5 @@ def save_table(root: Path, name: str, files: Mapping[str, Sequence[str]],
                    for split, names in files.items()})
     try:
         cache.write_npz(cache.target(Path(root), name, cache_dir), arrays)
-    except OSError:
+    except (OSError, WriteError):
         pass  # no writable cache location: the table is rebuilt next time, not an error

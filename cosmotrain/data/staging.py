@@ -16,25 +16,26 @@ the copies, so a job opens the staged directory without touching any file it lac
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cosmotrain.atomic import write_atomically
+from cosmotrain.comm.collective import agree
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.parallel import resolve_parallel
 from cosmotrain.config.schema import Config
 from cosmotrain.data import cache, formats, order, sample_table
-from cosmotrain.data.collective import agree
 from cosmotrain.data.manifest import MANIFEST_NAME, Manifest
-from cosmotrain.data.readers import dataset_root, open_dataset
+from cosmotrain.data.open import dataset_root, open_dataset
 from cosmotrain.errors import DataError
 
 CHUNK = 1 << 23  # 8 MiB copy buffer
+DEST = "--dest"  # the option that chooses where staged files go (WriteError's fix)
 GIB = float(1 << 30)
 
 
@@ -136,23 +137,32 @@ def run_staging(plan: StagePlan, comm: Any,
 
 
 def copy_verified(source: Path, target: Path) -> int:
-    """Copy ``source`` to ``target`` and verify its CRC-32; bytes copied (0 if kept)."""
+    """Copy ``source`` to ``target`` and verify its CRC-32; bytes copied (0 if kept).
+
+    The copy goes through a temporary name of this process's own and is renamed once
+    verified (:func:`cosmotrain.atomic.write_atomically`): nodes staging onto one shared
+    directory may copy the same file at once.  A write the disk refuses is a
+    :class:`WriteError` naming ``target``; a source that cannot be read, a
+    :class:`DataError` naming it.
+    """
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.is_file() and target.stat().st_size == source.stat().st_size \
                 and checksum(target) == checksum(source):
             return 0
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    except OSError as err:
+        raise _not_staged(source, target, err) from err
+
+    size = []
+
+    def copy(tmp: Path) -> None:
         crc = _copy(source, tmp)
         if checksum(tmp) != crc:
-            tmp.unlink()
             raise DataError(target, "the copy does not match the source's checksum",
                             "check the node-local disk and run cosmotrain preload again")
-        os.replace(tmp, target)
-        return target.stat().st_size
-    except OSError as err:
-        raise DataError(source, f"cannot be staged to '{target}': {err}",
-                        "check free space and permissions of the stage directory") from err
+        size.append(tmp.stat().st_size)
+    write_atomically(target, copy, where=DEST, unique=True)
+    return size[0]
 
 
 def checksum(path: Path) -> int:
@@ -165,10 +175,11 @@ def checksum(path: Path) -> int:
 
 
 def write_metadata(manifest: Manifest, dest: Path) -> None:
-    """``manifest.json`` and the sample tables of ``manifest``, written into ``dest``."""
+    """``manifest.json`` and the sample tables of ``manifest``, written into ``dest`` (by
+    every node's leader: through temporary names of its own, as the copies)."""
     try:
         dest.mkdir(parents=True, exist_ok=True)
-        cache.write_json(dest / MANIFEST_NAME, manifest.to_dict())
+        cache.write_json(dest / MANIFEST_NAME, manifest.to_dict(), where=DEST)
         files = {split: list(names) for split, names in manifest.files.items()}
         sample_table.save_table(dest, sample_table.LABELS_NAME, files, manifest.labels)
         if manifest.means is not None:
@@ -180,12 +191,29 @@ def write_metadata(manifest: Manifest, dest: Path) -> None:
 
 
 def _copy(source: Path, target: Path) -> int:
+    """Copy ``source`` into ``target``; the CRC-32 of the bytes read.  Reading the source
+    fails as a :class:`DataError` (not an ``OSError``: the write of ``target`` is not to
+    blame)."""
     crc = 0
-    with open(source, "rb") as src, open(target, "wb") as dst:
-        while chunk := src.read(CHUNK):
+    with open(target, "wb") as dst:
+        for chunk in _chunks(source, target):
             crc = zlib.crc32(chunk, crc)
             dst.write(chunk)
     return crc
+
+
+def _chunks(source: Path, target: Path) -> Iterator[bytes]:
+    try:
+        with open(source, "rb") as src:
+            while chunk := src.read(CHUNK):
+                yield chunk
+    except OSError as err:
+        raise _not_staged(source, target, err) from err
+
+
+def _not_staged(source: Path, target: Path, err: OSError) -> DataError:
+    return DataError(source, f"cannot be staged to '{target}': {err}",
+                     "check free space and permissions of the stage directory")
 
 
 def _report(plan: StagePlan, comm: Any, copied: int, seconds: float) -> StageReport:

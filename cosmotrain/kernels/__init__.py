@@ -3,7 +3,7 @@
 A kernel works on one rank's local block and knows nothing about MPI, halos or the
 process grid.  Each operation is a module of plain functions on C-contiguous NCDHW
 arrays, named the same on every device, so that a device implementation (this package:
-CPU, numpy + BLAS; a cupy one later) can be swapped without touching the layers:
+CPU, numpy + BLAS; CUDA, under :mod:`.cuda`) can be swapped without touching the layers:
 
 * :mod:`.conv3d`: ``conv3d_forward(x, w, stride, padding)``,
   ``conv3d_backward_data(dy, w, x_shape, stride, padding)``,
@@ -22,8 +22,10 @@ gives empty results and zero weight gradients.  The CPU kernels accept float32 (
 (tests), run their chunks on a small worker pool (:mod:`._parallel`) and never import
 torch.
 
-Other devices and storage go through the same names: cupy arrays reach the GPU
-convolutions (:mod:`cosmotrain.gpu.conv`), the xp-generic pooling (:mod:`.pool3d_xp`) and
-fused element-wise kernels (:mod:`.cuda_fused`); bfloat16 arrays (``precision: bf16``)
-are computed in float32 and stored back as bfloat16 (:mod:`cosmotrain.precision`).
+Other devices and storage go through the same names: cupy arrays reach the CUDA
+kernels under :mod:`.cuda` (convolutions through the cuDNN frontend or im2col + cuBLAS,
+:mod:`.cuda.conv`; fused element-wise kernels, :mod:`.cuda.fused`) and the xp-generic
+pooling (:mod:`.pool3d_xp`), with the array module of :mod:`cosmotrain.device.xp`;
+bfloat16 arrays (``precision: bf16``) are computed in float32 and stored back as
+bfloat16 (:mod:`cosmotrain.precision`).
 """

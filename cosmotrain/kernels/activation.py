@@ -8,7 +8,7 @@ one small scratch buffer runs ~20x faster than a masked multiply over the whole 
 Masked ufuncs (``where=``) are avoided: on random signs they run ~10x slower than the
 equivalent arithmetic (backward: 18 ms against 180 ms).
 
-cupy arrays take one fused element-wise kernel each way (:mod:`.cuda_fused`), in place
+cupy arrays take one fused element-wise kernel each way (:mod:`.cuda.fused`), in place
 as on the CPU; bfloat16 arrays are computed in float32 and rounded back (then not in
 place: a new bf16 array is returned, which is what the layers use).
 """
@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from cosmotrain.backend import array_module
-from cosmotrain.kernels import cuda_fused
+from cosmotrain.device.xp import array_module
+from cosmotrain.kernels.cuda import fused
 from cosmotrain.precision import is_bf16, narrow, widen
 
 CHUNK = 1 << 16
@@ -68,7 +68,7 @@ def leaky_relu_forward(x: Any, slope: float, inplace: bool = True) -> Any:
     xp = array_module(x)
     y = x if inplace and x.flags.c_contiguous else xp.array(x, order="C", copy=True)
     if xp is not np:
-        return cuda_fused.leaky_relu_forward(y, slope, y)
+        return fused.leaky_relu_forward(y, slope, y)
     scratch = xp.empty(min(CHUNK, y.size), dtype=y.dtype)
     factor = y.dtype.type(slope)
     for (piece,) in _chunks(y):
@@ -89,7 +89,7 @@ def leaky_relu_backward(dy: Any, y: Any, slope: float, inplace: bool = True) -> 
     dx = dy if inplace else xp.array(dy, order="C", copy=True)
     factor = dx.dtype.type(slope)
     if xp is not np:
-        return cuda_fused.leaky_relu_backward(dx, y, slope, dx)
+        return fused.leaky_relu_backward(dx, y, slope, dx)
     size = max(CHUNK, dx.shape[-1] * dx.shape[-2] if dx.ndim >= 2 else 0)
     scale = xp.empty(min(size, dx.size), dtype=dx.dtype)
     positive = xp.empty(min(size, dx.size), dtype=bool)

@@ -7,7 +7,7 @@ applies :func:`bn_normalize` / :func:`bn_backward_apply` with the global statist
 one process the reduction is the identity.  Sums are accumulated in float64, so the
 statistics do not depend on how the volume is partitioned beyond float32 rounding.
 
-cupy arrays use fused kernels (:mod:`.cuda_fused`: float64 sums of squares and products
+cupy arrays use fused kernels (:mod:`.cuda.fused`: float64 sums of squares and products
 without a float64 copy, one pass for normalisation and one for the input gradient);
 bfloat16 arrays are widened to float32 (the sums are float64 anyway) and the stored
 results (``y``, ``xhat``, ``dx``) rounded back to bfloat16.
@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from cosmotrain.backend import array_module
-from cosmotrain.kernels import cuda_fused
+from cosmotrain.device.xp import array_module
+from cosmotrain.kernels.cuda import fused
 from cosmotrain.precision import is_bf16, narrow, widen
 
 _AXES = (0, 2, 3, 4)
@@ -40,7 +40,7 @@ def bn_local_sums(x: Any) -> Any:
     if xp is np:
         squares = xp.einsum("ncdhw,ncdhw->c", x, x, dtype=xp.float64)
     else:
-        squares = cuda_fused.channel_sum_squares(x)
+        squares = fused.channel_sum_squares(x)
     return xp.stack([sums, squares, xp.full_like(sums, count)])
 
 
@@ -66,7 +66,7 @@ def bn_normalize(x: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float
     xp = array_module(x)
     inv_std = (1.0 / xp.sqrt(var + eps)).astype(x.dtype)
     if xp is not np:
-        xhat, y = cuda_fused.bn_forward(x, *(_per_channel(v.astype(x.dtype), x.ndim)
+        xhat, y = fused.bn_forward(x, *(_per_channel(v.astype(x.dtype), x.ndim)
                                              for v in (mean, inv_std, gamma, beta)))
         return y, xhat, inv_std
     xhat = x - _per_channel(mean.astype(x.dtype), x.ndim)
@@ -87,7 +87,7 @@ def bn_backward_local_sums(dy: Any, xhat: Any) -> Any:
     if xp is np:
         sum_dy_xhat = xp.einsum("ncdhw,ncdhw->c", dy, xhat, dtype=xp.float64)
     else:
-        sum_dy_xhat = cuda_fused.channel_sum_products(dy, xhat)
+        sum_dy_xhat = fused.channel_sum_products(dy, xhat)
     return xp.stack([sum_dy, sum_dy_xhat])
 
 
@@ -103,7 +103,7 @@ def bn_backward_apply(dy: Any, xhat: Any, gamma: Any, inv_std: Any, sums: Any, c
     mean_dy_xhat = (sums[1] / count).astype(dy.dtype)
     xp = array_module(dy)
     if xp is not np:
-        return cuda_fused.bn_backward(dy, xhat, *(_per_channel(v.astype(dy.dtype), dy.ndim)
+        return fused.bn_backward(dy, xhat, *(_per_channel(v.astype(dy.dtype), dy.ndim)
                                                   for v in (mean_dy, mean_dy_xhat,
                                                             gamma * inv_std)))
     dx = xhat * _per_channel(mean_dy_xhat, dy.ndim)

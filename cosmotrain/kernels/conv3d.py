@@ -45,24 +45,24 @@ and out (the prototype also lacks the W split, whose GEMM shape is better; see
 set before numpy is imported, makes every layer 1.3-1.7x faster.)
 
 Other devices and storage: cupy arrays go to the GPU kernels of the same names
-(:mod:`cosmotrain.gpu.conv`, imported on the first cupy call); bfloat16 numpy arrays are
-widened to float32, convolved here and the result rounded back to bfloat16 (the CPU
-emulation of bf16 storage, :mod:`cosmotrain.precision`).  float32 and float64 numpy
+(:mod:`.cuda.conv`, which imports cupy on first use); bfloat16 numpy arrays are widened
+to float32, convolved here and the result rounded back to bfloat16 (the CPU emulation of
+bf16 storage, :mod:`cosmotrain.precision`).  float32 and float64 numpy
 arrays take the code below untouched.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Optional, Sequence
 
 import numpy as np
 
-from cosmotrain.backend import array_module, is_device_array
+from cosmotrain.device.xp import array_module, is_device_array
 from cosmotrain.precision import is_bf16, narrow, widen
 
 from . import _parallel
 from .conv3d_dgrad import backward_data_scatter
+from .cuda import conv as cuda_conv
 from .geometry import ConvGeometry, PaddingLike, plan_chunks
 from .lowering import Lowering, planes_view
 
@@ -94,13 +94,6 @@ def output_buffer(out: Optional[np.ndarray], shape, dtype, name: str = "out") ->
         raise ValueError(f"{name} must be a C-contiguous {np.dtype(dtype).name} array of shape "
                          f"{tuple(shape)}, got {out.dtype.name} {out.shape}")
     return out
-
-
-def gpu_kernels() -> ModuleType:
-    """The cupy convolution kernels (same names and signatures as this module's)."""
-    from cosmotrain.gpu import conv
-
-    return conv
 
 
 def _elsewhere(out: Optional[np.ndarray], *arrays: np.ndarray) -> bool:
@@ -190,7 +183,7 @@ def conv3d_forward(x: np.ndarray, w: np.ndarray, stride: "int | Sequence[int]" =
                            out)
     if _elsewhere(out, x, w):
         if is_device_array(x):
-            return gpu_kernels().conv3d_forward(x, w, stride, padding)
+            return cuda_conv.conv3d_forward(x, w, stride, padding)
         return narrow(conv3d_forward(widen(x), widen(w), stride, padding))
     x = as_float_array(x, "x")
     w = as_float_array(w, "w", x.dtype)
@@ -212,7 +205,7 @@ def conv3d_backward_filter(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int]
         return _no_samples(x, geo.w_shape)
     if _elsewhere(None, x, dy):
         if is_device_array(x):
-            return gpu_kernels().conv3d_backward_filter(x, dy, w_shape, stride, padding)
+            return cuda_conv.conv3d_backward_filter(x, dy, w_shape, stride, padding)
         return narrow(conv3d_backward_filter(widen(x), widen(dy), w_shape, stride, padding))
     x = as_float_array(x, "x")
     dy = as_float_array(dy, "dy", x.dtype)
@@ -246,7 +239,7 @@ def conv3d_backward_data(dy: np.ndarray, w: np.ndarray, x_shape: Sequence[int],
         return _no_samples(dy, geo.x_shape, out)
     if _elsewhere(out, dy, w):
         if is_device_array(dy):
-            return gpu_kernels().conv3d_backward_data(dy, w, x_shape, stride, padding)
+            return cuda_conv.conv3d_backward_data(dy, w, x_shape, stride, padding)
         return narrow(conv3d_backward_data(widen(dy), widen(w), x_shape, stride, padding))
     dy = as_float_array(dy, "dy")
     w = as_float_array(w, "w", dy.dtype)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from cosmotrain.backend import array_module
+from cosmotrain.device.xp import array_module
 from cosmotrain.precision import is_bf16, narrow, widen
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

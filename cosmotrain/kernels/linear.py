@@ -3,7 +3,7 @@
 bfloat16 operands are multiplied in float32 (widened, the output rounded back to bf16;
 the weight gradient stays float32).  On the GPU the products run under the configured
 math mode (``device.precision: tf32`` allows TF32 tensor cores, see
-:func:`cosmotrain.gpu.settings.cublas_math`).
+:func:`cosmotrain.kernels.cuda.settings.cublas_math`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Any, ContextManager
 
 import numpy as np
 
-from cosmotrain.backend import array_module
+from cosmotrain.device.xp import array_module
+from cosmotrain.kernels.cuda.settings import cublas_math, current
 from cosmotrain.precision import is_bf16, narrow, widen
 
 
@@ -22,8 +23,6 @@ def _math(x: Any) -> ContextManager[None]:
     xp = array_module(x)
     if xp is np:
         return nullcontext()
-    from cosmotrain.gpu.settings import cublas_math, current
-
     return cublas_math(xp, current().math == "tf32")
 
 

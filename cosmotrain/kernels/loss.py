@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cosmotrain.backend import array_module
+from cosmotrain.device.xp import array_module
 from cosmotrain.precision import is_bf16, narrow, widen
 
 

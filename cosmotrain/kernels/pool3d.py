@@ -31,7 +31,7 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from cosmotrain.backend import array_module, is_device_array
+from cosmotrain.device.xp import array_module, is_device_array
 from cosmotrain.precision import is_bf16, narrow, widen
 
 from . import _parallel, pool3d_xp

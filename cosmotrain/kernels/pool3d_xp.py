@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from cosmotrain.backend import array_module
+from cosmotrain.device.xp import array_module
 
 
 def _along(a: Any, axis: int, start: int, count: int, step: int) -> Any:

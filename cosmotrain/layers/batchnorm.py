@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cosmotrain.comm.device_buffers import DeviceBuffers
 from cosmotrain.comm.timers import PhaseTimers
+from cosmotrain.device.transport import Transport, make_transport
 from cosmotrain.layers.blockwise import OnBlocks
 from cosmotrain.layers.shards import Shard
 from cosmotrain.nn.layers import BatchNorm3d
@@ -33,7 +33,7 @@ class DistBatchNorm3d(BatchNorm3d):
     comm: Any = None
     timers: PhaseTimers = field(default_factory=PhaseTimers)
     shard: Shard | None = None  # my channels, when channels are split (params and buffers)
-    transport: DeviceBuffers = field(default_factory=DeviceBuffers)  # device sums
+    transport: Transport = field(default_factory=make_transport)  # device sums
 
     def reduce_sums(self, sums: Any) -> Any:
         if self.comm is not None and self.comm.Get_size() > 1:
@@ -60,18 +60,18 @@ class SpatialBatchNorm3d(OnBlocks, DistBatchNorm3d):
 
 
 def dist_batchnorm(layer: BatchNorm3d, comm: Any, timers: PhaseTimers,
-                   spatial: bool, transport: DeviceBuffers | None = None) -> DistBatchNorm3d:
+                   spatial: bool, transport: Transport | None = None) -> DistBatchNorm3d:
     """The distributed twin of ``layer`` (same parameters and running statistics)."""
     cls = SpatialBatchNorm3d if spatial else DistBatchNorm3d
     return cls(name=layer.name, params=layer.params, buffers=layer.buffers,
                needs_input_grad=layer.needs_input_grad, channels=layer.channels,
                eps=layer.eps, momentum=layer.momentum, comm=comm, timers=timers,
-               transport=transport or DeviceBuffers())
+               transport=transport or make_transport())
 
 
 def channel_batchnorm(layer: BatchNorm3d, comm: Any, timers: PhaseTimers,
                       channels: tuple[int, int],
-                      transport: DeviceBuffers | None = None) -> SpatialBatchNorm3d:
+                      transport: Transport | None = None) -> SpatialBatchNorm3d:
     """The twin of ``layer`` for the fine channel block ``[start, stop)`` only.
 
     Its parameters and running statistics are copies of that block (the full arrays are
@@ -86,4 +86,4 @@ def channel_batchnorm(layer: BatchNorm3d, comm: Any, timers: PhaseTimers,
                               needs_input_grad=layer.needs_input_grad,
                               channels=channels[1] - channels[0], eps=layer.eps,
                               momentum=layer.momentum, comm=comm, timers=timers, shard=shard,
-                              transport=transport or DeviceBuffers())
+                              transport=transport or make_transport())

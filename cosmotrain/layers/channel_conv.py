@@ -7,7 +7,7 @@ reduce-scatter the partial outputs over the ranks sharing my filter block
 (``channel_comm``: nothing moves under stationary-y), which leaves my fine block of the
 output channels.  Backward is the adjoint: all-gather ``dL/dy`` over ``channel_comm``,
 the inner backward (weight gradient local, halo gradients to the spatial neighbours),
-reduce-scatter ``dL/dx`` over ``filter_comm``.  See ``channel_split.py`` for the blocks.
+reduce-scatter ``dL/dx`` over ``filter_comm``.  See ``tensor/channel_split.py`` for the blocks.
 
 The weight gradient is this rank's partial sum over its samples and spatial block; the
 gradient reducer sums it over the ranks holding the same block, and only those.
@@ -20,15 +20,15 @@ from typing import Any
 
 import numpy as np
 
-from cosmotrain.backend import array_module
 from cosmotrain.comm.grid import ProcessGrid
-from cosmotrain.layers.channel_split import ChannelBlocks
+from cosmotrain.device.xp import array_module
 from cosmotrain.layers.channel_plan import LayerChoice
 from cosmotrain.layers.conv import SpatialConv3d
 from cosmotrain.layers.shards import Shard
 from cosmotrain.nn.layers import Conv3d, channel_sums
 from cosmotrain.nn.module import Context, Parameter
 from cosmotrain.tensor.channel_collectives import allgather_channels, reduce_scatter_channels
+from cosmotrain.tensor.channel_split import ChannelBlocks
 from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.tensor.distribution import Distribution
 

@@ -1,7 +1,7 @@
 """Which channel/filter algorithm each convolution uses (``parallel.channel_algorithm``).
 
 ``auto`` takes, per layer, the algorithm of least communication volume
-(:func:`~cosmotrain.layers.channel_split.comm_volume`) for that layer's shapes on this
+(:func:`~cosmotrain.tensor.channel_split.comm_volume`) for that layer's shapes on this
 grid; ``parallel.layers.<name>`` overrides the algorithm (and, for stationary-w, how
 the group is factored) of one convolution.  Pure: every rank computes the same plan.
 """
@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from cosmotrain.errors import ConfigError
-from cosmotrain.layers.channel_split import (AUTO, Factor, algorithm_factor, choose_algorithm,
-                                             halo_elements)
 from cosmotrain.nn.containers import Residual, Sequential
 from cosmotrain.nn.layers import Conv3d
 from cosmotrain.nn.module import Layer, layer_path
+from cosmotrain.tensor.channel_split import (AUTO, Factor, algorithm_factor, choose_algorithm,
+                                             halo_elements)
 
 
 @dataclass(frozen=True)

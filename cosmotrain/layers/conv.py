@@ -6,7 +6,7 @@ producing exactly the rank's block of the output (every tensor uses the same bal
 split, see ``tensor/windows.py``).  The exchange overlaps compute: once the messages are
 posted, the *interior* of the output (windows that read no margin plane) is computed;
 then the exchange completes and the thin boundary shell follows, in at most 6 calls
-(``layers/interior.py``).  When the shell is thin the first call covers the whole output
+(``tensor/interior.py``).  When the shell is thin the first call covers the whole output
 and the shell is recomputed (see ``REDO_SHELL_MAX``).  A rank with nothing to receive
 computes everything in one call while its sends travel; one whose interior is empty
 waits, then makes one call.
@@ -26,27 +26,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from cosmotrain.backend import array_module
 from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.device.xp import array_module
 from cosmotrain.kernels import conv3d
-from cosmotrain.layers.interior import Box, OverlapPlan, conv_dim, overlap_plan, run_sub_conv
 from cosmotrain.layers.window import (SpatialWindow, WindowGeometry, extended_shape,
                                       finish_halo_grads, halo_buffer, restore_extended,
                                       save_margins, scatter_halo_grads)
 from cosmotrain.nn.layers import Conv3d, channel_sums
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
+from cosmotrain.tensor.interior import (REDO_SHELL_MAX, Box, OverlapPlan, conv_dim, overlap_plan,
+                                        run_sub_conv)
 
 Margins = list[tuple[Box, Any]]
-
-# Up to this share of shell in the output, the interior is computed by one call over the
-# *whole* output (the margins still zero), whose shell is then recomputed.  Why: the
-# kernel reads contiguous inputs and writes whole contiguous outputs, so a separate
-# interior call costs a copy of its input window, a temporary output and a copy into the
-# block: two block-sized temporaries (forward+backward peak per rank, conv 16->32 on
-# 64^3 split over 2 ranks: 48 vs 34 MiB) and, measured on the 2-core box (16->32 and
-# 4->16 layers, blocks of 4 to 32 planes), about as much time as recomputing 1/8.
-REDO_SHELL_MAX = 0.125
 
 
 @dataclass

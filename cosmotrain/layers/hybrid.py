@@ -33,7 +33,6 @@ from cosmotrain.layers.batchnorm import channel_batchnorm, dist_batchnorm
 from cosmotrain.layers.blockwise import blockwise
 from cosmotrain.layers.channel_conv import channel_conv
 from cosmotrain.layers.channel_plan import LayerChoice, plan_channels
-from cosmotrain.layers.channel_split import Factor, fine_block
 from cosmotrain.layers.conv import spatial_conv
 from cosmotrain.layers.shards import gather_full
 from cosmotrain.layers.pool import spatial_pool
@@ -41,6 +40,7 @@ from cosmotrain.layers.to_samples import ToSamples
 from cosmotrain.nn.containers import Residual, Sequential
 from cosmotrain.nn.layers import BatchNorm3d, Conv3d, Dropout, LeakyReLU, Pool3d
 from cosmotrain.nn.module import Context, Layer, Parameter, layer_path
+from cosmotrain.tensor.channel_split import Factor, fine_block
 from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.tensor.distribution import Distribution
 from cosmotrain.tensor.windows import spatial_halos

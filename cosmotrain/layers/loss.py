@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from cosmotrain.backend import array_module
 from cosmotrain.comm.timers import PhaseTimers
+from cosmotrain.device.xp import array_module
 from cosmotrain.kernels.loss import mae_backward, mae_sum, mse_backward, mse_sum
 
 LOSSES = {"mse": (mse_sum, mse_backward), "mae": (mae_sum, mae_backward)}

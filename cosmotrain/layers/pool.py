@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cosmotrain.backend import array_module
 from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.device.xp import array_module
 from cosmotrain.kernels import pool3d
 from cosmotrain.layers.window import (SpatialWindow, WindowGeometry, extended_shape,
                                       finish_halo_grads, gather_halos, scatter_halo_grads)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from cosmotrain.backend import to_host
+from cosmotrain.device.xp import to_host
 
 Index = tuple[Any, ...]  # per leading dimension: an index array or a slice
 

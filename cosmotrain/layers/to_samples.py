@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cosmotrain.backend import array_module
 from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.device.xp import array_module
 from cosmotrain.nn.module import Context, Layer
 from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.tensor.distribution import Distribution, block_range

@@ -17,13 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from cosmotrain.backend import array_module
 from cosmotrain.comm.grid import ProcessGrid
-from cosmotrain.layers.interior import (Box, box_empty, box_shape, box_slices, intersect, onion,
-                                        shift)
+from cosmotrain.device.xp import array_module
 from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.tensor.distribution import Distribution
 from cosmotrain.tensor.halo import HaloExchange
+from cosmotrain.tensor.interior import (Box, box_empty, box_shape, box_slices, intersect, onion,
+                                        shift)
 from cosmotrain.tensor.windows import WindowHalo, halo_plans, spatial_halos
 
 Padding = tuple[tuple[int, int], tuple[int, int], tuple[int, int]]

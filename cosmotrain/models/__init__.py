@@ -1,4 +1,5 @@
-"""Model registry: build a network from the ``model`` config section."""
+"""The serial networks (``cosmoflow``, ``mlperf``, ``resnet3d``, ``tiny``), built from
+``nn`` layers, and the registry that builds one from the ``model`` config section."""
 
 from __future__ import annotations
 

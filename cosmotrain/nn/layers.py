@@ -13,6 +13,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from cosmotrain.device.xp import array_module
 from cosmotrain.kernels import conv3d, pool3d
 from cosmotrain.kernels.geometry import Padding, Triple, output_size
 from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
@@ -21,7 +22,6 @@ from cosmotrain.kernels.batchnorm import (bn_backward_apply, bn_backward_local_s
 from cosmotrain.kernels.dropout import dropout_backward, dropout_forward, dropout_keep_mask
 from cosmotrain.kernels.linear import (linear_backward_data, linear_backward_weight,
                                        linear_forward)
-from cosmotrain.backend import array_module
 from cosmotrain.nn.module import Context, Layer
 from cosmotrain.precision import accumulator, widen
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from cosmotrain.backend import array_module
-from cosmotrain.comm.device_buffers import DeviceBuffers
+from cosmotrain.device.transport import Transport, make_transport
+from cosmotrain.device.xp import array_module
 from cosmotrain.precision import is_bf16, narrow, widen
 
 
@@ -35,23 +35,23 @@ def _counts(pieces: Sequence[int], per_channel: int) -> list[int]:
 
 
 def allgather_channels(comm: Any, block: Any, pieces: Sequence[int],
-                       transport: DeviceBuffers | None = None) -> Any:
+                       transport: Transport | None = None) -> Any:
     """Concatenate along C every rank's block (``pieces[r]`` channels on rank ``r``).
 
-    ``transport`` moves device blocks (None: host staging); numpy blocks go straight
-    to MPI."""
+    ``transport`` moves device blocks (None: the host transport, numpy only); numpy
+    blocks go straight to MPI."""
     if comm.Get_size() == 1:
         return block
     n, _, *space = block.shape
     per_channel = n * int(np.prod(space))
     counts = _counts(pieces, per_channel)
     out = array_module(block).empty((sum(pieces), n, *space), dtype=block.dtype)
-    (transport or DeviceBuffers()).allgatherv(comm, _channel_major(block), out, counts)
+    (transport or make_transport()).allgatherv(comm, _channel_major(block), out, counts)
     return _sample_major(out)
 
 
 def reduce_scatter_channels(comm: Any, partial: Any, pieces: Sequence[int],
-                            transport: DeviceBuffers | None = None) -> Any:
+                            transport: Transport | None = None) -> Any:
     """Sum the ranks' ``partial`` blocks and leave rank ``r`` its ``pieces[r]`` channels.
 
     bfloat16 partial sums are added in float32 (widened before, rounded after)."""
@@ -63,6 +63,6 @@ def reduce_scatter_channels(comm: Any, partial: Any, pieces: Sequence[int],
     per_channel = n * int(np.prod(space))
     mine = pieces[comm.Get_rank()]
     out = array_module(partial).empty((mine, n, *space), dtype=partial.dtype)
-    (transport or DeviceBuffers()).reduce_scatter(comm, _channel_major(partial), out,
+    (transport or make_transport()).reduce_scatter(comm, _channel_major(partial), out,
                                                   _counts(pieces, per_channel))
     return _sample_major(out)

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from cosmotrain.backend import to_host
+from cosmotrain.device.xp import to_host
 from cosmotrain.tensor.distribution import Distribution
 
 

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cosmotrain.comm.device_buffers import Exchange
 from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.device.transport import Exchange
 from cosmotrain.tensor.windows import HaloPlan
 
 Region = tuple[slice, slice, slice]
@@ -94,7 +94,7 @@ class HaloExchange:
 
     def _post(self, buffer: Any, mode: str) -> Pending:
         """Pack and post through the grid's transport (numpy: straight to MPI; device
-        arrays: staged, CUDA-aware or NCCL, see ``comm/device_buffers.py``)."""
+        arrays: staged, CUDA-aware or NCCL, see ``cosmotrain/device/transport/``)."""
         batch = self.grid.transport.exchange(self.grid.cart, buffer)
         lead, unpack = buffer.shape[:2], []
         for msg in self.messages:

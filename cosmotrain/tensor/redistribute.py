@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from cosmotrain.backend import array_module
-from cosmotrain.comm.device_buffers import DeviceBuffers
+from cosmotrain.device.transport import Transport, make_transport
+from cosmotrain.device.xp import array_module
 from cosmotrain.tensor.distribution import Distribution
 
 Box = tuple[slice, ...]
@@ -47,7 +47,7 @@ class Redistribution:
 
     ``send[q]`` is the local box of my source block that rank ``q`` receives and
     ``recv[q]`` the local box of my target block that rank ``q`` fills (None: nothing).
-    ``transport`` moves device blocks (None: the default, host staging).
+    ``transport`` moves device blocks (None: the host transport, numpy blocks only).
     """
 
     comm: Any
@@ -57,12 +57,12 @@ class Redistribution:
     dst_coord: tuple[int, ...]
     send: list[Box | None]
     recv: list[Box | None]
-    transport: DeviceBuffers | None = None
+    transport: Transport | None = None
 
     @classmethod
     def plan(cls, comm: Any, src: Distribution, src_coord: Sequence[int],
              dst: Distribution, dst_coord: Sequence[int],
-             transport: DeviceBuffers | None = None) -> Redistribution:
+             transport: Transport | None = None) -> Redistribution:
         """Build the plan (collective: every rank of ``comm`` calls it once)."""
         if src.global_shape != dst.global_shape:
             raise ValueError(f"cannot redistribute {src.global_shape} into "
@@ -97,13 +97,13 @@ class Redistribution:
 
 
 def alltoallv_boxes(comm: Any, block: Any, send: list[Box | None], recv: list[Box | None],
-                    out_shape: tuple[int, ...], transport: DeviceBuffers | None = None) -> Any:
+                    out_shape: tuple[int, ...], transport: Transport | None = None) -> Any:
     """Send box ``send[q]`` of ``block`` to rank ``q``; fill box ``recv[q]`` of the result."""
     xp = array_module(block)
     sendbuf, send_counts = _pack(block, send)
     recv_counts = [_size(box) for box in recv]
     recvbuf = xp.empty(sum(recv_counts), dtype=block.dtype)
-    (transport or DeviceBuffers()).alltoallv(comm, sendbuf, send_counts, recvbuf, recv_counts)
+    (transport or make_transport()).alltoallv(comm, sendbuf, send_counts, recvbuf, recv_counts)
     out = xp.empty(out_shape, dtype=block.dtype)
     start = 0
     for box, count in zip(recv, recv_counts):

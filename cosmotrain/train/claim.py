@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cosmotrain.data.collective import on_root
+from cosmotrain.comm.collective import on_root
 from cosmotrain.train.run_outputs import check_fresh_directory
 from cosmotrain.train.rundir import RunLock, this_process
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cosmotrain.backend import to_host
 from cosmotrain.data.reader import Reader
+from cosmotrain.device.xp import to_host
 from cosmotrain.nn.module import Context
 from cosmotrain.precision import widen
 from cosmotrain.train.step import HybridStep

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from cosmotrain.backend import array_module
-from cosmotrain.comm.device_buffers import DeviceBuffers
 from cosmotrain.comm.timers import PhaseTimers
+from cosmotrain.device.transport import Transport, make_transport
+from cosmotrain.device.xp import array_module
 from cosmotrain.nn.module import Layer, Parameter
 
 DEFAULT_BUCKET_MB = 25.0  # as PyTorch DDP
@@ -61,7 +61,7 @@ class GradientReducer:
 
     timers: PhaseTimers
     bucket_mb: float = DEFAULT_BUCKET_MB
-    transport: DeviceBuffers = field(default_factory=DeviceBuffers)  # device buckets
+    transport: Transport = field(default_factory=make_transport)  # device buckets
     volume: int = 0  # elements this rank has handed to allreduces
     _buckets: list[_Bucket] = field(default_factory=list)
     _owner: dict[int, _Bucket] = field(default_factory=dict)

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from cosmotrain.backend import array_module
+from cosmotrain.device.xp import array_module
 from cosmotrain.errors import UserError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)

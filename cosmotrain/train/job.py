@@ -13,16 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cosmotrain.backend import select_device
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.comm.threads import configure_threads
 from cosmotrain.config.parallel import resolve_parallel
 from cosmotrain.config.schema import Config
 from cosmotrain.data import datagen
 from cosmotrain.data.manifest import Manifest
+from cosmotrain.data.open import dataset_root, make_readers, open_dataset
 from cosmotrain.data.placement import BlockPlacement
 from cosmotrain.data.reader import Reader
-from cosmotrain.data.readers import dataset_root, make_readers, open_dataset
+from cosmotrain.device.select import select_device
 from cosmotrain.train.step import HybridStep, hybrid_step_from_config
 
 

@@ -13,8 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cosmotrain.backend import array_module
 from cosmotrain.config.schema import OptimizerConfig
+from cosmotrain.device.xp import array_module
 from cosmotrain.nn.module import Parameter
 
 NamedParams = Iterable[tuple[str, Parameter]]

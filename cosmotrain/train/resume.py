@@ -18,9 +18,9 @@ from typing import Any
 
 import yaml
 
+from cosmotrain.comm.collective import on_root
 from cosmotrain.config.load import config_to_dict
 from cosmotrain.config.schema import Config
-from cosmotrain.data.collective import on_root
 from cosmotrain.errors import WriteError
 from cosmotrain.train.checkpoint import (CheckpointState, checkpoint_dir, load_checkpoint,
                                          newest_intact_checkpoint)

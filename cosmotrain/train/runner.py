@@ -5,14 +5,14 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from cosmotrain.backend import select_device
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.comm.watchdog import Watchdog
 from cosmotrain.config.parallel import resolve_parallel
 from cosmotrain.config.schema import Config
+from cosmotrain.device.select import select_device
 from cosmotrain.errors import UserError
 from cosmotrain.layers.channel_conv import ChannelConv3d
-from cosmotrain.perf.planner import choose_parallel
+from cosmotrain.plan.planner import choose_parallel
 from cosmotrain.config.load import save_resolved
 from cosmotrain.train.claim import Claim, claim_output_dir, move_aside_outputs
 from cosmotrain.train.guard import StopSignals

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from cosmotrain.backend import array_module, to_host
+from cosmotrain.device.xp import array_module, to_host
 from cosmotrain.errors import DataError
 from cosmotrain.layers.shards import Shard, gather_full
 from cosmotrain.train.step import HybridStep

@@ -4,7 +4,7 @@ This is the unit the trainer loops over and the benchmarks time.  Every rank cal
 with its own input block and the targets of the whole mini-batch (tiny); it returns the
 mini-batch loss, the same on every rank.
 
-The step owns the rank's :class:`~cosmotrain.backend.Device`: the parameters (float32
+The step owns the rank's :class:`~cosmotrain.device.select.Device`: the parameters (float32
 masters), batch-norm statistics, gradient buckets and optimizer state live there, and
 the input block is copied there once per batch (and stored as bf16 under
 ``precision: bf16``).  On the CPU in float32 all of this is the identity.
@@ -18,10 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from cosmotrain.backend import Device, host_device, select_device
-from cosmotrain.comm.device_buffers import DeviceBuffers
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.schema import Config, DeviceConfig
+from cosmotrain.device.select import Device, host_device, select_device
+from cosmotrain.device.transport import make_transport
+from cosmotrain.kernels.cuda.settings import configure, settings_for
 from cosmotrain.layers.hybrid import HybridModel, build_hybrid
 from cosmotrain.layers.loss import loss_and_flags
 from cosmotrain.models import build_model
@@ -134,16 +135,18 @@ class HybridStep:
 def hybrid_step_from_config(cfg: Config, grid: ProcessGrid,
                             device: Device | None = None) -> HybridStep:
     """Model (initialised from ``train.seed``), its distributed twin, optimizer, reducer,
-    on ``device`` (the job's :func:`~cosmotrain.backend.select_device`).
+    on ``device`` (the job's :func:`~cosmotrain.device.select.select_device`).
 
     Without a device the config's ``device`` section decides, with ``auto`` meaning the
     CPU: library calls and tests stay on the host unless they ask for a GPU (``backend:
-    gpu`` selects one collectively over the grid).  The grid's transport follows the
-    device's communication mode; it is set before the layers are built, which keep it.
+    gpu`` selects one collectively over the grid).  On a GPU the grid's transport follows
+    the device's communication mode (set before the layers are built, which keep it) and
+    the GPU convolution kernels take the device's settings.
     """
     device = device if device is not None else _default_device(cfg.device, grid)
     if device.is_gpu:
-        grid.transport = DeviceBuffers(device.communication)
+        configure(settings_for(device))
+        grid.transport = make_transport(device.communication)
         grid.transport.prepare(grid.cart)
     model = build_model(cfg.model, cfg.train.seed)
     width = cfg.model.width

@@ -1,0 +1,79 @@
+"""Build the readers a job needs from its config: manifest, placement, reader per split.
+
+    manifest = open_dataset(cfg, comm)
+    dist, coord = step.model.input_distribution((cfg.train.batch_size, C, W, W, W))
+    readers = make_readers(cfg, manifest, comm, BlockPlacement.from_distribution(dist, coord))
+    for batch in readers["train"].epoch(epoch): ...
+
+Everything here is collective over ``comm`` (every rank of the job calls it alike).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cosmotrain.config.schema import Config
+from cosmotrain.data.direct import DirectReader
+from cosmotrain.data.manifest import Manifest, open_manifest
+from cosmotrain.data.placement import BlockPlacement
+from cosmotrain.data.preload import PreloadReader
+from cosmotrain.data.preload_memory import check_preload_memory
+from cosmotrain.data.reader import Reader
+from cosmotrain.errors import ConfigError
+
+SYNTHETIC_SUBDIR = "data"
+
+
+def dataset_root(cfg: Config) -> Path:
+    """The dataset directory: ``data.path``, or ``output.dir/data`` for synthetic data."""
+    if cfg.data.source == "synthetic":
+        return Path(cfg.output.dir) / SYNTHETIC_SUBDIR
+    if not cfg.data.path:
+        raise ConfigError("data.path", "is not set but data.source is files",
+                          "set data.path to a dataset directory (cosmotrain datagen --out DIR)")
+    return Path(cfg.data.path)
+
+
+def open_dataset(cfg: Config, comm: Any) -> Manifest:
+    """The manifest of the config's dataset at ``model.width`` (collective)."""
+    if cfg.model.channels != 4:
+        raise ConfigError("model.channels", f"{cfg.model.channels} does not match the 4 "
+                          "channels of CosmoFlow data", "set model.channels: 4")
+    return open_manifest(dataset_root(cfg), cfg.model.width, comm,
+                         means=cfg.data.transform == "mean", cache_dir=cfg.data.cache_dir)
+
+
+def make_reader(cfg: Config, manifest: Manifest, split: str, comm: Any,
+                placement: BlockPlacement, *, shuffle: bool | None = None) -> Reader:
+    """The reader ``data.reader`` names for one split, ready to serve (collective).
+
+    ``shuffle`` defaults to True for ``train`` and False otherwise.
+    """
+    return make_readers(cfg, manifest, comm, placement, (split,),
+                        shuffle={split: shuffle} if shuffle is not None else None)[split]
+
+
+def make_readers(cfg: Config, manifest: Manifest, comm: Any, placement: BlockPlacement,
+                 splits: Sequence[str] | None = None, *,
+                 shuffle: dict[str, bool] | None = None) -> dict[str, Reader]:
+    """One reader per split (default: every split of the dataset), ready to serve.
+
+    Preload readers check the memory of all their stores together (train and validation
+    are resident at once), then read them.
+    """
+    splits = tuple(splits) if splits is not None else manifest.splits
+    shuffle = shuffle or {}
+    readers: dict[str, Reader] = {}
+    for split in splits:
+        flag = shuffle.get(split, split == "train")
+        kind = PreloadReader if cfg.data.reader == "preload" else DirectReader
+        readers[split] = kind(cfg, manifest, split, comm, placement, shuffle=flag)
+    preload = [r for r in readers.values() if isinstance(r, PreloadReader)]
+    if preload:
+        check_preload_memory(comm, sum(r.store_bytes for r in preload),
+                             cfg.data.memory_fraction)
+        for reader in preload:
+            reader.prepare(check_memory=False)
+    return readers

@@ -1,0 +1,62 @@
+"""The array module of an array: numpy on the CPU, cupy on GPUs (a leaf: no cosmotrain imports).
+
+Kernels pick ``xp`` from their inputs (Chainer's convention), so the same code serves both
+devices.  Nothing here imports cupy to answer a question about arrays: a cupy array can
+exist only once some code imported cupy, so the checks look in ``sys.modules``, and a CPU
+run on a machine with cupy stays light.  :func:`import_cupy` imports it on purpose, for a
+job that selects the GPU or a probe looking for one.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+
+def one_line(err: BaseException) -> str:
+    """``Type: first line of the message``: why an optional GPU library is unusable."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+@functools.cache
+def import_cupy() -> tuple[ModuleType | None, str]:
+    """cupy and '' when it imports, else None and why not (one line)."""
+    try:
+        import cupy  # type: ignore[import-not-found]
+    except Exception as err:  # noqa: BLE001 - a broken CUDA install reads as "no cupy"
+        return None, one_line(err)
+    return cupy, ""
+
+
+def _loaded_cupy() -> ModuleType | None:
+    """cupy if some code imported it (never imported here)."""
+    cupy = sys.modules.get("cupy")
+    return cupy if cupy is not None and hasattr(cupy, "ndarray") else None
+
+
+def array_module(*arrays: Any) -> ModuleType:
+    """``cupy`` if any argument is a cupy array, else ``numpy``."""
+    cupy = _loaded_cupy()
+    if cupy is not None:
+        for array in arrays:
+            if isinstance(array, cupy.ndarray):
+                return cupy
+    return np
+
+
+def is_device_array(array: Any) -> bool:
+    """Whether ``array`` lives in GPU memory (a cupy array)."""
+    cupy = _loaded_cupy()
+    return cupy is not None and isinstance(array, cupy.ndarray)
+
+
+def to_host(array: Any) -> Any:
+    """A numpy array: a device array copied to the host, anything else as is."""
+    if is_device_array(array):
+        return _loaded_cupy().asnumpy(array)  # type: ignore[union-attr]
+    return array

@@ -1,0 +1,404 @@
+"""3D convolution forward, dgrad and wgrad on cupy arrays with NVIDIA's cuDNN Frontend.
+
+CuPy 14 dropped its cuDNN bindings; this module drives cuDNN through the cuDNN Frontend
+Python API (PyPI ``nvidia-cudnn-frontend``, ``import cudnn``, with the cuDNN library from
+``nvidia-cudnn-cu12`` / ``-cu13``).  One operation graph (``conv_fprop``, ``conv_dgrad``
+or ``conv_wgrad``) is built per shape / stride / padding / dtype / math / layout / device
+and cached (:class:`GraphCache`, least recently used evicted), then executed with raw
+device pointers of cupy arrays, a workspace from cupy's memory pool, on cupy's current
+stream.
+
+Layout.  The engine's arrays are NCDHW-contiguous.  cuDNN takes any strides over the
+logical NCDHW dims, but its tensor-core kernels for 3D convolutions want channels-last
+(NDHWC): with NCDHW descriptors cuDNN either picks other engines or transposes
+internally.  ``layout="ndhwc"`` (the default) therefore transposes each operand into a
+channels-last buffer at the boundary (one copy in, one out: for CosmoFlow's conv1 32 MiB
+in and 128 MiB out per sample, well under a millisecond at H100 bandwidth) and describes
+them with channels-last strides (:func:`layout_strides`); ``layout="ncdhw"`` describes the
+engine's arrays as they are and copies nothing.  Which is faster per layer is measured by
+``benchmarks/bench_gpu.py`` (``--layouts``): that is the decision point for the default.
+
+Padding.  The kernels' padding is asymmetric (a block with halos is padded only on the
+global boundary).  cuDNN graphs are given symmetric padding ``m = min(lo, hi)`` per
+dimension, and the remaining ``lo - m`` / ``hi - m`` is a zero extension of the input
+(:func:`symmetric_padding`): ``conv(pad(x, (lo, hi)))`` is ``conv`` with padding ``m``
+of ``x`` extended by zeros, and dx is the matching crop of the extended gradient.  In the
+channels-last layout the extension costs nothing (the transpose copy writes into a
+zero-bordered buffer).  Symmetric padding is what every cuDNN convolution engine takes
+(the legacy descriptor API knew no other); the frontend's ``pre_padding`` /
+``post_padding`` would avoid the extension in the NCDHW layout, but which engines honour
+asymmetric padding is not documented.
+
+Precision (:func:`note_filters`).  bf16 storage: io type BFLOAT16, intermediate and
+compute type FLOAT (fp32 accumulation); dgrad returns dx in bf16 and wgrad dW in bf16 (the
+dtype cuDNN writes for bf16 io; PyTorch autocast does the same, fp32 master weights stay
+with the optimizer).  fp32 storage: io FLOAT, compute FLOAT; ``math="fp32"`` deselects
+the engines with the TENSOR_CORE numerical note (TF32 for float io, as PyTorch does when
+``allow_tf32`` is off), ``math="tf32"`` keeps them.  Engines that down-convert inputs or
+reduce in reduced precision are always deselected: accumulation is fp32.
+
+A graph that cuDNN cannot build raises :class:`CudnnUnsupported` (remembered per key, so
+it is not rebuilt); :mod:`.conv` then runs that call on the gemm path.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Mapping, Optional, Protocol, Sequence, Tuple
+
+import numpy as np
+
+from cosmotrain.device.xp import array_module
+from cosmotrain.kernels.geometry import ConvGeometry, Padding, PaddingLike, Triple
+
+# cuDNN data type (cudnn.data_type member) of each storage dtype.
+DATA_TYPES = {"float32": "FLOAT", "bfloat16": "BFLOAT16"}
+OPS = ("fprop", "dgrad", "wgrad")
+# The output role of each op; the other two roles are inputs.
+OUTPUT_ROLE = {"fprop": "y", "dgrad": "x", "wgrad": "w"}
+
+
+class CudnnUnsupported(RuntimeError):
+    """cuDNN has no engine for this convolution (after the precision filters)."""
+
+
+@dataclass(frozen=True)
+class TensorDesc:
+    """Logical dims (NCDHW or F C kD kH kW) and element strides of one graph operand."""
+
+    dims: Tuple[int, ...]
+    strides: Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ConvCall:
+    """Everything a cached cuDNN graph depends on (pure data, the cache key).
+
+    ``image`` describes x *extended* by ``extend`` zeros; ``padding`` is symmetric.
+    """
+
+    op: str
+    image: TensorDesc
+    filter: TensorDesc
+    output: TensorDesc
+    padding: Triple
+    stride: Triple
+    dtype: str
+    math: str
+    layout: str
+    extend: Padding
+
+    def key(self) -> tuple:
+        return (self.op, self.image, self.filter, self.output, self.padding, self.stride,
+                self.dtype, self.math, self.layout)
+
+
+def symmetric_padding(padding: Padding) -> Tuple[Triple, Padding]:
+    """``(m, extend)``: symmetric padding ``m = min(lo, hi)`` per dimension and the zero
+    extension ``(lo - m, hi - m)`` of the input that makes up the rest."""
+    sym = tuple(min(lo, hi) for lo, hi in padding)
+    extend = tuple((lo - m, hi - m) for (lo, hi), m in zip(padding, sym))
+    return sym, extend  # type: ignore[return-value]
+
+
+def extended_shape(shape: Sequence[int], extend: Padding) -> Tuple[int, ...]:
+    """``(N, C, D', H', W')``: an NCDHW shape grown by the zero extension."""
+    spatial = tuple(n + lo + hi for n, (lo, hi) in zip(shape[2:], extend))
+    return tuple(shape[:2]) + spatial
+
+
+def layout_strides(dims: Sequence[int], layout: str) -> Tuple[int, ...]:
+    """Element strides over the logical dims ``(N, C, D, H, W)`` for a buffer stored in
+    ``layout``: ``ndhwc`` (channels-last, C innermost) or ``ncdhw`` (row-major)."""
+    n, c, d, h, w = dims
+    if layout == "ndhwc":
+        return (d * h * w * c, 1, h * w * c, w * c, c)
+    if layout == "ncdhw":
+        return (c * d * h * w, d * h * w, h * w, w, 1)
+    raise ValueError(f"layout must be ndhwc or ncdhw, got {layout!r}")
+
+
+def describe(dims: Sequence[int], layout: str) -> TensorDesc:
+    dims = tuple(int(v) for v in dims)
+    return TensorDesc(dims, layout_strides(dims, layout))
+
+
+def plan_call(op: str, geo: ConvGeometry, dtype: str, math: str, layout: str) -> ConvCall:
+    """The :class:`ConvCall` of convolution ``geo`` for ``op`` (fprop, dgrad, wgrad)."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if dtype not in DATA_TYPES:
+        raise ValueError(f"cuDNN convolutions take float32 or bfloat16 storage, got {dtype}")
+    sym, extend = symmetric_padding(geo.padding)
+    return ConvCall(op, describe(extended_shape(geo.x_shape, extend), layout),
+                    describe(geo.w_shape, layout), describe(geo.y_shape, layout),
+                    sym, geo.stride, dtype, math, layout, extend)
+
+
+def note_filters(call: ConvCall) -> Tuple[str, ...]:
+    """Names of the ``cudnn.numerical_note`` members whose engines are deselected.
+
+    Always: DOWN_CONVERT_INPUTS and REDUCED_PRECISION_REDUCTION (accumulation is fp32).
+    Strict fp32 math on float32 storage also drops TENSOR_CORE (TF32) engines.
+    """
+    notes = ("DOWN_CONVERT_INPUTS", "REDUCED_PRECISION_REDUCTION")
+    if call.dtype == "float32" and call.math == "fp32":
+        notes += ("TENSOR_CORE",)
+    return notes
+
+
+# ---------------------------------------------------------------------------------------
+# Operand buffers: NCDHW arrays <-> buffers in the graph's layout (numpy or cupy).
+
+
+def to_layout(xp: Any, a: Any, layout: str, extend: Optional[Padding] = None) -> Any:
+    """``a`` (logical NCDHW) as a contiguous buffer in ``layout``, zero-extended.
+
+    No copy for an NCDHW-contiguous ``a`` in the ``ncdhw`` layout without extension.
+    """
+    view = a.transpose(0, 2, 3, 4, 1) if layout == "ndhwc" else a
+    if extend is None or not any(lo or hi for lo, hi in extend):
+        return xp.ascontiguousarray(view)
+    dims = extended_shape(a.shape, extend)
+    buf = empty_buffer(xp, dims, layout, a.dtype, zero=True)
+    inner = tuple(slice(lo, lo + n) for (lo, _), n in zip(extend, a.shape[2:]))
+    if layout == "ndhwc":
+        buf[(slice(None),) + inner] = view
+    else:
+        buf[(slice(None), slice(None)) + inner] = view
+    return buf
+
+
+def empty_buffer(xp: Any, dims: Sequence[int], layout: str, dtype: Any,
+                 zero: bool = False) -> Any:
+    """A buffer for logical dims ``(N, C, D, H, W)`` stored in ``layout``."""
+    n, c, d, h, w = dims
+    shape = (n, d, h, w, c) if layout == "ndhwc" else (n, c, d, h, w)
+    return (xp.zeros if zero else xp.empty)(shape, dtype=dtype)
+
+
+def from_layout(xp: Any, buf: Any, layout: str, crop: Optional[Padding] = None) -> Any:
+    """The NCDHW-contiguous array held by ``buf``, without the zero extension ``crop``."""
+    view = buf.transpose(0, 4, 1, 2, 3) if layout == "ndhwc" else buf
+    if crop is not None:
+        index = tuple(slice(lo, n - hi) for (lo, hi), n in zip(crop, view.shape[2:]))
+        view = view[(slice(None), slice(None)) + index]
+    return xp.ascontiguousarray(view)
+
+
+# ---------------------------------------------------------------------------------------
+# The graph cache and the runner that executes calls on the GPU.
+
+
+class GraphCache:
+    """Built graphs by key, least recently used evicted beyond ``capacity`` entries."""
+
+    def __init__(self) -> None:
+        self._entries: "OrderedDict[tuple, Any]" = OrderedDict()
+        self.builds = 0
+
+    def get(self, key: tuple, build: Callable[[], Any], capacity: int) -> Any:
+        """The entry for ``key``, built by ``build()`` on first use."""
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return self._entries[key]
+        entry = build()
+        self.builds += 1
+        self._entries[key] = entry
+        while len(self._entries) > capacity:
+            self._entries.popitem(last=False)
+        return entry
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+class Runner(Protocol):
+    def run(self, call: ConvCall, buffers: Mapping[str, Any]) -> None:
+        """Execute ``call`` on ``buffers`` (roles x, w, y; the op's output is written)."""
+
+
+@dataclass
+class GraphEntry:
+    """A built graph, its operand tensors by role and its workspace size in bytes."""
+
+    graph: Any
+    tensors: Dict[str, Any]
+    workspace: int
+
+
+def describe_graph(cudnn: Any, call: ConvCall, handle: Any) -> Tuple[Any, Dict[str, Any]]:
+    """The (unbuilt) cuDNN Frontend graph of ``call`` and its tensors by role x, w, y.
+
+    Pure graph description: no GPU is touched until :func:`build_graph`.
+    """
+    io = getattr(cudnn.data_type, DATA_TYPES[call.dtype])
+    f32 = cudnn.data_type.FLOAT
+    graph = cudnn.pygraph(name=f"cosmotrain_{call.op}", io_data_type=io,
+                          intermediate_data_type=f32, compute_data_type=f32, handle=handle)
+
+    def operand(name: str, desc: TensorDesc) -> Any:
+        return graph.tensor(name=name, dim=list(desc.dims), stride=list(desc.strides),
+                            data_type=io)
+
+    conv = dict(padding=list(call.padding), stride=list(call.stride), dilation=[1, 1, 1],
+                compute_data_type=f32, name=call.op)
+    if call.op == "fprop":
+        x, w = operand("x", call.image), operand("w", call.filter)
+        y = out = graph.conv_fprop(image=x, weight=w, **conv)
+        desc = call.output
+    elif call.op == "dgrad":
+        y, w = operand("dy", call.output), operand("w", call.filter)
+        x = out = graph.conv_dgrad(loss=y, filter=w, **conv)
+        desc = call.image
+    else:
+        x, y = operand("x", call.image), operand("dy", call.output)
+        w = out = graph.conv_wgrad(image=x, loss=y, **conv)
+        desc = call.filter
+    out.set_output(True).set_data_type(io).set_dim(list(desc.dims)).set_stride(
+        list(desc.strides))
+    return graph, {"x": x, "w": w, "y": y}
+
+
+def build_graph(cudnn: Any, call: ConvCall, handle: Any) -> GraphEntry:
+    """Describe, filter by numerical notes, plan and build ``call``'s graph."""
+    graph, tensors = describe_graph(cudnn, call, handle)
+    try:
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.deselect_numeric_notes([getattr(cudnn.numerical_note, name)
+                                      for name in note_filters(call)])
+        graph.check_support()
+        graph.build_plans()
+    except cudnn.cudnnGraphNotSupportedError as exc:
+        raise CudnnUnsupported(f"cuDNN cannot run {call.op} {call.image.dims} x "
+                               f"{call.filter.dims} stride {call.stride} padding "
+                               f"{call.padding} {call.dtype}/{call.math}/{call.layout}: "
+                               f"{exc}") from exc
+    return GraphEntry(graph, tensors, int(graph.get_workspace_size()))
+
+
+class CudnnRunner:
+    """Executes :class:`ConvCall`s on cupy buffers: one handle per device, bound to cupy's
+    current stream before each call; graphs cached; workspace from cupy's pool.
+
+    The workspace is freed right after the launch: cupy's pool hands that block only to
+    later allocations on the same stream, which run after the convolution.
+    """
+
+    def __init__(self, capacity: Callable[[], int]) -> None:
+        self._capacity = capacity
+        self._cache = GraphCache()
+        self._handles: Dict[int, Any] = {}
+        self._unsupported: Dict[tuple, str] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def cache(self) -> GraphCache:
+        return self._cache
+
+    @property
+    def unsupported(self) -> Dict[tuple, str]:
+        """Keys cuDNN could not build a graph for, with the reason (a copy)."""
+        return dict(self._unsupported)
+
+    def handle(self, device: int) -> Any:
+        """The cuDNN handle of ``device`` (created on first use, on that device)."""
+        if device not in self._handles:
+            import cudnn
+            import cupy
+
+            with cupy.cuda.Device(device):
+                self._handles[device] = cudnn.create_handle()
+        return self._handles[device]
+
+    def run(self, call: ConvCall, buffers: Mapping[str, Any]) -> None:
+        import cudnn
+        import cupy
+
+        device = int(buffers["x"].device.id)
+        key = call.key() + (device,)
+        if key in self._unsupported:
+            raise CudnnUnsupported(self._unsupported[key])
+        with self._lock, cupy.cuda.Device(device):
+            handle = self.handle(device)
+            cudnn.set_stream(handle, cupy.cuda.get_current_stream().ptr)
+            try:
+                entry = self._cache.get(key, lambda: build_graph(cudnn, call, handle),
+                                        self._capacity())
+            except CudnnUnsupported as exc:
+                self._unsupported[key] = str(exc)
+                raise
+            workspace = cupy.empty(entry.workspace, dtype=cupy.uint8) if entry.workspace else None
+            pointers = {entry.tensors[role]: int(buffers[role].data.ptr) for role in "xwy"}
+            entry.graph.execute(pointers, None if workspace is None else int(workspace.data.ptr),
+                                handle=handle)
+
+
+# ---------------------------------------------------------------------------------------
+# The three convolutions (NCDHW in, NCDHW out, like cosmotrain.kernels.conv3d).
+
+
+def cudnn_storage(a: Any, name: str) -> np.dtype:
+    """float32 or bfloat16 (the storage dtypes this module sends to cuDNN)."""
+    dtype = np.dtype(a.dtype)
+    if dtype.name not in DATA_TYPES:
+        raise ValueError(f"{name} must be float32 or bfloat16 for cuDNN, got dtype {dtype.name}")
+    return dtype
+
+
+def _run(runner: Runner, call: ConvCall, buffers: Dict[str, Any]) -> Dict[str, Any]:
+    runner.run(call, buffers)
+    return buffers
+
+
+def conv3d_forward(x: Any, w: Any, stride: "int | Sequence[int]" = 1,
+                   padding: PaddingLike = 0, *, runner: Runner, math: str = "fp32",
+                   layout: str = "ndhwc") -> Any:
+    """``y = conv3d(x, w)`` in the dtype of x (w is cast to it)."""
+    xp = array_module(x, w)
+    storage = cudnn_storage(x, "x")
+    w = w.astype(storage, copy=False)
+    geo = ConvGeometry.create(x.shape, w.shape, stride, padding)
+    call = plan_call("fprop", geo, storage.name, math, layout)
+    out = _run(runner, call, {"x": to_layout(xp, x, layout, call.extend),
+                              "w": to_layout(xp, w, layout),
+                              "y": empty_buffer(xp, call.output.dims, layout, storage)})
+    return from_layout(xp, out["y"], layout)
+
+
+def conv3d_backward_data(dy: Any, w: Any, x_shape: Sequence[int],
+                         stride: "int | Sequence[int]" = 1, padding: PaddingLike = 0, *,
+                         runner: Runner, math: str = "fp32", layout: str = "ndhwc") -> Any:
+    """``dL/dx`` of shape ``x_shape`` in the dtype of dy (w is cast to it)."""
+    xp = array_module(dy, w)
+    storage = cudnn_storage(dy, "dy")
+    w = w.astype(storage, copy=False)
+    geo = ConvGeometry.create(x_shape, w.shape, stride, padding)
+    geo.check("dy", dy.shape, geo.y_shape)
+    call = plan_call("dgrad", geo, storage.name, math, layout)
+    out = _run(runner, call, {"y": to_layout(xp, dy, layout), "w": to_layout(xp, w, layout),
+                              "x": empty_buffer(xp, call.image.dims, layout, storage)})
+    return from_layout(xp, out["x"], layout, crop=call.extend)
+
+
+def conv3d_backward_filter(x: Any, dy: Any, w_shape: Sequence[int],
+                           stride: "int | Sequence[int]" = 1, padding: PaddingLike = 0, *,
+                           runner: Runner, math: str = "fp32", layout: str = "ndhwc") -> Any:
+    """``dL/dw`` of shape ``w_shape`` in the dtype of x (dy is cast to it)."""
+    xp = array_module(x, dy)
+    storage = cudnn_storage(x, "x")
+    dy = dy.astype(storage, copy=False)
+    geo = ConvGeometry.create(x.shape, w_shape, stride, padding)
+    geo.check("dy", dy.shape, geo.y_shape)
+    call = plan_call("wgrad", geo, storage.name, math, layout)
+    out = _run(runner, call, {"x": to_layout(xp, x, layout, call.extend),
+                              "y": to_layout(xp, dy, layout),
+                              "w": empty_buffer(xp, call.filter.dims, layout, storage)})
+    return from_layout(xp, out["w"], layout)

@@ -1,0 +1,166 @@
+"""Settings of the GPU convolution kernels, and cuBLAS math control.
+
+:func:`settings_for` derives a job's :class:`ConvSettings` from its
+:class:`~cosmotrain.device.select.Device` (the requested algorithm, and TF32 or strict fp32
+math for fp32 storage); the training step installs them with :func:`configure` once, when
+the job is built on a GPU (never at import time).  The kernels read :func:`current` on
+every call, so a benchmark may re-configure between runs.
+
+Process-wide state, on purpose: the settings in force (``_current`` and its
+``_generation``, which :mod:`.conv` caches its resolved ``auto`` algorithm against) and the
+one-time warning below.  The kernels are plain functions called from the layers with the
+CPU kernels' signatures (``conv3d_forward(x, w, stride, padding)``); handing a settings
+object to every call would change those signatures through ``kernels/conv3d.py``,
+``kernels/linear.py`` and every convolution layer, for a value that is fixed once per
+process (one job per process).  :mod:`.conv` keeps the cuDNN handles and graph cache per
+process for the same reason (they belong to the CUDA context, not to a job).
+
+:func:`cublas_math` switches cupy's cuBLAS compute type for float32 around a block.  CuPy
+reads ``CUPY_TF32=1`` only on its first GEMM; at run time the switch is
+``cupy._core._routines_linalg.set_compute_type(float32, COMPUTE_TYPE_TF32)`` (a private
+but long-standing CuPy function, present in CuPy 14.2).  Where it is missing the block runs
+in CuPy's own mode and one warning says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from cosmotrain.device.select import Device
+
+LOG = logging.getLogger("cosmotrain.kernels.cuda")
+
+ALGORITHMS = ("cudnn", "gemm", "auto")
+MATH_MODES = ("fp32", "tf32")
+LAYOUTS = ("ndhwc", "ncdhw")
+DEFAULT_GEMM_BUDGET = 256 << 20
+
+
+@dataclass(frozen=True)
+class ConvSettings:
+    """How cupy convolutions are computed.
+
+    ``algorithm``: ``cudnn`` (cuDNN Frontend graphs), ``gemm`` (im2col + cupy.matmul),
+    ``auto`` (cuDNN when ``import cudnn`` works and a handle can be created, else gemm).
+    ``math``: ``fp32`` (no TF32 anywhere) or ``tf32`` (TF32 tensor cores for fp32
+    storage; bf16 storage always multiplies on tensor cores and accumulates in fp32).
+    ``cudnn_layout``: memory layout handed to cuDNN, ``ndhwc`` (transpose copies at the
+    boundary; the layout of cuDNN's tensor-core kernels) or ``ncdhw`` (the engine's
+    arrays described as they are, no copies); chosen by ``benchmarks/bench_gpu.py``.
+    ``gemm_budget_bytes``: bound on one GEMM's column matrix and output (bytes).
+    ``graph_cache_size``: built cuDNN graphs kept (least recently used evicted).
+    """
+
+    algorithm: str = "auto"
+    math: str = "fp32"
+    cudnn_layout: str = "ndhwc"
+    gemm_budget_bytes: int = DEFAULT_GEMM_BUDGET
+    graph_cache_size: int = 256
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("algorithm", ALGORITHMS), ("math", MATH_MODES),
+                              ("cudnn_layout", LAYOUTS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"ConvSettings.{name} must be one of {', '.join(allowed)}, "
+                                 f"got {getattr(self, name)!r}")
+        for name in ("gemm_budget_bytes", "graph_cache_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ConvSettings.{name} must be a positive int, got {value!r}")
+
+
+def settings_for(device: Device) -> ConvSettings:
+    """The convolution settings of a job on ``device``: its ``device.conv_algorithm``,
+    and TF32 math under ``precision: tf32`` (strict fp32 otherwise; bf16 storage always
+    multiplies on tensor cores)."""
+    return ConvSettings(algorithm=device.conv_algorithm,
+                        math="tf32" if device.precision == "tf32" else "fp32")
+
+
+_current = ConvSettings()
+_generation = 0
+
+
+def configure(settings: ConvSettings) -> None:
+    """Make ``settings`` the process-wide convolution settings (the step, at job start)."""
+    global _current, _generation
+    if not isinstance(settings, ConvSettings):
+        raise TypeError(f"configure() takes a ConvSettings, got {type(settings).__name__}")
+    _current = settings
+    _generation += 1
+
+
+def current() -> ConvSettings:
+    """The settings in force (the defaults until :func:`configure` is called)."""
+    return _current
+
+
+def generation() -> int:
+    """How many times :func:`configure` has run: a decision derived from the settings
+    (the resolved ``auto`` algorithm) is cached together with the generation it saw."""
+    return _generation
+
+
+def _cupy_linalg() -> Optional[ModuleType]:
+    """CuPy's GEMM module holding the per-dtype compute type, or None where absent."""
+    try:
+        from cupy._core import _routines_linalg  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    needed = ("get_compute_type", "set_compute_type", "COMPUTE_TYPE_TF32",
+              "COMPUTE_TYPE_DEFAULT")
+    return _routines_linalg if all(hasattr(_routines_linalg, n) for n in needed) else None
+
+
+_warned_no_switch = False
+
+
+@contextmanager
+def cublas_math(xp: Any, tf32: bool) -> Iterator[None]:
+    """Run the block with cupy's float32 GEMMs in TF32 (``tf32``) or default fp32 math.
+
+    A no-op for numpy; TF32 is requested only on devices that have it (sm >= 80).  The
+    previous compute type is restored afterwards, so this composes with whatever the rest
+    of the engine (linear layers) configured.
+    """
+    if xp is np:
+        yield
+        return
+    linalg = _cupy_linalg()
+    if linalg is None:
+        _warn_no_switch()
+        yield
+        return
+    tf32 = tf32 and _has_tf32(xp)
+    want = linalg.COMPUTE_TYPE_TF32 if tf32 else linalg.COMPUTE_TYPE_DEFAULT
+    before = linalg.get_compute_type(np.float32)
+    if before == want:
+        yield
+        return
+    linalg.set_compute_type(np.float32, want)
+    try:
+        yield
+    finally:
+        linalg.set_compute_type(np.float32, before)
+
+
+def _has_tf32(xp: Any) -> bool:
+    """Whether the current device has TF32 tensor cores (compute capability >= 8.0);
+    asking cupy for TF32 elsewhere only warns, on every call."""
+    return int(xp.cuda.Device().compute_capability) >= 80
+
+
+def _warn_no_switch() -> None:
+    global _warned_no_switch
+    if not _warned_no_switch:
+        _warned_no_switch = True
+        LOG.warning("this CuPy has no cupy._core._routines_linalg.set_compute_type: the gemm "
+                    "convolutions run in CuPy's own math mode (set CUPY_TF32=1 before "
+                    "importing cupy for TF32)")

@@ -1,1 +1,0 @@
-"""Performance model: FLOP and memory arithmetic (the planner builds on it)."""

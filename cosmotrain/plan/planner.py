@@ -1,0 +1,158 @@
+"""``cosmotrain plan``: price every strategy that fits P ranks and rank them.
+
+For a config (model, width, batch) and a rank count, every factorisation of the ranks over
+N, C, F, D, H, W that the batch and the volume allow (:func:`enumerate_strategies`) is built
+into a workload and priced on a machine model; strategies that do not fit the memory per
+rank are dropped, the rest sorted by predicted step time.  ``parallel: auto`` in a config
+runs the same search at start-up (:func:`auto_layout`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from cosmotrain.config.schema import Config
+from cosmotrain.errors import ConfigError, UserError
+from cosmotrain.models import build_model
+from cosmotrain.nn.containers import Sequential
+from cosmotrain.plan.cost import Prediction, predict
+from cosmotrain.plan.machine import MachineModel
+from cosmotrain.plan.memory import workload_memory
+from cosmotrain.plan.presets import PRESETS
+from cosmotrain.plan.strategy import Strategy, distinct, enumerate_strategies
+from cosmotrain.plan.workload import build_workload
+
+MACHINE_ENV = "COSMOTRAIN_MACHINE"
+
+
+def default_machine_path() -> Path:
+    """``$COSMOTRAIN_MACHINE``, else ``$XDG_CACHE_HOME/cosmotrain/machine.json``."""
+    if os.environ.get(MACHINE_ENV):
+        return Path(os.environ[MACHINE_ENV])
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "cosmotrain" / "machine.json"
+
+
+def load_machine(spec: str | None = None) -> MachineModel:
+    """A machine by preset name (``h100``...), by file, or the calibrated default file."""
+    if spec in PRESETS:
+        return PRESETS[spec]()
+    path = Path(spec) if spec else default_machine_path()
+    if not spec and not path.is_file():
+        raise UserError(f"no machine model at {path}: run `cosmotrain calibrate` on this "
+                        f"machine first, or pass --machine FILE or a preset "
+                        f"({', '.join(PRESETS)})")
+    return MachineModel.load(path)
+
+
+@dataclass
+class Planned:
+    """A priced strategy: the prediction and its memory per rank."""
+
+    prediction: Prediction
+    memory_bytes: float
+    stop: str = ""  # the first layer on whole samples
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.prediction.strategy
+
+
+def price(cfg: Config, strategy: Strategy, machine: MachineModel,
+          ranks_per_node: int | None = None, model=None) -> Planned:
+    """Predicted step and memory of ``cfg`` under ``strategy``."""
+    work = build_workload(cfg, strategy, model)
+    prediction = predict(work, machine, ranks_per_node)
+    memory = workload_memory(work)
+    prediction.memory_bytes = memory
+    return Planned(prediction, memory, work.stop)
+
+
+REFUSED = (ConfigError, ValueError)  # what the engine raises for a split it cannot run
+
+
+def candidates(cfg: Config, ranks: int, algorithms: tuple[str, ...] = ("x", "y", "w")
+               ) -> tuple[Sequential, list[Strategy]]:
+    """The serial model and the distinct strategies the planner considers for ``ranks``
+    (channel/filter groups no wider than the model's narrowest convolution)."""
+    model = build_model(cfg.model, cfg.train.seed)
+    narrowest = min(layer.out_channels for _, layer in model.named_layers()
+                    if hasattr(layer, "out_channels"))
+    return model, distinct(list(enumerate_strategies(
+        ranks, cfg.train.batch_size, cfg.model.width, narrowest, algorithms)))
+
+
+MEMORY_RESERVE = 0.1  # the share of a node's memory left to the runtime, MPI, workspaces
+
+
+def default_memory_per_rank(machine: MachineModel, ranks: int,
+                            ranks_per_node: int | None = None) -> float | None:
+    """Bytes a rank may use, less the reserve: its device's memory (one rank per GPU),
+    else its share of the node's."""
+    if machine.memory_per_device_gib > 0:
+        return machine.memory_per_device_gib * 2**30 * (1 - MEMORY_RESERVE)
+    if machine.memory_per_node_gib <= 0:
+        return None
+    per_node = min(ranks, ranks_per_node or machine.cores_per_node)
+    return machine.memory_per_node_gib * 2**30 * (1 - MEMORY_RESERVE) / per_node
+
+
+def plan(cfg: Config, ranks: int, machine: MachineModel, ranks_per_node: int | None = None,
+         memory_per_rank: float | None = None, algorithms: tuple[str, ...] = ("x", "y", "w")
+         ) -> list[Planned]:
+    """Every feasible strategy for ``ranks``, fastest first.
+
+    ``memory_per_rank`` (bytes) defaults to the machine's memory per node shared by its
+    ranks, less a tenth for the runtime (None: no limit when the machine says nothing).
+    """
+    if memory_per_rank is None:
+        memory_per_rank = default_memory_per_rank(machine, ranks, ranks_per_node)
+    model, strategies = candidates(cfg, ranks, algorithms)
+    planned = []
+    for strategy in strategies:
+        try:
+            item = price(cfg, strategy, machine, ranks_per_node, model)
+        except REFUSED:
+            continue  # a split the engine refuses (e.g. a halo wider than a block)
+        if memory_per_rank is None or item.memory_bytes <= memory_per_rank:
+            planned.append(item)
+    if not planned:
+        raise UserError(f"no strategy for {ranks} rank(s) fits: the batch of "
+                        f"{cfg.train.batch_size} and width {cfg.model.width} allow none"
+                        + (f" within {memory_per_rank / 2**30:.1f} GiB per rank"
+                           if memory_per_rank else "")
+                        + "; change the rank count, the batch or --memory-per-rank")
+    return sorted(planned, key=lambda p: p.prediction.step_s)
+
+
+def choose_parallel(cfg: Config, comm: Any) -> tuple[Config, str]:
+    """``cfg`` with the planner's best strategy for this job when ``parallel.auto``.
+
+    Collective: rank 0 plans (the machine file need only be readable there) and every
+    rank gets the same choice, or the same error.  Returns the config (``auto`` cleared,
+    so the saved config and checkpoints record the layout that ran) and a line to print.
+    """
+    if not cfg.parallel.auto:
+        return cfg, ""
+    from cosmotrain.comm import node_ranks
+    from cosmotrain.comm.collective import on_root
+
+    per_node = node_ranks(comm)
+
+    def best() -> tuple[Strategy, float, str]:
+        machine = load_machine(cfg.parallel.machine)
+        top = plan(cfg, comm.Get_size(), machine, per_node)[0]
+        return top.strategy, top.prediction.step_s, machine.name
+
+    strategy, step_s, machine = on_root(comm, best)
+    chosen = replace(cfg.parallel, auto=False, sample=strategy.sample,
+                     channel=strategy.channel, filter=strategy.filter, depth=strategy.depth,
+                     height=strategy.height, width=strategy.width,
+                     spatial_until=strategy.spatial_until,
+                     channel_algorithm=strategy.channel_algorithm)
+    return replace(cfg, parallel=chosen), (
+        f"parallel: auto chose {strategy.describe()} for {comm.Get_size()} rank(s) "
+        f"(predicted {step_s * 1e3:.1f} ms per step on machine {machine})")
