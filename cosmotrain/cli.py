@@ -12,16 +12,16 @@ import json
 import os
 import sys
 import traceback
-from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from cosmotrain.errors import EXIT_USER_ERROR, UserError
+from cosmotrain.errors import UserError
+from cosmotrain.exits import (EXIT_KEYBOARD, FAULT_ENV, exit_code, fault_hook,
+                              report_user_error)
 
-EXIT_KEYBOARD = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
 
 app = typer.Typer(
     add_completion=False,
@@ -78,6 +78,7 @@ def config(
         "--reference", help="Print the reference of every config key and exit.")] = False,
 ) -> None:
     """Validate a config (with --set overrides) and print it fully resolved."""
+    from cosmotrain.comm import world
     from cosmotrain.config import dump_yaml, load_config, resolve_parallel
     from cosmotrain.config.reference import reference_markdown
 
@@ -85,9 +86,9 @@ def config(
         print(reference_markdown())
         return
     cfg = load_config(config_file, overrides or [])
-    world_size = ranks if ranks is not None else _world_size()
+    world_size = ranks if ranks is not None else world().Get_size()
     layout = resolve_parallel(cfg, world_size)
-    if _rank() == 0:
+    if world().Get_rank() == 0:
         print(f"# strategy {layout.describe()} on {world_size} rank(s)")
         print(dump_yaml(cfg), end="")
 
@@ -371,60 +372,6 @@ def scale_study(
     if not any(p.status == "ok" for p in results["points"]):
         raise UserError(f"scale-study: no point could run; the reasons are in "
                         f"{out / 'results.md'}")
-
-
-FAULT_ENV = "COSMOTRAIN_FAULT"  # "RANK:STEP": raise on that rank before that step (tests)
-
-
-def fault_hook(fault: str | None) -> Callable[[int, int], None] | None:
-    """Fault injection for the abort tests: ``COSMOTRAIN_FAULT=RANK:STEP`` makes that rank
-    raise before that step, as a bug would; the whole job must then end, not hang."""
-    if not fault:
-        return None
-
-    def inject(rank: int, step: int) -> None:
-        if fault == f"{rank}:{step}":
-            raise RuntimeError(f"fault injected by {FAULT_ENV}={fault}")
-
-    return inject
-
-
-def _world_size() -> int:
-    from cosmotrain.comm import world
-
-    return world().Get_size()
-
-
-def _rank() -> int:
-    from cosmotrain.comm import world
-
-    return world().Get_rank()
-
-
-def report_user_error(err: UserError) -> None:
-    """Print the one-line message; a rank-local error then aborts the whole job."""
-    from cosmotrain.comm import abort_job, settle_exit
-
-    collective = getattr(err, "collective", True)
-    if not collective or _rank_if_initialised() == 0:
-        print(f"cosmotrain: error: {err}", file=sys.stderr, flush=True)
-    if collective:
-        settle_exit()
-    else:
-        abort_job(exit_code(err))
-
-
-def exit_code(err: UserError) -> int:
-    """2 for bad input; a few user-facing failures carry their own (docs/RELIABILITY.md)."""
-    return int(getattr(err, "exit_code", EXIT_USER_ERROR))
-
-
-def _rank_if_initialised() -> int:
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        return 0
-    return MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else 0
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, mpiexec, subprocess_env
-from cosmotrain.comm.watchdog import (
+from cosmotrain.comm.watchdog_verdict import (
     INTERVAL_FACTOR,
     MAX_NAMED,
     Report,

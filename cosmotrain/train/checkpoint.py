@@ -40,9 +40,7 @@ and returns the newest one that verifies, already loaded.
 
 from __future__ import annotations
 
-import json
 import re
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,12 +51,12 @@ import numpy as np
 
 from cosmotrain.atomic import TMP_SUFFIX, hdf5_image, write_bytes_atomically
 from cosmotrain.errors import DataError, WriteError
+from cosmotrain.train.checksums import (CHECKSUM_ATTR, CRC_ATTR, content_checksum, crc32_of,
+                                        read_scalars)
 
 FORMAT = "cosmotrain-checkpoint"
 FORMAT_VERSION = 2
 CHECKSUMS_SINCE = 2  # the first format version with checksums; version 1 loads unverified
-CHECKSUM_ATTR = "checksum"  # root attribute: CRC-32 of the listing of everything else
-CRC_ATTR = "crc32"  # dataset attribute: CRC-32 of the dataset's data bytes
 CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"^ckpt_step(\d+)\.h5$")
 DAMAGED_FIX = ("move it aside to use the checkpoint before it (train --resume skips "
@@ -221,7 +219,7 @@ def _write_dataset(group: h5py.Group, name: str, value: Any) -> None:
     else:
         value = np.asarray(value)
         ds = group.create_dataset(_checked_name(name), data=value)
-    ds.attrs[CRC_ATTR] = _crc(value)
+    ds.attrs[CRC_ATTR] = crc32_of(value)
 
 
 def _write_slots(group: h5py.Group, slots: Mapping[str, Any]) -> None:
@@ -252,37 +250,6 @@ def _checked_name(name: str) -> str:
     if not name or "/" in name or name in (".", ".."):
         raise ValueError(f"checkpoint entry name {name!r} is empty or contains '/'")
     return name
-
-
-def _crc(value: Any) -> int:
-    """CRC-32 of an array's bytes as stored (C order), or of a string's UTF-8."""
-    if isinstance(value, str):
-        return zlib.crc32(value.encode("utf-8"))
-    flat = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
-    return zlib.crc32(flat)
-
-
-def content_checksum(f: h5py.File) -> int:
-    """CRC-32 of a canonical listing of ``f``: every group and dataset by path, each
-    dataset's dtype and shape, every attribute but the root's ``checksum`` (so each
-    dataset's ``crc32`` too).  Reads metadata only, no array data."""
-    entries = [_entry("/", f, root=True)]
-    f.visititems(lambda name, obj: entries.append(_entry(name, obj)))
-    return zlib.crc32("\n".join(sorted(entries)).encode("utf-8"))
-
-
-def _entry(name: str, obj: Any, root: bool = False) -> str:
-    attrs = sorted([key, type(value).__name__, value]
-                   for key, value in _read_scalars(obj).items()
-                   if not (root and key == CHECKSUM_ATTR))
-    if isinstance(obj, h5py.Dataset):
-        return json.dumps([name, "dataset", obj.dtype.str, list(obj.shape), attrs],
-                          default=_plain)
-    return json.dumps([name, "group", attrs], default=_plain)
-
-
-def _plain(value: Any) -> Any:
-    return value.tolist() if isinstance(value, np.ndarray) else repr(value)
 
 
 def load_checkpoint(path: str | Path) -> CheckpointState:
@@ -347,14 +314,14 @@ class _Reader:
             params={name: self.array(ds) for name, ds in f["params"].items()},
             buffers={name: self.array(ds) for name, ds in f["buffers"].items()},
             optimizer={name: self.slots(group) for name, group in opt.items()},
-            optimizer_scalars=_read_scalars(opt),
+            optimizer_scalars=read_scalars(opt),
             config_yaml=self.text(f["config"]),
-            rng=_read_scalars(f["rng"]), layout=_read_scalars(f["layout"]),
+            rng=read_scalars(f["rng"]), layout=read_scalars(f["layout"]),
             format_version=int(f.attrs["format_version"]))
 
     def slots(self, group: h5py.Group) -> dict[str, Any]:
         slots: dict[str, Any] = {name: self.array(ds) for name, ds in group.items()}
-        slots.update(_read_scalars(group))
+        slots.update(read_scalars(group))
         return slots
 
     def array(self, ds: h5py.Dataset) -> Any:
@@ -374,17 +341,11 @@ class _Reader:
         stored = ds.attrs.get(CRC_ATTR)
         if stored is None:
             raise DamagedCheckpoint(self.file, f"array '{name}' has no checksum")
-        found = _crc(value)
+        found = crc32_of(value)
         if int(stored) != found:
             raise DamagedCheckpoint(
                 self.file, f"array '{name}' fails its checksum (stored crc32 "
                 f"{int(stored):#010x}, read {found:#010x}): its data is damaged")
-
-
-def _read_scalars(node: h5py.Group) -> dict[str, Scalar]:
-    """Attributes back as Python scalars (h5py returns numpy scalars)."""
-    return {key: (value.item() if isinstance(value, np.generic) else value)
-            for key, value in node.attrs.items()}
 
 
 def _first_line(err: BaseException) -> str:

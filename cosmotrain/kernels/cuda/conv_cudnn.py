@@ -46,11 +46,12 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, Mapping, Protocol, Sequence, Tuple
 
 import numpy as np
 
 from cosmotrain.device.xp import array_module
+from cosmotrain.kernels.cuda.layouts import empty_buffer, extended_shape, from_layout, to_layout
 from cosmotrain.kernels.geometry import ConvGeometry, Padding, PaddingLike, Triple
 
 # cuDNN data type (cudnn.data_type member) of each storage dtype.
@@ -103,12 +104,6 @@ def symmetric_padding(padding: Padding) -> Tuple[Triple, Padding]:
     return sym, extend  # type: ignore[return-value]
 
 
-def extended_shape(shape: Sequence[int], extend: Padding) -> Tuple[int, ...]:
-    """``(N, C, D', H', W')``: an NCDHW shape grown by the zero extension."""
-    spatial = tuple(n + lo + hi for n, (lo, hi) in zip(shape[2:], extend))
-    return tuple(shape[:2]) + spatial
-
-
 def layout_strides(dims: Sequence[int], layout: str) -> Tuple[int, ...]:
     """Element strides over the logical dims ``(N, C, D, H, W)`` for a buffer stored in
     ``layout``: ``ndhwc`` (channels-last, C innermost) or ``ncdhw`` (row-major)."""
@@ -147,45 +142,6 @@ def note_filters(call: ConvCall) -> Tuple[str, ...]:
     if call.dtype == "float32" and call.math == "fp32":
         notes += ("TENSOR_CORE",)
     return notes
-
-
-# ---------------------------------------------------------------------------------------
-# Operand buffers: NCDHW arrays <-> buffers in the graph's layout (numpy or cupy).
-
-
-def to_layout(xp: Any, a: Any, layout: str, extend: Optional[Padding] = None) -> Any:
-    """``a`` (logical NCDHW) as a contiguous buffer in ``layout``, zero-extended.
-
-    No copy for an NCDHW-contiguous ``a`` in the ``ncdhw`` layout without extension.
-    """
-    view = a.transpose(0, 2, 3, 4, 1) if layout == "ndhwc" else a
-    if extend is None or not any(lo or hi for lo, hi in extend):
-        return xp.ascontiguousarray(view)
-    dims = extended_shape(a.shape, extend)
-    buf = empty_buffer(xp, dims, layout, a.dtype, zero=True)
-    inner = tuple(slice(lo, lo + n) for (lo, _), n in zip(extend, a.shape[2:]))
-    if layout == "ndhwc":
-        buf[(slice(None),) + inner] = view
-    else:
-        buf[(slice(None), slice(None)) + inner] = view
-    return buf
-
-
-def empty_buffer(xp: Any, dims: Sequence[int], layout: str, dtype: Any,
-                 zero: bool = False) -> Any:
-    """A buffer for logical dims ``(N, C, D, H, W)`` stored in ``layout``."""
-    n, c, d, h, w = dims
-    shape = (n, d, h, w, c) if layout == "ndhwc" else (n, c, d, h, w)
-    return (xp.zeros if zero else xp.empty)(shape, dtype=dtype)
-
-
-def from_layout(xp: Any, buf: Any, layout: str, crop: Optional[Padding] = None) -> Any:
-    """The NCDHW-contiguous array held by ``buf``, without the zero extension ``crop``."""
-    view = buf.transpose(0, 4, 1, 2, 3) if layout == "ndhwc" else buf
-    if crop is not None:
-        index = tuple(slice(lo, n - hi) for (lo, hi), n in zip(crop, view.shape[2:]))
-        view = view[(slice(None), slice(None)) + index]
-    return xp.ascontiguousarray(view)
 
 
 # ---------------------------------------------------------------------------------------
@@ -353,6 +309,12 @@ def cudnn_storage(a: Any, name: str) -> np.dtype:
     return dtype
 
 
+def _operands(a: Any, name: str, b: Any) -> tuple[Any, np.dtype, Any]:
+    """``(xp, storage dtype of a, b cast to it)``: cuDNN computes in one storage type."""
+    storage = cudnn_storage(a, name)
+    return array_module(a, b), storage, b.astype(storage, copy=False)
+
+
 def _run(runner: Runner, call: ConvCall, buffers: Dict[str, Any]) -> Dict[str, Any]:
     runner.run(call, buffers)
     return buffers
@@ -362,9 +324,7 @@ def conv3d_forward(x: Any, w: Any, stride: "int | Sequence[int]" = 1,
                    padding: PaddingLike = 0, *, runner: Runner, math: str = "fp32",
                    layout: str = "ndhwc") -> Any:
     """``y = conv3d(x, w)`` in the dtype of x (w is cast to it)."""
-    xp = array_module(x, w)
-    storage = cudnn_storage(x, "x")
-    w = w.astype(storage, copy=False)
+    xp, storage, w = _operands(x, "x", w)
     geo = ConvGeometry.create(x.shape, w.shape, stride, padding)
     call = plan_call("fprop", geo, storage.name, math, layout)
     out = _run(runner, call, {"x": to_layout(xp, x, layout, call.extend),
@@ -377,9 +337,7 @@ def conv3d_backward_data(dy: Any, w: Any, x_shape: Sequence[int],
                          stride: "int | Sequence[int]" = 1, padding: PaddingLike = 0, *,
                          runner: Runner, math: str = "fp32", layout: str = "ndhwc") -> Any:
     """``dL/dx`` of shape ``x_shape`` in the dtype of dy (w is cast to it)."""
-    xp = array_module(dy, w)
-    storage = cudnn_storage(dy, "dy")
-    w = w.astype(storage, copy=False)
+    xp, storage, w = _operands(dy, "dy", w)
     geo = ConvGeometry.create(x_shape, w.shape, stride, padding)
     geo.check("dy", dy.shape, geo.y_shape)
     call = plan_call("dgrad", geo, storage.name, math, layout)
@@ -392,9 +350,7 @@ def conv3d_backward_filter(x: Any, dy: Any, w_shape: Sequence[int],
                            stride: "int | Sequence[int]" = 1, padding: PaddingLike = 0, *,
                            runner: Runner, math: str = "fp32", layout: str = "ndhwc") -> Any:
     """``dL/dw`` of shape ``w_shape`` in the dtype of x (dy is cast to it)."""
-    xp = array_module(x, dy)
-    storage = cudnn_storage(x, "x")
-    dy = dy.astype(storage, copy=False)
+    xp, storage, dy = _operands(x, "x", dy)
     geo = ConvGeometry.create(x.shape, w_shape, stride, padding)
     geo.check("dy", dy.shape, geo.y_shape)
     call = plan_call("wgrad", geo, storage.name, math, layout)

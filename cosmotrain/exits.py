@@ -1,0 +1,58 @@
+"""How a ``cosmotrain`` command ends: one line and an exit code, on every rank alike.
+
+The CLI maps every failure here.  A :class:`~cosmotrain.errors.UserError` prints its
+one-line message once (collective errors on rank 0 only) and exits with its code (2 for
+bad input; 3, 4 and 75 for the reliability stops of docs/RELIABILITY.md); a rank-local
+error aborts the whole MPI job so that no rank waits forever.  Also the fault hook the
+abort tests inject through ``COSMOTRAIN_FAULT`` (read by the CLI, the only reader of the
+environment).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from cosmotrain.errors import EXIT_USER_ERROR, UserError
+
+EXIT_KEYBOARD = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
+FAULT_ENV = "COSMOTRAIN_FAULT"  # "RANK:STEP": raise on that rank before that step (tests)
+
+
+def fault_hook(fault: str | None) -> Callable[[int, int], None] | None:
+    """Fault injection for the abort tests: ``COSMOTRAIN_FAULT=RANK:STEP`` makes that rank
+    raise before that step, as a bug would; the whole job must then end, not hang."""
+    if not fault:
+        return None
+
+    def inject(rank: int, step: int) -> None:
+        if fault == f"{rank}:{step}":
+            raise RuntimeError(f"fault injected by {FAULT_ENV}={fault}")
+
+    return inject
+
+
+def report_user_error(err: UserError) -> None:
+    """Print the one-line message; a rank-local error then aborts the whole job."""
+    from cosmotrain.comm import abort_job, settle_exit
+
+    collective = getattr(err, "collective", True)
+    if not collective or _rank_if_initialised() == 0:
+        print(f"cosmotrain: error: {err}", file=sys.stderr, flush=True)
+    if collective:
+        settle_exit()
+    else:
+        abort_job(exit_code(err))
+
+
+def exit_code(err: UserError) -> int:
+    """2 for bad input; a few user-facing failures carry their own (docs/RELIABILITY.md)."""
+    return int(getattr(err, "exit_code", EXIT_USER_ERROR))
+
+
+def _rank_if_initialised() -> int:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return 0
+    return MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else 0
