@@ -35,7 +35,7 @@ from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.comm.threads import configure_threads
 from cosmotrain.comm.timers import PHASES
 from cosmotrain.config.load import load_config
-from cosmotrain.config.parallel import resolve_parallel
+from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.kernels._parallel import set_blas_threads
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor

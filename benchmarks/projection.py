@@ -37,7 +37,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from cosmotrain.config import load_config
+from cosmotrain.config import Layout, load_config
 from cosmotrain.config.schema import Config
 from cosmotrain.models import build_model
 from cosmotrain.plan.cost import predict
@@ -46,7 +46,6 @@ from cosmotrain.plan.machine import Fit, LinkModel, MachineModel
 from cosmotrain.plan.memory import workload_memory
 from cosmotrain.plan.planner import (REFUSED, Planned, candidates, default_memory_per_rank,
                                      load_machine)
-from cosmotrain.plan.strategy import Strategy, parse_strategy
 from cosmotrain.plan.workload import build_workload
 
 GiB = 2.0 ** 30
@@ -132,7 +131,7 @@ def _point(item: Planned, target: Target, gpus: int, batch: int) -> Point:
                  p.comm_share)
 
 
-def _priced(cfg: Config, strategy: Strategy, machines: list[Target], model
+def _priced(cfg: Config, strategy: Layout, machines: list[Target], model
             ) -> dict[str, Planned] | None:
     """``strategy`` priced on every target from one workload (None: the engine refuses)."""
     try:
@@ -178,7 +177,7 @@ def best_points(cfg: Config, ranks: int, machines: list[Target]) -> dict[str, Po
 
 def fixed_points(cfg: Config, strategy: str, machines: list[Target]) -> dict[str, Point]:
     """Per preset: ``strategy`` priced (marked infeasible where it does not fit)."""
-    parsed = parse_strategy(strategy)
+    parsed = Layout.parse(strategy)
     model = build_model(cfg.model, cfg.train.seed)
     priced = _priced(cfg, parsed, machines, model)
     if priced is None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.load import load_config
-from cosmotrain.config.parallel import resolve_parallel
+from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.layers.loss import batch_loss
 from cosmotrain.layers.shards import gather_full
 from cosmotrain.models import build_model

@@ -17,7 +17,7 @@ from equivalence import full_gradients, gather_rows, relative_error
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.load import load_config
-from cosmotrain.config.parallel import resolve_parallel
+from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.device.select import Device
 from cosmotrain.device.xp import to_host
 from cosmotrain.nn.module import Context

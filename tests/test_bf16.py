@@ -28,7 +28,7 @@ from precision_runs import precision_errors, step_run
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.load import load_config
-from cosmotrain.config.parallel import resolve_parallel
+from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.nn.module import Context
 from cosmotrain.precision import is_bf16
 from cosmotrain.tensor.dist_tensor import DistTensor

@@ -18,17 +18,18 @@ from conftest import abort_on_error
 from conv_reference import serial_conv_run, spatial_twin
 
 from cosmotrain.comm.grid import ProcessGrid
-from cosmotrain.config.parallel import ParallelLayout
+from cosmotrain.config.layout import Layout as ParallelLayout
 from cosmotrain.kernels.conv3d import conv3d_forward
 from cosmotrain.kernels.geometry import normalize_padding, normalize_triple, output_size
 from cosmotrain.layers.conv import SpatialConv3d
 from cosmotrain.nn.layers import Conv3d
 from cosmotrain.nn.module import Context, Parameter
+from cosmotrain.tensor.boxes import Box, box_shape, box_slices, intersect, onion
 from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.tensor.distribution import Distribution
-from cosmotrain.tensor.interior import (REDO_SHELL_MAX, Box, ConvDim, OverlapPlan, box_shape,
-                                        box_slices, conv_dim, input_window, interior_range,
-                                        intersect, onion, overlap_plan, run_sub_conv)
+from cosmotrain.tensor.interior import (REDO_SHELL_MAX, ConvDim, OverlapPlan, conv_dim,
+                                        input_window, interior_range, overlap_plan,
+                                        run_sub_conv)
 from cosmotrain.tensor.windows import halo_plans, window_halos
 
 

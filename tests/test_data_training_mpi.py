@@ -20,7 +20,7 @@ from conftest import abort_on_error
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.load import load_config
-from cosmotrain.config.parallel import resolve_parallel
+from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.data.datagen import generate_dataset
 from cosmotrain.data.open import make_reader, open_dataset
 from cosmotrain.data.placement import BlockPlacement

@@ -182,7 +182,7 @@ def run_collectives(comm: Any, transport: DeviceBuffers, wrap: Any) -> dict[str,
 def halo_round_trip(comm: Any, transport: DeviceBuffers, wrap: Any) -> list[np.ndarray]:
     """Forward and backward halo exchanges of a D2 grid through ``transport``."""
     from cosmotrain.comm.grid import ProcessGrid
-    from cosmotrain.config.parallel import ParallelLayout
+    from cosmotrain.config.layout import Layout as ParallelLayout
     from cosmotrain.tensor.distribution import Distribution
     from cosmotrain.tensor.halo import HaloExchange
     from cosmotrain.tensor.windows import halo_plans, spatial_halos

@@ -13,7 +13,7 @@ from conftest import abort_on_error
 from conv_reference import serial_conv_run, spatial_twin
 
 from cosmotrain.comm.grid import ProcessGrid
-from cosmotrain.config.parallel import ParallelLayout
+from cosmotrain.config.layout import Layout as ParallelLayout
 from cosmotrain.layers.pool import spatial_pool
 from cosmotrain.kernels.geometry import normalize_padding
 from cosmotrain.nn import factory

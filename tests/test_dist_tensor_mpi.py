@@ -7,7 +7,7 @@ import pytest
 from conftest import abort_on_error
 
 from cosmotrain.comm.grid import ProcessGrid
-from cosmotrain.config.parallel import ParallelLayout
+from cosmotrain.config.layout import Layout as ParallelLayout
 from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.tensor.distribution import Distribution
 

@@ -39,7 +39,7 @@ from equivalence import (everyone_failures, hybrid_short_run, make_config, ranks
                          run_short_waves)
 
 from cosmotrain.comm.grid import ProcessGrid
-from cosmotrain.config.parallel import resolve_parallel
+from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.kernels import _parallel, conv3d, pool3d
 from cosmotrain.kernels.batchnorm import bn_local_sums, bn_statistics
 from cosmotrain.models import build_model

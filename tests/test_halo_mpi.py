@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import abort_on_error
 
-from cosmotrain.config.parallel import ParallelLayout
+from cosmotrain.config.layout import Layout as ParallelLayout
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.kernels.conv3d import conv3d_forward
 from cosmotrain.tensor.distribution import Distribution

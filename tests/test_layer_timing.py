@@ -14,7 +14,7 @@ from cosmotrain.config import load_config
 from cosmotrain.plan.cost import layer_elements, layer_key, layer_seconds, shape_key
 from cosmotrain.plan.machine import Curve, MachineModel
 from cosmotrain.plan.planner import candidates
-from cosmotrain.plan.strategy import Strategy
+from cosmotrain.config.layout import Layout as Strategy
 from cosmotrain.plan.workload import build_workload
 from cosmotrain.study import layer_timing
 from cosmotrain.study.calibrate import _channel_block, candidate_workloads

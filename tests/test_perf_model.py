@@ -18,8 +18,8 @@ from cosmotrain.plan.cost import layer_key, predict
 from cosmotrain.plan.machine import Curve, Fit, LinkModel, MachineModel
 from cosmotrain.plan.planner import load_machine, plan
 from cosmotrain.plan.presets import PRESETS
-from cosmotrain.plan.strategy import (Strategy, enumerate_strategies, factorisations,
-                                      parse_strategy)
+from cosmotrain.config.layout import Layout as Strategy, parse_layout as parse_strategy
+from cosmotrain.plan.strategy import enumerate_strategies, factorisations
 from cosmotrain.plan.workload import build_workload
 
 
@@ -148,7 +148,7 @@ def test_volumes_equal_what_a_run_sends() -> None:
     from mpi4py import MPI
 
     from cosmotrain.comm.grid import ProcessGrid
-    from cosmotrain.config.parallel import resolve_parallel
+    from cosmotrain.config.layout import resolve_parallel
     from cosmotrain.nn.module import Context
     from cosmotrain.tensor import halo
     from cosmotrain.tensor.dist_tensor import DistTensor

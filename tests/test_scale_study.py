@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, mpiexec, subprocess_env
 
-from cosmotrain.plan.strategy import Strategy
+from cosmotrain.config.layout import Layout as Strategy
 from cosmotrain.study.launch import Launcher, find_launcher, slurm_tasks_per_node
 from cosmotrain.study.points import build_points, parse_ranks, point_batch, spatial_strategy
 from cosmotrain.study.report import CSV_COLUMNS

@@ -1,4 +1,4 @@
-"""ProcessGrid: a Cartesian communicator over (sample, channel, filter, depth, height, width).
+"""ProcessGrid: a Cartesian communicator over a ``Layout``'s axes (sample ... width).
 
 Ranks are laid out row-major with ``sample`` slowest, so the spatial blocks of one sample
 (and its channel/filter groups) are consecutive ranks: with block placement by the
@@ -14,16 +14,13 @@ the host transport (numpy pass-through) until the step of a GPU job sets it from
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from cosmotrain.comm.timers import PhaseTimers
-from cosmotrain.config.parallel import ParallelLayout
+from cosmotrain.config.layout import AXES, SPATIAL, Layout
 from cosmotrain.device.transport import make_transport
 
-AXES = ("sample", "channel", "filter", "depth", "height", "width")
-SPATIAL = ("depth", "height", "width")
 # Groups of axes with a sub-communicator each: ranks that differ only along these axes.
 GROUPS = {
     "spatial": SPATIAL,  # the blocks of one sample (same sample, channel, filter)
@@ -37,10 +34,10 @@ GROUPS = {
 class ProcessGrid:
     """The job's ranks as a 6-D Cartesian grid, with its sub-communicators."""
 
-    def __init__(self, comm: Any, layout: ParallelLayout) -> None:
-        self.shape = (layout.sample, layout.channel, layout.filter, *layout.spatial)
-        if comm.Get_size() != math.prod(self.shape):
-            raise ValueError(f"the grid {layout.describe()} needs {math.prod(self.shape)} "
+    def __init__(self, comm: Any, layout: Layout) -> None:
+        self.shape = layout.ways
+        if comm.Get_size() != layout.size:
+            raise ValueError(f"the grid {layout.describe()} needs {layout.size} "
                              f"ranks, the communicator has {comm.Get_size()}")
         self.layout = layout
         self.cart = comm.Create_cart(list(self.shape), periods=[False] * len(AXES),

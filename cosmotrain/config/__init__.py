@@ -1,14 +1,15 @@
 """Configuration: typed schema, YAML loading, ``--set`` overrides and validation.
 
 ``schema`` (the typed sections), ``load`` (YAML, ``--set``, the resolved ``config.yaml``),
-``parallel`` (the layout of the ranks over N, C, F, D, H, W), ``device`` (the ``device``
-rules that need no probe of the machine) and ``reference`` (the generated config
-reference).
+``layout`` (the one :class:`Layout` value: the ranks over N, C, F, D, H, W, the spatial
+stop and the channel algorithm; strategy names; its validation), ``device`` (the
+``device`` rules that need no probe of the machine) and ``reference`` (the generated
+config reference).
 """
 
+from cosmotrain.config.layout import Layout, resolve_parallel
 from cosmotrain.config.load import config_to_dict, dump_yaml, load_config, save_resolved
-from cosmotrain.config.parallel import ParallelLayout, resolve_parallel
 from cosmotrain.config.schema import Config
 
-__all__ = ["Config", "ParallelLayout", "config_to_dict", "dump_yaml", "load_config",
+__all__ = ["Config", "Layout", "config_to_dict", "dump_yaml", "load_config",
            "resolve_parallel", "save_resolved"]

@@ -27,7 +27,7 @@ from typing import Any
 from cosmotrain.atomic import write_atomically
 from cosmotrain.comm.collective import agree
 from cosmotrain.comm.grid import ProcessGrid
-from cosmotrain.config.parallel import resolve_parallel
+from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.config.schema import Config
 from cosmotrain.data import cache, formats, order, sample_table
 from cosmotrain.data.manifest import MANIFEST_NAME, Manifest

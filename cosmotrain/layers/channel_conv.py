@@ -30,7 +30,7 @@ from cosmotrain.nn.module import Context, Parameter
 from cosmotrain.tensor.channel_collectives import allgather_channels, reduce_scatter_channels
 from cosmotrain.tensor.channel_split import ChannelBlocks
 from cosmotrain.tensor.dist_tensor import DistTensor
-from cosmotrain.tensor.distribution import Distribution
+from cosmotrain.tensor.distribution import unsplit
 
 
 @dataclass
@@ -51,7 +51,7 @@ class ChannelConv3d(Conv3d):
     def forward(self, x: DistTensor, ctx: Context) -> DistTensor:  # type: ignore[override]
         out_dist = x.dist.with_shape(self.output_shape(x.dist.global_shape))
         gathered = self._allgather(self.filter_comm, x.data, self.blocks.input_pieces())
-        local = DistTensor(gathered, _local_dist(x.dist, gathered.shape[1]), _local(x.coord)) \
+        local = DistTensor(gathered, *unsplit(x.dist, x.coord, 1, gathered.shape[1])) \
             if self.inner is not None else None
         self._saved = (x.dist, x.coord, local)
         if local is None:
@@ -104,19 +104,8 @@ class ChannelConv3d(Conv3d):
         return out
 
 
-def _local_dist(dist: Distribution, channels: int) -> Distribution:
-    """The gathered channels as a whole tensor: channels unsplit, the rest as ``dist``."""
-    shape = list(dist.global_shape)
-    shape[1] = channels
-    return Distribution(tuple(shape), (dist.grid[0], 1) + dist.grid[2:])
-
-
 def _per_channel(block: Any) -> int:
     return int(block.shape[0] * np.prod(block.shape[2:]))
-
-
-def _local(coord: tuple[int, ...]) -> tuple[int, ...]:
-    return (coord[0], 0) + tuple(coord[2:])
 
 
 def channel_conv(layer: Conv3d, grid: ProcessGrid, choice: LayerChoice) -> ChannelConv3d:

@@ -13,11 +13,12 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from cosmotrain.config.schema import AUTO
 from cosmotrain.errors import ConfigError
 from cosmotrain.nn.containers import Residual, Sequential
 from cosmotrain.nn.layers import Conv3d
 from cosmotrain.nn.module import Layer, layer_path
-from cosmotrain.tensor.channel_split import (AUTO, Factor, algorithm_factor, choose_algorithm,
+from cosmotrain.tensor.channel_split import (Factor, algorithm_factor, choose_algorithm,
                                              halo_elements)
 
 

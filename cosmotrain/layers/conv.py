@@ -29,13 +29,14 @@ from typing import Any, Callable
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.device.xp import array_module
 from cosmotrain.kernels import conv3d
-from cosmotrain.layers.window import (SpatialWindow, WindowGeometry, extended_shape,
-                                      finish_halo_grads, halo_buffer, restore_extended,
-                                      save_margins, scatter_halo_grads)
+from cosmotrain.layers.window import (SpatialWindow, WindowGeometry, finish_halo_grads,
+                                      halo_buffer, restore_extended, save_margins,
+                                      scatter_halo_grads)
 from cosmotrain.nn.layers import Conv3d, channel_sums
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
-from cosmotrain.tensor.interior import (REDO_SHELL_MAX, Box, OverlapPlan, conv_dim, overlap_plan,
+from cosmotrain.tensor.boxes import Box
+from cosmotrain.tensor.interior import (REDO_SHELL_MAX, OverlapPlan, conv_dims, overlap_plan,
                                         run_sub_conv)
 
 Margins = list[tuple[Box, Any]]
@@ -76,9 +77,8 @@ class SpatialConv3d(SpatialWindow, Conv3d):
     def plan(self, x: DistTensor, geo: WindowGeometry) -> OverlapPlan:
         """The interior / shell calls for ``x``'s distribution (cached like the geometry)."""
         if x.dist not in self._plans:
-            dims = tuple(conv_dim(h, p, k, s) for h, p, k, s in
-                         zip(geo.halos, geo.exchange.plans, self.kernel, self.stride))
-            self._plans[x.dist] = overlap_plan(dims)
+            self._plans[x.dist] = overlap_plan(conv_dims(geo.halos, geo.plans, self.kernel,
+                                                         self.stride))
         return self._plans[x.dist]
 
     def _overlapped(self, ext: Any, x: DistTensor, geo: WindowGeometry,
@@ -110,7 +110,8 @@ class SpatialConv3d(SpatialWindow, Conv3d):
         if not geo.has_output:
             return None
         return conv3d.conv3d_backward_data(dy.data, self.params["weight"].like(dy.data),
-                                           extended_shape(x, geo), self.stride, geo.padding)
+                                           geo.extended_shape(x.data.shape[:2]), self.stride,
+                                           geo.padding)
 
     def _weight_grad(self, x: DistTensor, margins: Margins, dy: DistTensor,
                      geo: WindowGeometry) -> Any:

@@ -9,13 +9,16 @@ so initialisation, checkpoints and the optimizer do not know the difference.
 
 Where to stop (``parallel.spatial_until``): ``auto`` stops at the first layer that cannot
 run on blocks (flatten, global pooling, linear) or the first convolution or pooling
-whose input block along a split dimension is thinner than :data:`MIN_BLOCK_PLANES` planes: below that a k3 halo is half
-the block, exchanging it costs as much as computing it, and whole samples are cheaper.
-A layer name stops there instead.  With no spatial split the whole network is data
-parallel, unless channels are split (``parallel.channel`` / ``parallel.filter``): then
-the block part runs up to the first layer that cannot run on blocks, its convolutions
-channel/filter parallel (``channel_conv.py``) and its other layers on their fine channel
-blocks, and the head is data parallel over every rank.
+whose input block along a split dimension is thinner than :data:`MIN_BLOCK_PLANES` planes:
+below that a k3 halo is half the block, exchanging it costs as much as computing it, and
+whole samples are cheaper (``config.layout.thin_splits``: the one cheap rule on block
+sizes, the config-time refusal uses it too).  A layer name stops there instead, held to
+the exact halo rule (:func:`check_block_halos`); ``config.layout``'s docstring says, in
+one place, how the cheap and the exact rule relate.  With no spatial split the whole
+network is data parallel, unless channels are split (``parallel.channel`` /
+``parallel.filter``): then the block part runs up to the first layer that cannot run on
+blocks, its convolutions channel/filter parallel (``channel_conv.py``) and its other
+layers on their fine channel blocks, and the head is data parallel over every rank.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.config.layout import MIN_BLOCK_PLANES, thin_splits
 from cosmotrain.config.schema import AUTO
 from cosmotrain.errors import ConfigError
 from cosmotrain.layers.batchnorm import channel_batchnorm, dist_batchnorm
@@ -45,7 +49,6 @@ from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.tensor.distribution import Distribution
 from cosmotrain.tensor.windows import spatial_halos
 
-MIN_BLOCK_PLANES = 4
 # The ranks whose batch-norm sums are reduced, by ``parallel.bn_statistics``: in the block
 # part (ranks holding the same channels) and in the head (every rank holds every channel).
 BN_GROUPS = {"global": "data", "local": "spatial"}
@@ -79,7 +82,7 @@ def spatial_stop(model: Sequential, input_shape: tuple[int, ...], ways: tuple[in
 
 def _thin(shape: tuple[int, ...], ways: tuple[int, int, int]) -> bool:
     """Whether a split dimension leaves blocks thinner than :data:`MIN_BLOCK_PLANES`."""
-    return any(size // w < MIN_BLOCK_PLANES for size, w in zip(shape[2:], ways) if w > 1)
+    return bool(thin_splits(shape[2:], ways, MIN_BLOCK_PLANES))
 
 
 def has_window(layer: Layer) -> bool:

@@ -13,8 +13,8 @@ from typing import Any
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.device.xp import array_module
 from cosmotrain.kernels import pool3d
-from cosmotrain.layers.window import (SpatialWindow, WindowGeometry, extended_shape,
-                                      finish_halo_grads, gather_halos, scatter_halo_grads)
+from cosmotrain.layers.window import (SpatialWindow, WindowGeometry, finish_halo_grads,
+                                      gather_halos, scatter_halo_grads)
 from cosmotrain.nn.layers import Pool3d
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
@@ -55,7 +55,7 @@ class SpatialPool3d(SpatialWindow, Pool3d):
                        geo: WindowGeometry) -> Any:
         if not geo.has_output:
             return None
-        shape = extended_shape(x, geo)
+        shape = geo.extended_shape(x.data.shape[:2])
         if self.mode == "avg":
             return pool3d.avg_pool3d_backward(dy.data, shape, self.kernel, self.stride,
                                               geo.padding)

@@ -1,10 +1,11 @@
-"""What every sliding-window layer on spatial blocks shares: halo geometry and buffers.
+"""What every sliding-window layer on spatial blocks shares: its halo buffers.
 
-For an input distribution a rank computes, once, its halo widths, its exchange plan, the
-extended block and the zero padding on the global boundary (``tensor/windows.py``), and
-the output distribution.  ``gather_halos`` returns the filled buffer the local kernel
-reads (``halo_buffer`` the same before the exchange, for callers that overlap it);
-``scatter_halo_grads`` completes an input gradient computed on the extended block.
+For an input distribution a rank computes, once, the layout of its halo buffer (halo
+widths, exchange plan, extended block, zero padding on the global boundary: pure geometry
+in ``tensor/halo_buffers.py``), the exchange and the output distribution.
+``gather_halos`` returns the filled buffer the local kernel reads (``halo_buffer`` the
+same before the exchange, for callers that overlap it); ``scatter_halo_grads`` completes
+an input gradient computed on the extended block.
 
 Memory: a layer that needs its input again in backward keeps the input block (alive
 anyway: the previous layer holds it) and only the received margins (``save_margins``),
@@ -19,55 +20,27 @@ from typing import Any
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.device.xp import array_module
+from cosmotrain.tensor.boxes import Box, box_empty, box_slices, to_local
 from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.tensor.distribution import Distribution
 from cosmotrain.tensor.halo import HaloExchange
-from cosmotrain.tensor.interior import (Box, box_empty, box_shape, box_slices, intersect, onion,
-                                        shift)
-from cosmotrain.tensor.windows import WindowHalo, halo_plans, spatial_halos
-
-Padding = tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
+from cosmotrain.tensor.halo_buffers import BufferLayout, Padding, buffer_layout
 
 
-@dataclass
-class WindowGeometry:
-    """One rank's view of a window layer for one input distribution."""
+@dataclass(frozen=True)
+class WindowGeometry(BufferLayout):
+    """One rank's view of a window layer for one input distribution: the buffer layout,
+    the exchange that fills the buffer and the output distribution."""
 
     exchange: HaloExchange
-    halos: tuple[WindowHalo, WindowHalo, WindowHalo]
     out_dist: Distribution
-
-    @property
-    def extended(self) -> tuple[Any, ...]:
-        return (Ellipsis,) + tuple(p.extended for p in self.exchange.plans)
-
-    @property
-    def padding(self) -> Padding:
-        return tuple((h.pad_lo, h.pad_hi) for h in self.halos)  # type: ignore[return-value]
-
-    @property
-    def has_output(self) -> bool:
-        return all(h.out_range[1] > h.out_range[0] for h in self.halos)
-
-    @property
-    def extended_box(self) -> Box:
-        """The extended block inside the buffer (buffer coordinates)."""
-        return tuple((p.extended.start, p.extended.stop) for p in self.exchange.plans)
-
-    @property
-    def own_box(self) -> Box:
-        """The owned block inside the buffer (buffer coordinates)."""
-        return tuple((p.own.start, p.own.stop) for p in self.exchange.plans)
 
 
 def window_geometry(grid: ProcessGrid, x: DistTensor, kernel: Any, stride: Any,
                     padding: Padding, out_shape: tuple[int, ...]) -> WindowGeometry:
     """Halo widths, exchange and output distribution of a window layer at ``x.coord``."""
-    halos = spatial_halos(x.dist, kernel, stride, padding)
-    coords = x.coord[2:]
-    plans = tuple(halo_plans(h)[c] for h, c in zip(halos, coords))
-    mine = tuple(h[c] for h, c in zip(halos, coords))
-    return WindowGeometry(HaloExchange(grid, plans), mine,  # type: ignore[arg-type]
+    layout = buffer_layout(x.dist, x.coord, kernel, stride, padding)
+    return WindowGeometry(layout.halos, layout.plans, HaloExchange(grid, layout.plans),
                           x.dist.with_shape(out_shape))
 
 
@@ -80,10 +53,9 @@ def halo_buffer(x: DistTensor, geo: WindowGeometry) -> Any:
     buffer lives on the block's device.
     """
     xp = array_module(x.data)
-    buffer = xp.empty(x.data.shape[:2] + geo.exchange.buffer_shape, dtype=x.data.dtype)
-    buffer[(Ellipsis,) + geo.exchange.own] = x.data
-    whole = tuple((0, n) for n in geo.exchange.buffer_shape)
-    for slab in onion(whole, geo.own_box):
+    buffer = xp.empty(x.data.shape[:2] + geo.buffer_shape, dtype=x.data.dtype)
+    buffer[box_slices(geo.own_box)] = x.data
+    for slab in geo.margins():
         buffer[box_slices(slab)] = 0
     return buffer
 
@@ -101,9 +73,7 @@ def save_margins(buffer: Any, geo: WindowGeometry) -> list[tuple[Box, Any]]:
     The extended block minus the owned block, as at most 6 slabs: small next to the block,
     which is why backward keeps these instead of the buffer.
     """
-    ext = geo.extended_box
-    slabs = onion(ext, intersect(ext, geo.own_box))
-    return [(slab, buffer[box_slices(slab)].copy()) for slab in slabs]
+    return [(slab, buffer[box_slices(slab)].copy()) for slab in geo.received()]
 
 
 def restore_extended(x: DistTensor, margins: list[tuple[Box, Any]], geo: WindowGeometry
@@ -113,22 +83,15 @@ def restore_extended(x: DistTensor, margins: list[tuple[Box, Any]], geo: WindowG
     Without margins it is a view of ``x.data`` (cropped by negative halos: the kernel
     makes the one copy it needs); otherwise one contiguous array the kernel reads as is.
     """
-    ext, own = geo.extended_box, geo.own_box
-    owned = shift(intersect(ext, own), tuple(start for start, _ in own))
+    owned = x.data[box_slices(geo.owned_in_block)]
     if not margins:
-        return x.data[box_slices(owned)]
-    block = array_module(x.data).empty(x.data.shape[:2] + box_shape(ext), dtype=x.data.dtype)
-    origin = tuple(start for start, _ in ext)
-    pieces = [(intersect(ext, own), x.data[box_slices(owned)])] + margins
-    for box, data in pieces:
+        return owned
+    block = array_module(x.data).empty(geo.extended_shape(x.data.shape[:2]),
+                                       dtype=x.data.dtype)
+    for box, data in [(geo.owned_part, owned)] + margins:
         if not box_empty(box):
-            block[box_slices(shift(box, origin))] = data
+            block[box_slices(to_local(box, geo.extended_box))] = data
     return block
-
-
-def extended_shape(x: DistTensor, geo: WindowGeometry) -> tuple[int, ...]:
-    """Shape of the extended block of ``x`` (what the local kernel reads)."""
-    return tuple(x.data.shape[:2]) + box_shape(geo.extended_box)
 
 
 def scatter_halo_grads(grad_extended: Any, x: DistTensor, geo: WindowGeometry
@@ -139,7 +102,7 @@ def scatter_halo_grads(grad_extended: Any, x: DistTensor, geo: WindowGeometry
     gradient *is* the buffer, with no second block-sized array and no copy.  ``None``
     (a rank without output) gives a zero buffer.
     """
-    shape = tuple(x.data.shape[:2]) + geo.exchange.buffer_shape
+    shape = tuple(x.data.shape[:2]) + geo.buffer_shape
     if grad_extended is not None and tuple(grad_extended.shape) == shape:
         grad = grad_extended
     else:
@@ -158,7 +121,7 @@ def finish_halo_grads(grad: Any, pending: list, x: DistTensor, geo: WindowGeomet
     strided gradients (activations work on them in place; kernels copy what they need).
     """
     geo.exchange.finish(grad, pending, "add")
-    return DistTensor(grad[(Ellipsis,) + geo.exchange.own], x.dist, x.coord)
+    return DistTensor(grad[box_slices(geo.own_box)], x.dist, x.coord)
 
 
 class SpatialWindow:

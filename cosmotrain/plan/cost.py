@@ -23,8 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from cosmotrain.config.layout import Layout
 from cosmotrain.plan.machine import MachineModel
-from cosmotrain.plan.strategy import Strategy
 from cosmotrain.plan.workload import LayerWork, Transfer, Workload
 
 PHASES = ("compute", "halo", "channel", "redistribution", "allreduce", "other")
@@ -39,7 +39,7 @@ BYTES = 4  # float32 activations and gradients
 class Prediction:
     """Predicted seconds per phase of one step, and what follows from them."""
 
-    strategy: Strategy
+    strategy: Layout
     batch: int
     seconds: dict[str, float]
     memory_bytes: float = 0.0

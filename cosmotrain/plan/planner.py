@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from cosmotrain.config.layout import Layout, layers_of
 from cosmotrain.config.schema import Config
 from cosmotrain.errors import ConfigError, UserError
 from cosmotrain.models import build_model
@@ -22,7 +23,7 @@ from cosmotrain.plan.cost import Prediction, predict
 from cosmotrain.plan.machine import MachineModel
 from cosmotrain.plan.memory import workload_memory
 from cosmotrain.plan.presets import PRESETS
-from cosmotrain.plan.strategy import Strategy, distinct, enumerate_strategies
+from cosmotrain.plan.strategy import distinct, enumerate_strategies
 from cosmotrain.plan.workload import build_workload
 
 MACHINE_ENV = "COSMOTRAIN_MACHINE"
@@ -57,11 +58,11 @@ class Planned:
     stop: str = ""  # the first layer on whole samples
 
     @property
-    def strategy(self) -> Strategy:
+    def strategy(self) -> Layout:
         return self.prediction.strategy
 
 
-def price(cfg: Config, strategy: Strategy, machine: MachineModel,
+def price(cfg: Config, strategy: Layout, machine: MachineModel,
           ranks_per_node: int | None = None, model=None) -> Planned:
     """Predicted step and memory of ``cfg`` under ``strategy``."""
     work = build_workload(cfg, strategy, model)
@@ -75,7 +76,7 @@ REFUSED = (ConfigError, ValueError)  # what the engine raises for a split it can
 
 
 def candidates(cfg: Config, ranks: int, algorithms: tuple[str, ...] = ("x", "y", "w")
-               ) -> tuple[Sequential, list[Strategy]]:
+               ) -> tuple[Sequential, list[Layout]]:
     """The serial model and the distinct strategies the planner considers for ``ranks``
     (channel/filter groups no wider than the model's narrowest convolution)."""
     model = build_model(cfg.model, cfg.train.seed)
@@ -142,17 +143,14 @@ def choose_parallel(cfg: Config, comm: Any) -> tuple[Config, str]:
 
     per_node = node_ranks(comm)
 
-    def best() -> tuple[Strategy, float, str]:
+    def best() -> tuple[Layout, float, str]:
         machine = load_machine(cfg.parallel.machine)
         top = plan(cfg, comm.Get_size(), machine, per_node)[0]
         return top.strategy, top.prediction.step_s, machine.name
 
     strategy, step_s, machine = on_root(comm, best)
-    chosen = replace(cfg.parallel, auto=False, sample=strategy.sample,
-                     channel=strategy.channel, filter=strategy.filter, depth=strategy.depth,
-                     height=strategy.height, width=strategy.width,
-                     spatial_until=strategy.spatial_until,
-                     channel_algorithm=strategy.channel_algorithm)
+    layout = replace(strategy, layers=layers_of(cfg.parallel))  # the user's, not planned
+    chosen = replace(layout.to_config(cfg.parallel), auto=False)
     return replace(cfg, parallel=chosen), (
         f"parallel: auto chose {strategy.describe()} for {comm.Get_size()} rank(s) "
         f"(predicted {step_s * 1e3:.1f} ms per step on machine {machine})")

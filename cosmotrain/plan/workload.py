@@ -26,6 +26,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+from cosmotrain.config.layout import Layout
 from cosmotrain.config.schema import Config
 from cosmotrain.layers.channel_plan import LayerChoice, plan_channels
 from cosmotrain.layers.hybrid import spatial_stop
@@ -34,10 +35,10 @@ from cosmotrain.nn.containers import Sequential
 from cosmotrain.nn.layers import BatchNorm3d, Conv3d, Pool3d
 from cosmotrain.nn.module import Layer
 from cosmotrain.plan.flops import LayerCost, layer_costs
-from cosmotrain.plan.strategy import Strategy
+from cosmotrain.tensor.boxes import box_shape
 from cosmotrain.tensor.channel_split import ChannelBlocks, Factor, fine_block
 from cosmotrain.tensor.distribution import block_range
-from cosmotrain.tensor.interior import REDO_SHELL_MAX, box_shape, conv_dim, overlap_plan
+from cosmotrain.tensor.interior import REDO_SHELL_MAX, conv_dim, overlap_plan
 from cosmotrain.tensor.windows import WindowHalo, halo_plans, window_halos
 
 BLOCKS, SAMPLES = "blocks", "samples"
@@ -95,7 +96,7 @@ class LayerWork:
 class Workload:
     """A step of ``strategy`` on the busiest rank (see the module docstring)."""
 
-    strategy: Strategy
+    strategy: Layout
     batch: int
     width: int
     layers: list[LayerWork]
@@ -121,7 +122,7 @@ class Workload:
         return sum(t.total for t in self.transfers() if t.kind == kind)
 
 
-def build_workload(cfg: Config, strategy: Strategy, model: Sequential | None = None
+def build_workload(cfg: Config, strategy: Layout, model: Sequential | None = None
                    ) -> Workload:
     """The busiest rank's step of ``cfg``'s model and batch under ``strategy``."""
     model = model if model is not None else build_model(cfg.model, cfg.train.seed)
@@ -155,7 +156,7 @@ def build_workload(cfg: Config, strategy: Strategy, model: Sequential | None = N
 
 @dataclass
 class _Builder:
-    strategy: Strategy
+    strategy: Layout
     choices: dict[str, LayerChoice]
     bn_statistics: str
 
@@ -235,7 +236,7 @@ class _Builder:
         return max(gathered), max(rows), transfers, cost.in_shape[0] * sum(gathered)
 
 
-def _to_samples(shape: tuple[int, ...], s: Strategy) -> list[Transfer]:
+def _to_samples(shape: tuple[int, ...], s: Layout) -> list[Transfer]:
     """ToSamples' all-to-all in each sample group (forward and backward)."""
     ranks = s.size // s.sample
     if ranks == 1:
@@ -246,7 +247,7 @@ def _to_samples(shape: tuple[int, ...], s: Strategy) -> list[Transfer]:
     return [Transfer("alltoall", ranks, 2 * moved, 2 * moved * s.size, 2)]
 
 
-def _add_parameters(work: Workload, model: Sequential, stop: int, s: Strategy,
+def _add_parameters(work: Workload, model: Sequential, stop: int, s: Layout,
                     bucket_mb: float) -> None:
     """Parameters held per rank and the gradient allreduces (bucketed, per group)."""
     block_params = sum(p.data.size for item in model.items[:stop]
@@ -273,7 +274,7 @@ def _allreduce(group: int, elements: float, job: int, calls: int, kind: str = "a
     return Transfer(kind, group, elements, elements * job if group > 1 else 0, calls)
 
 
-def _window_halos(in_shape: tuple[int, ...], layer: Layer, s: Strategy
+def _window_halos(in_shape: tuple[int, ...], layer: Layer, s: Layout
                   ) -> list[list[WindowHalo]]:
     """Every rank position's window halo along D, H and W of a window layer's input."""
     return [window_halos(size, ways, k, st, tuple(p)) for size, ways, k, st, p in
@@ -349,7 +350,7 @@ def _rank_halo_counts(coord: tuple[int, ...], per_dim: list[list[WindowHalo]]
     return float(received), messages
 
 
-def _head_batch(batch: int, s: Strategy) -> int:
+def _head_batch(batch: int, s: Layout) -> int:
     """Samples the busiest rank holds after ToSamples (a group's over its ranks)."""
     group_samples = _ceil_div(batch, s.sample)
     return _ceil_div(group_samples, s.size // s.sample)
@@ -359,7 +360,7 @@ def _blocks(sizes: tuple[int, ...], ways: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(_length(block_range(n, w, 0)) for n, w in zip(sizes, ways))
 
 
-def _block_volume(shape: tuple[int, ...], s: Strategy) -> int:
+def _block_volume(shape: tuple[int, ...], s: Layout) -> int:
     return math.prod(_blocks(shape[2:], s.spatial))
 
 

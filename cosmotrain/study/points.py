@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from cosmotrain.config.layout import Layout
 from cosmotrain.errors import UserError
-from cosmotrain.plan.strategy import Strategy, parse_strategy
 
 TEMPLATES = ("data", "sample", "spatial", "depth", "height", "width", "plan")
 """Strategy names that stand for a strategy per rank count P: ``data``/``sample`` = N{P};
@@ -74,11 +74,11 @@ def parse_strategy_names(text: str) -> tuple[str, ...]:
                         f"--strategies N4,D2H2,C2F2:w")
     for name in names:
         if name not in TEMPLATES:
-            parse_strategy(name)  # raises a UserError naming the bad strategy
+            Layout.parse(name)  # raises a UserError naming the bad strategy
     return names
 
 
-def spatial_strategy(ranks: int) -> Strategy:
+def spatial_strategy(ranks: int) -> Layout:
     """P ranks over space: prime factors, largest first, dealt to depth, height, width."""
     ways, left, factor, primes = [1, 1, 1], ranks, 2, []
     while left > 1:
@@ -88,7 +88,7 @@ def spatial_strategy(ranks: int) -> Strategy:
         factor += 1
     for i, prime in enumerate(sorted(primes, reverse=True)):
         ways[i % 3] *= prime
-    return Strategy(depth=ways[0], height=ways[1], width=ways[2])
+    return Layout(depth=ways[0], height=ways[1], width=ways[2])
 
 
 def default_strategies(machine: object | None) -> tuple[str, ...]:
@@ -104,14 +104,14 @@ def point_batch(base_batch: int, ranks: int, mode: str) -> int:
 def check_explicit(names: Sequence[str], ranks: Sequence[int]) -> None:
     """Every explicit strategy must fit one of the rank counts (a typo otherwise)."""
     for name in names:
-        if name not in TEMPLATES and parse_strategy(name).size not in ranks:
-            raise UserError(f"--strategies: {name} needs {parse_strategy(name).size} "
+        if name not in TEMPLATES and Layout.parse(name).size not in ranks:
+            raise UserError(f"--strategies: {name} needs {Layout.parse(name).size} "
                             f"rank(s), which is not in --ranks {','.join(map(str, ranks))}; "
                             f"add the rank count or drop the strategy")
 
 
 def build_points(names: Sequence[str], ranks: Sequence[int], base_batch: int, mode: str,
-                 planner: Callable[[int, int], Strategy] | None) -> list[Point]:
+                 planner: Callable[[int, int], Layout] | None) -> list[Point]:
     """The points of a study, one per distinct (P, strategy), in the order asked.
 
     ``planner(P, batch)`` gives the planner's choice (None: no machine model).  A template
@@ -133,19 +133,19 @@ def build_points(names: Sequence[str], ranks: Sequence[int], base_batch: int, mo
 
 
 def template_strategy(name: str, ranks: int, batch: int,
-                      planner: Callable[[int, int], Strategy] | None) -> Strategy | None:
+                      planner: Callable[[int, int], Layout] | None) -> Layout | None:
     """The strategy ``name`` stands for at ``ranks`` (None: an explicit name of another P)."""
     if name in ("data", "sample"):
-        return Strategy(sample=ranks)
+        return Layout(sample=ranks)
     if name == "spatial":
         return spatial_strategy(ranks)
     if name in ("depth", "height", "width"):
-        return Strategy(**{name: ranks})
+        return Layout(**{name: ranks})
     if name == "plan":
         if planner is None:
             raise UserError("the strategy 'plan' needs a machine model (--machine)")
         return planner(ranks, batch)
-    strategy = parse_strategy(name)
+    strategy = Layout.parse(name)
     return strategy if strategy.size == ranks else None
 
 

@@ -24,13 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from cosmotrain import __version__
-from cosmotrain.config import dump_yaml, load_config, resolve_parallel
+from cosmotrain.config import Layout, dump_yaml, load_config, resolve_parallel
 from cosmotrain.config.schema import Config
 from cosmotrain.errors import ConfigError, UserError
 from cosmotrain.plan.cost import Prediction
 from cosmotrain.plan.machine import MachineModel
 from cosmotrain.plan.planner import load_machine, plan, price
-from cosmotrain.plan.strategy import Strategy, parse_strategy
 from cosmotrain.plan.workload import build_workload
 from cosmotrain.study import launch
 from cosmotrain.study.launch import Launcher
@@ -66,7 +65,7 @@ def point_overrides(point: Point, spec: StudySpec, data_dir: Path) -> list[str]:
     always writes one at the end; the study deletes it), no validation, and enough epochs
     for ``steps`` steps on any dataset with one batch or more.
     """
-    strategy = parse_strategy(point.strategy)
+    strategy = Layout.parse(point.strategy)
     return [*spec.overrides, *strategy.overrides(), f"train.batch_size={point.batch}",
             f"train.max_steps={spec.steps}", f"train.epochs={spec.steps}",
             "train.log_every=1", "train.validate_every=0", "train.target_mae=null",
@@ -84,7 +83,7 @@ def cannot_run(cfg: Config, point: Point) -> str | None:
     """Why ``point`` cannot run (batch, rank count, block sizes, engine plan), or None."""
     try:
         resolve_parallel(cfg, point.ranks)
-        build_workload(cfg, parse_strategy(point.strategy))
+        build_workload(cfg, Layout.parse(point.strategy))
     except (ConfigError, ValueError) as err:
         return str(err)
     return None
@@ -159,8 +158,8 @@ def _absolute(spec: StudySpec) -> StudySpec:
 
 
 def _planner(spec: StudySpec, machine: MachineModel, per_node: int | None
-             ) -> Callable[[int, int], Strategy]:
-    def choose(ranks: int, batch: int) -> Strategy:
+             ) -> Callable[[int, int], Layout]:
+    def choose(ranks: int, batch: int) -> Layout:
         cfg = load_config(spec.config, [*spec.overrides, f"train.batch_size={batch}"])
         return plan(cfg, ranks, machine, _per_node(ranks, per_node))[0].strategy
 
@@ -188,7 +187,7 @@ def _check_points(points: list[Point], spec: StudySpec, data_dir: Path,
             point.status, point.reason = "skipped", reason
             continue
         if machine is not None:
-            planned = price(cfg, parse_strategy(point.strategy), machine,
+            planned = price(cfg, Layout.parse(point.strategy), machine,
                             _per_node(point.ranks, per_node))
             point.predicted = predicted_dict(planned.prediction, planned.memory_bytes)
 
@@ -311,7 +310,7 @@ def reprice(results: dict[str, Any], machine_spec: str) -> dict[str, Any]:
             continue
         cfg = config_from_mapping(yaml.safe_load(results["config_yaml"]),
                                   [f"train.batch_size={point['batch']}"])
-        planned = price(cfg, parse_strategy(point["strategy"]), machine,
+        planned = price(cfg, Layout.parse(point["strategy"]), machine,
                         _per_node(point["ranks"], per_node))
         point["predicted"] = predicted_dict(planned.prediction, planned.memory_bytes)
     results["machine"] = machine.name

@@ -39,7 +39,6 @@ import numpy as np
 from cosmotrain.tensor.distribution import block_range
 
 ALGORITHMS = ("x", "y", "w")
-AUTO = "auto"
 
 
 @dataclass(frozen=True)

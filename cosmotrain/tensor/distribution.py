@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from cosmotrain.tensor.boxes import Box
+
 
 def block_range(n: int, parts: int, index: int) -> tuple[int, int]:
     """``[start, stop)`` of block ``index`` of ``n`` items in ``parts`` balanced blocks.
@@ -84,11 +86,14 @@ class Distribution:
         if len(coord) != self.ndim or not all(0 <= c < g for c, g in zip(coord, self.grid)):
             raise ValueError(f"grid coordinate {tuple(coord)} is outside grid {self.grid}")
 
+    def box(self, coord: tuple[int, ...]) -> Box:
+        """The block at grid ``coord`` as a box of global indices (``tensor/boxes.py``)."""
+        self._check_coord(coord)
+        return tuple(block_range(n, g, c) for n, g, c in zip(self.global_shape, self.grid, coord))
+
     def block(self, coord: tuple[int, ...]) -> tuple[slice, ...]:
         """Global index slices of the block at grid ``coord`` (``x[dist.block(c)]``)."""
-        self._check_coord(coord)
-        return tuple(slice(*block_range(n, g, c))
-                     for n, g, c in zip(self.global_shape, self.grid, coord))
+        return tuple(slice(*r) for r in self.box(coord))
 
     def local_shape(self, coord: tuple[int, ...]) -> tuple[int, ...]:
         """Shape of the block at ``coord`` (some entries are 0 when ``grid[d] > n``)."""
@@ -113,3 +118,13 @@ class Distribution:
     def with_shape(self, global_shape: tuple[int, ...]) -> Distribution:
         """The same grid over another global shape (e.g. a layer's output)."""
         return Distribution(tuple(global_shape), self.grid)
+
+
+def unsplit(dist: Distribution, coord: tuple[int, ...], dim: int, size: int
+            ) -> tuple[Distribution, tuple[int, ...]]:
+    """``dist`` and ``coord`` once every rank holds ``size`` items along ``dim`` (after an
+    all-gather of the blocks there): ``dim`` not split (one block, coordinate 0), the other
+    dimensions as they were."""
+    shape, grid, at = list(dist.global_shape), list(dist.grid), list(coord)
+    shape[dim], grid[dim], at[dim] = size, 1, 0
+    return Distribution(tuple(shape), tuple(grid)), tuple(at)

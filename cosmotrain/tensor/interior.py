@@ -1,4 +1,4 @@
-"""Interior / boundary-shell split of a window layer's output, and the box arithmetic behind it.
+"""Interior / boundary-shell split of a convolution's output on one rank.
 
 Why: the forward halo exchange of a convolution only fills the *margins* of the rank's
 buffer, yet most output elements never read a margin plane.  Those (the *interior*) can
@@ -7,9 +7,9 @@ exchange.  Everything here is pure integer geometry on one rank's *extended bloc
 input the local kernel reads: owned planes, cropped by negative halos, extended by
 received margins; see ``tensor/windows.py``), so it is unit-tested without MPI.
 
-Conventions: a ``Range`` is ``(start, stop)``; a ``Box`` is one range per spatial
-dimension (D, H, W).  Output ranges are local output indices; input ranges are indices of
-the extended block.  Along a dimension, output ``o`` reads the extended-block planes
+Conventions: boxes (``tensor/boxes.py``) have one range per spatial dimension (D, H, W).
+Output ranges are local output indices; input ranges are indices of the extended block.
+Along a dimension, output ``o`` reads the extended-block planes
 ``[o*s - pad_lo, o*s - pad_lo + k)``; indices outside ``[0, length)`` are zero padding,
 which only ever lies on the global boundary.
 """
@@ -17,14 +17,13 @@ which only ever lies on the global boundary.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cosmotrain.tensor.windows import HaloPlan, WindowHalo
+from cosmotrain.tensor.boxes import Box, Range, box_empty, box_shape, box_slices, onion
+from cosmotrain.tensor.windows import HaloPlan, WindowHalo, window_span
 
-Range = tuple[int, int]
-Box = tuple[Range, ...]
 Padding = tuple[tuple[int, int], ...]
 
 # Up to this share of shell in the output, the interior is computed by one call over the
@@ -57,6 +56,12 @@ def conv_dim(halo: WindowHalo, plan: HaloPlan, kernel: int, stride: int) -> Conv
                    (owned[0], max(owned)), kernel, stride, halo.pad_lo)
 
 
+def conv_dims(halos: Sequence[WindowHalo], plans: Sequence[HaloPlan], kernel: Sequence[int],
+              stride: Sequence[int]) -> tuple[ConvDim, ...]:
+    """A rank's ``ConvDim`` along each dimension (D, H, W) from its halos and plans."""
+    return tuple(conv_dim(h, p, k, s) for h, p, k, s in zip(halos, plans, kernel, stride))
+
+
 @dataclass(frozen=True)
 class SubConv:
     """One kernel call: output sub-box, the input sub-window it reads and its padding."""
@@ -86,64 +91,14 @@ class OverlapPlan:
         return shell / (shell + inner) if shell else 0.0
 
 
-def box_empty(box: Box) -> bool:
-    """True when the box holds no element."""
-    return any(stop <= start for start, stop in box)
-
-
-def box_shape(box: Box) -> tuple[int, ...]:
-    """The extent of each dimension (0 for empty ranges)."""
-    return tuple(max(0, stop - start) for start, stop in box)
-
-
-def box_slices(box: Box) -> tuple[slice, ...]:
-    """The box as a numpy index of the trailing (spatial) dimensions."""
-    return (Ellipsis,) + tuple(slice(start, stop) for start, stop in box)
-
-
-def intersect(a: Box, b: Box) -> Box:
-    """The common part of two boxes (possibly empty: ``stop <= start`` somewhere)."""
-    return tuple((max(p[0], q[0]), min(p[1], q[1])) for p, q in zip(a, b))
-
-
-def shift(box: Box, origin: tuple[int, ...]) -> Box:
-    """``box`` in the coordinates of a box that starts at ``origin``."""
-    return tuple((start - o, stop - o) for (start, stop), o in zip(box, origin))
-
-
-def onion(outer: Box, inner: Box) -> list[Box]:
-    """Disjoint non-empty slabs covering ``outer`` minus ``inner`` (``inner`` inside it).
-
-    At most 6 slabs, peeled dimension after dimension: the low and high slabs along D
-    over the full H and W; then along H restricted to inner's D range; then along W
-    restricted to inner's D and H ranges.  An empty ``inner`` gives ``[outer]``.
-    """
-    if box_empty(outer):
-        return []
-    if box_empty(inner):
-        return [outer]
-    slabs, core = [], list(outer)
-    for dim, (lo, hi) in enumerate(inner):
-        for part in ((core[dim][0], lo), (hi, core[dim][1])):
-            slab = tuple(core[:dim]) + (part,) + tuple(core[dim + 1:])
-            if not box_empty(slab):
-                slabs.append(slab)
-        core[dim] = (lo, hi)
-    return slabs
-
-
 def input_window(out: Range, dim: ConvDim) -> tuple[Range, tuple[int, int]]:
     """The extended-block planes that outputs ``[o0, o1)`` read, and the padding they need.
 
-    The unclipped window ``[a, b) = [o0*s - pad_lo, (o1-1)*s - pad_lo + k)`` is clipped to
-    ``[0, ext_len)``; what was clipped becomes the call's ``(lo, hi)`` zero padding, so
-    the call yields exactly ``o1 - o0`` planes: ``(b - a - k) // s + 1``.
+    The windows' planes clipped to ``[0, ext_len)``, and what was clipped as the call's
+    ``(lo, hi)`` zero padding (:func:`~cosmotrain.tensor.windows.window_span`), so the
+    call yields exactly ``o1 - o0`` planes.
     """
-    a = out[0] * dim.stride - dim.pad_lo
-    b = (out[1] - 1) * dim.stride - dim.pad_lo + dim.kernel
-    lo, hi = min(max(a, 0), dim.ext_len), min(max(b, 0), dim.ext_len)
-    pads = max(0, min(b, 0) - a), max(0, b - max(a, dim.ext_len))
-    return (lo, max(lo, hi)), pads
+    return window_span(out, dim.ext_len, dim.kernel, dim.stride, dim.pad_lo)
 
 
 def interior_range(dim: ConvDim) -> Range:

@@ -11,43 +11,29 @@ the other way (:meth:`Redistribution.reverse`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from cosmotrain.device.transport import Transport, make_transport
 from cosmotrain.device.xp import array_module
+from cosmotrain.tensor.boxes import Box, box_empty, box_shape, box_slices, intersect, to_local
 from cosmotrain.tensor.distribution import Distribution
-
-Box = tuple[slice, ...]
-
-
-def intersect(a: Box, b: Box) -> Box | None:
-    """The common part of two boxes of global slices, None when they do not overlap."""
-    common = tuple(slice(max(x.start, y.start), min(x.stop, y.stop)) for x, y in zip(a, b))
-    return common if all(s.stop > s.start for s in common) else None
-
-
-def to_local(box: Box, block: Box) -> Box:
-    """``box`` (global indices, inside ``block``) in the block's local indices."""
-    return tuple(slice(s.start - o.start, s.stop - o.start) for s, o in zip(box, block))
 
 
 def _size(box: Box | None) -> int:
-    if box is None:
-        return 0
-    return int(np.prod([s.stop - s.start for s in box]))
+    return 0 if box is None else math.prod(box_shape(box))
 
 
 @dataclass
 class Redistribution:
     """This rank's part of moving ``src`` blocks to ``dst`` blocks over ``comm``.
 
-    ``send[q]`` is the local box of my source block that rank ``q`` receives and
-    ``recv[q]`` the local box of my target block that rank ``q`` fills (None: nothing).
-    ``transport`` moves device blocks (None: the host transport, numpy blocks only).
+    ``send[q]`` is the local box (``tensor/boxes.py``) of my source block that rank ``q``
+    receives and ``recv[q]`` the local box of my target block that rank ``q`` fills; None
+    where the blocks do not overlap (nothing moves).  ``transport`` moves device blocks
+    (None: the host transport, numpy blocks only).
     """
 
     comm: Any
@@ -68,15 +54,15 @@ class Redistribution:
             raise ValueError(f"cannot redistribute {src.global_shape} into "
                              f"{dst.global_shape}: the global shapes differ")
         coords = comm.allgather((tuple(src_coord), tuple(dst_coord)))
-        mine_src, mine_dst = src.block(tuple(src_coord)), dst.block(tuple(dst_coord))
+        mine_src, mine_dst = src.box(tuple(src_coord)), dst.box(tuple(dst_coord))
         send, recv = [], []
         for their_src, their_dst in coords:
-            out = intersect(mine_src, dst.block(their_dst))
-            into = intersect(src.block(their_src), mine_dst)
-            send.append(None if out is None else to_local(out, mine_src))
-            recv.append(None if into is None else to_local(into, mine_dst))
+            out = intersect(mine_src, dst.box(their_dst))
+            into = intersect(src.box(their_src), mine_dst)
+            send.append(None if box_empty(out) else to_local(out, mine_src))
+            recv.append(None if box_empty(into) else to_local(into, mine_dst))
         covered = sum(_size(b) for b in recv)
-        if covered != int(np.prod(dst.local_shape(tuple(dst_coord)))):
+        if covered != math.prod(dst.local_shape(tuple(dst_coord))):
             raise ValueError("the source blocks of the communicator's ranks do not cover "
                              "this rank's target block exactly once")
         return cls(comm, src, dst, tuple(src_coord), tuple(dst_coord), send, recv, transport)
@@ -108,7 +94,7 @@ def alltoallv_boxes(comm: Any, block: Any, send: list[Box | None], recv: list[Bo
     start = 0
     for box, count in zip(recv, recv_counts):
         if box is not None:
-            out[box] = recvbuf[start:start + count].reshape(out[box].shape)
+            out[box_slices(box)] = recvbuf[start:start + count].reshape(box_shape(box))
         start += count
     return out
 
@@ -119,6 +105,6 @@ def _pack(block: Any, boxes: list[Box | None]) -> tuple[Any, list[int]]:
     start = 0
     for box, count in zip(boxes, counts):
         if box is not None:
-            buf[start:start + count] = block[box].ravel()
+            buf[start:start + count] = block[box_slices(box)].ravel()
         start += count
     return buf, counts

@@ -18,6 +18,11 @@ by negative halos, extended by received ones) with padding ``(pad_lo, pad_hi)`` 
 exactly its output block.  ``HaloPlan`` says what each rank sends and receives; forward
 copies the planes into the margins, backward sends the margin gradients back and adds them
 to the owners' planes, so one plan serves both directions.
+
+The window arithmetic (``window_span``: which planes a run of outputs reads, and its
+padding) lives here; ``output_size`` stays in ``kernels/geometry.py`` because the kernels
+size their outputs with it too, and ``kernels/`` sits below ``tensor/`` (it may not import
+``tensor/``).  One rank's halo buffer along D, H and W is in ``tensor/halo_buffers.py``.
 """
 
 from __future__ import annotations
@@ -71,17 +76,30 @@ def _check_window(size: int, parts: int, kernel: int, stride: int,
                          f"the kernel {kernel}")
 
 
+def window_span(out: tuple[int, int], size: int, kernel: int, stride: int, pad_lo: int
+                ) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The planes of ``[0, size)`` that outputs ``[o0, o1)`` read, and the padding they need.
+
+    The unclipped window range ``[a, b) = [o0*s - pad_lo, (o1-1)*s - pad_lo + k)`` is
+    clipped to ``[0, size)``; what was clipped is the ``(lo, hi)`` zero padding, so a
+    kernel call on those planes with that padding yields exactly ``o1 - o0`` planes:
+    ``(b - a - k) // s + 1``.
+    """
+    a = out[0] * stride - pad_lo
+    b = (out[1] - 1) * stride - pad_lo + kernel
+    lo, hi = min(max(a, 0), size), min(max(b, 0), size)
+    pads = max(0, min(b, 0) - a), max(0, b - max(a, size))
+    return (lo, max(lo, hi)), pads
+
+
 def _rank_halo(size: int, own: tuple[int, int], out: tuple[int, int], kernel: int,
                stride: int, pad_lo: int) -> WindowHalo:
     """One rank's halo: clip the window range to ``[0, G)``; empty needs crop everything."""
     if out[0] == out[1]:  # no output: needs nothing, crops its whole block
         return WindowHalo(0, own[0] - own[1], 0, 0, out, (own[0], own[0]), own)
-    a = out[0] * stride - pad_lo
-    b = (out[1] - 1) * stride - pad_lo + kernel
-    lo, hi = min(max(a, 0), size), min(max(b, 0), size)
+    (lo, hi), pads = window_span(out, size, kernel, stride, pad_lo)
     if lo == hi:  # windows read padding only: pin the empty range inside my block
         lo = hi = min(max(lo, own[0]), own[1])
-    pads = max(0, min(b, 0) - a), max(0, b - max(a, size))
     return WindowHalo(own[0] - lo, hi - own[1], pads[0], pads[1], out, (lo, hi), own)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.comm.threads import configure_threads
-from cosmotrain.config.parallel import resolve_parallel
+from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.config.schema import Config
 from cosmotrain.data import datagen
 from cosmotrain.data.manifest import Manifest

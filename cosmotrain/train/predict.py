@@ -32,7 +32,7 @@ import yaml
 
 from cosmotrain.atomic import check_writable, write_hdf5_atomically
 from cosmotrain.config.load import config_from_mapping, parse_assignment
-from cosmotrain.config.parallel import sample_groups
+from cosmotrain.config.layout import sample_groups
 from cosmotrain.config.schema import AUTO, Config
 from cosmotrain.data.manifest import Manifest
 from cosmotrain.data.reader import Reader

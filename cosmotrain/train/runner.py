@@ -7,7 +7,7 @@ from typing import Any
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.comm.watchdog import Watchdog
-from cosmotrain.config.parallel import resolve_parallel
+from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.config.schema import Config
 from cosmotrain.device.select import select_device
 from cosmotrain.errors import UserError
