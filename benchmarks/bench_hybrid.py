@@ -39,7 +39,7 @@ from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.kernels._parallel import set_blas_threads
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
-from cosmotrain.train.step import HybridStep, hybrid_step_from_config
+from cosmotrain.train.step import HybridStep, hybrid_step_from_config, job_runtime
 
 
 def input_block(dist: Any, coord: tuple[int, ...]) -> DistTensor:
@@ -62,12 +62,12 @@ def run_steps(step: HybridStep, x: DistTensor, y: np.ndarray, steps: int,
         if memory:
             tracemalloc.reset_peak()
             held = tracemalloc.get_traced_memory()[0]
-        step.grid.timers.take()
+        step.runtime.timers.take()
         step.grid.cart.Barrier()
         start = time.perf_counter()
         out = step(DistTensor(x.data.copy(), x.dist, x.coord), y, Context(step=index))
         seconds = time.perf_counter() - start
-        record = {"seconds": seconds, "loss": out.loss, **step.grid.timers.take()}
+        record = {"seconds": seconds, "loss": out.loss, **step.runtime.timers.take()}
         if memory:
             peak = tracemalloc.get_traced_memory()[1]
             record.update(held=held, peak_work=peak - held)
@@ -118,8 +118,8 @@ def setup(world: Any, args: argparse.Namespace) -> tuple[Any, HybridStep, DistTe
 def build_step(world: Any, cfg: Any) -> tuple[HybridStep, DistTensor]:
     """The trainer's step for ``cfg`` on the grid and device it asks for, and this rank's
     input block."""
-    step = hybrid_step_from_config(cfg, ProcessGrid(world, resolve_parallel(cfg,
-                                                                            world.Get_size())))
+    grid = ProcessGrid(world, resolve_parallel(cfg, world.Get_size()))
+    step = hybrid_step_from_config(cfg, grid, job_runtime(cfg, grid))
     width = cfg.model.width
     dist, coord = step.model.input_distribution((cfg.train.batch_size, cfg.model.channels,
                                                  width, width, width))

@@ -36,6 +36,12 @@ SetOption = Annotated[Optional[list[str]], typer.Option(
     "--set", "-s", help="Override a config key: --set train.batch_size=8 (repeatable).")]
 
 
+def _machine_file() -> Path:
+    """``$COSMOTRAIN_MACHINE``, else ``$XDG_CACHE_HOME`` (or ~/.cache)/cosmotrain/machine.json."""
+    return Path(os.environ.get("COSMOTRAIN_MACHINE") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cosmotrain" / "machine.json")
+
+
 class Layout(str, Enum):
     channels_last = "channels-last"
     channels_first = "channels-first"
@@ -180,7 +186,7 @@ def train(
     cfg = load_config(config_file, overrides or [])
     comm = world()
     if dry_run:
-        text = describe_plan(cfg, comm)
+        text = describe_plan(cfg, comm, _machine_file())
         if comm.Get_rank() == 0:
             print(text)
         return
@@ -188,7 +194,7 @@ def train(
         raise UserError("--resume continues the run in output.dir and --overwrite starts "
                         "a new one there: pass only one of them")
     summary = run_training(cfg, comm, resume=resume, overwrite=overwrite,
-                           job_id=os.environ.get("SLURM_JOB_ID"),
+                           job_id=os.environ.get("SLURM_JOB_ID"), machine_path=_machine_file(),
                            before_step=fault_hook(os.environ.get(FAULT_ENV)))
     if summary is not None and summary["stop_reason"] == "interrupted":
         raise typer.Exit(EXIT_INTERRUPTED)
@@ -235,7 +241,6 @@ def calibrate(
     """Fit the performance model's constants on this machine (run under mpiexec -n P)."""
     from cosmotrain.comm import world
     from cosmotrain.config import load_config
-    from cosmotrain.plan.planner import default_machine_path
     from cosmotrain.study.calibrate import Settings, calibrate as run_calibration
 
     cfg = load_config(config_file, overrides or [])
@@ -245,7 +250,7 @@ def calibrate(
     machine = run_calibration(cfg, comm, settings,
                               lambda line: print(line, flush=True) if rank == 0 else None)
     if machine is not None:
-        path = machine.save(out or default_machine_path())
+        path = machine.save(out or _machine_file())
         print(f"machine model written to {path}")
 
 
@@ -274,7 +279,7 @@ def plan(
     from cosmotrain.plan.report import plan_json, plan_table, write_applied
 
     cfg = load_config(config_file, overrides or [])
-    model = load_machine(machine)
+    model = load_machine(machine, _machine_file())
     planned = make_plan(cfg, ranks, model, ranks_per_node,
                         memory_per_rank * 2**30 if memory_per_rank is not None else None)
     if as_json:
@@ -362,7 +367,7 @@ def scale_study(
         strategies=parse_strategy_names(strategies) if strategies is not None else None,
         overrides=tuple(overrides or ()), steps=steps, warmup=warmup, machine=machine,
         ranks_per_node=ranks_per_node, launcher=launcher.value, data=data,
-        timeout_s=timeout)
+        timeout_s=timeout, default_machine=_machine_file())
     results = run_study(spec)
     failed = [p.name for p in results["points"] if p.status == "failed"]
     if failed:

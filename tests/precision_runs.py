@@ -23,7 +23,7 @@ from cosmotrain.device.xp import to_host
 from cosmotrain.nn.module import Context
 from cosmotrain.precision import widen
 from cosmotrain.tensor.dist_tensor import DistTensor
-from cosmotrain.train.step import hybrid_step_from_config
+from cosmotrain.train.step import hybrid_step_from_config, job_runtime
 
 STEPS = 3
 BATCH = 4
@@ -39,7 +39,7 @@ def step_run(comm: Any, model: list[str], extra: list[str] = (),
     """``STEPS`` steps of ``model`` on ``comm`` (``extra``: layout, precision)."""
     cfg = config(model, extra)
     grid = ProcessGrid(comm, resolve_parallel(cfg, comm.Get_size()))
-    step = hybrid_step_from_config(cfg, grid, device)
+    step = hybrid_step_from_config(cfg, grid, job_runtime(cfg, grid, device))
     rng = np.random.default_rng(7)
     width = cfg.model.width
     x = rng.normal(size=(BATCH, cfg.model.channels, width, width, width)).astype(np.float32)

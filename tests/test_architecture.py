@@ -49,3 +49,23 @@ def test_no_module_is_over_400_lines() -> None:
     long = {str(p.relative_to(REPO)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"split these modules (over {MAX_LINES} lines): {long}"
+
+
+# Environment reads allowed below the CLI: process facts, not user settings
+# (docs/ARCHITECTURE.md, "Who reads the environment").
+ENVIRONMENT_READERS = {
+    "cosmotrain/cli.py",  # the user's settings: machine file, job id, fault hook
+    "cosmotrain/comm/threads.py",  # the thread variables the BLAS pool obeys
+    "cosmotrain/study/launch.py",  # the environment a launched job inherits
+    "cosmotrain/study/scale.py",  # the thread and Slurm variables a study records
+    "cosmotrain/info.py",  # CUDA_VISIBLE_DEVICES, reported as found
+    "cosmotrain/data/cache.py",  # COSMOTRAIN_CACHE_DIR: still to do (issue 22)
+}
+
+
+def test_only_the_cli_and_process_facts_read_the_environment() -> None:
+    readers = {str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py")
+               if "os.environ" in (text := p.read_text()) or "getenv" in text}
+    assert readers <= ENVIRONMENT_READERS, (
+        f"read the environment in cli.py and pass the value down: "
+        f"{sorted(readers - ENVIRONMENT_READERS)}")

@@ -182,17 +182,17 @@ def run_collectives(comm: Any, transport: DeviceBuffers, wrap: Any) -> dict[str,
 def halo_round_trip(comm: Any, transport: DeviceBuffers, wrap: Any) -> list[np.ndarray]:
     """Forward and backward halo exchanges of a D2 grid through ``transport``."""
     from cosmotrain.comm.grid import ProcessGrid
+    from cosmotrain.comm.runtime import Runtime
     from cosmotrain.config.layout import Layout as ParallelLayout
     from cosmotrain.tensor.distribution import Distribution
     from cosmotrain.tensor.halo import HaloExchange
     from cosmotrain.tensor.windows import halo_plans, spatial_halos
 
     grid = ProcessGrid(comm, ParallelLayout(1, depth=2))
-    grid.transport = transport
     dist = Distribution((1, 2, 7, 5, 4), (1, 1, 2, 1, 1))
     halos = spatial_halos(dist, (3, 3, 3), (1, 1, 1), ((1, 1),) * 3)
     plans = tuple(halo_plans(h)[c] for h, c in zip(halos, grid.spatial_coords))
-    exchange = HaloExchange(grid, plans)
+    exchange = HaloExchange(grid, plans, Runtime(transport=transport))
     rng = np.random.default_rng(3 + comm.Get_rank())
     shape = (1, 2) + exchange.buffer_shape
     forward, backward = wrap(rng.normal(size=shape)), wrap(rng.normal(size=shape))

@@ -6,9 +6,10 @@ launcher they share a node, and the halo traffic stays on it.  Every sub-communi
 layer may need is created up front, collectively, so no rank can ever wait in a ``Sub``
 that another rank skipped.
 
-``transport`` carries the grid's buffers through MPI (:mod:`cosmotrain.device.transport`):
-the host transport (numpy pass-through) until the step of a GPU job sets it from the job's
-``device.communication``.
+The grid is pure topology and immutable once built: how buffers cross MPI (the
+transport) and the communication timers belong to the job's
+:class:`~cosmotrain.comm.runtime.Runtime`.  The one cache it keeps, the channel/filter
+communicators per factorisation, is filled collectively and never replaced.
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from cosmotrain.comm.timers import PhaseTimers
 from cosmotrain.config.layout import AXES, SPATIAL, Layout
-from cosmotrain.device.transport import make_transport
 
 # Groups of axes with a sub-communicator each: ranks that differ only along these axes.
 GROUPS = {
@@ -46,9 +45,13 @@ class ProcessGrid:
         self.coords = tuple(self.cart.Get_coords(self.rank))
         self.axis_comms = {axis: self._sub((axis,)) for axis in AXES}
         self.group_comms = {name: self._sub(axes) for name, axes in GROUPS.items()}
-        self.timers = PhaseTimers()
-        self.transport = make_transport()
         self._factor_comms: dict[Any, tuple[Any, Any]] = {}
+        self._frozen = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_frozen", False):
+            raise AttributeError(f"ProcessGrid is immutable: cannot set {name!r}")
+        object.__setattr__(self, name, value)
 
     def _sub(self, axes: Sequence[str]) -> Any:
         return self.cart.Sub([axis in axes for axis in AXES])

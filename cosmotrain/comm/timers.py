@@ -2,7 +2,7 @@
 
 Distributed layers charge the time they spend packing, posting and *waiting* for
 messages to a phase (``halo``, ``allreduce``, ``redistribution``, ``channel``: the
-channel/filter all-gathers and reduce-scatters) of the grid's
+channel/filter all-gathers and reduce-scatters) of the job's runtime's
 :class:`PhaseTimers`; everything else in a step is compute.  Time hidden behind compute
 by non-blocking messages is, correctly, not charged: only what the rank waited for is.
 """

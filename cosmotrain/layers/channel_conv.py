@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.comm.runtime import Runtime
 from cosmotrain.device.xp import array_module
 from cosmotrain.layers.channel_plan import LayerChoice
 from cosmotrain.layers.conv import SpatialConv3d
@@ -38,6 +39,7 @@ class ChannelConv3d(Conv3d):
     """A :class:`Conv3d` whose weights, inputs and outputs are split by channel/filter."""
 
     grid: ProcessGrid | None = None
+    runtime: Runtime = field(default_factory=Runtime)  # the job's transport and timers
     algorithm: str = "x"
     blocks: ChannelBlocks | None = None
     channel_comm: Any = None  # the ranks sharing my filter block: reduce-scatter of y
@@ -90,16 +92,16 @@ class ChannelConv3d(Conv3d):
         return DistTensor(dx, dist, coord)
 
     def _allgather(self, comm: Any, block: Any, pieces: list[int]) -> Any:
-        with self.grid.timers.phase("channel"):  # type: ignore[union-attr]
+        with self.runtime.timers.phase("channel"):
             out = allgather_channels(comm, block, pieces,
-                                     self.grid.transport)  # type: ignore[union-attr]
+                                     self.runtime.transport)
         self.volume["allgather"] += out.size - block.size
         return out
 
     def _reduce_scatter(self, comm: Any, partial: Any, pieces: list[int]) -> Any:
-        with self.grid.timers.phase("channel"):  # type: ignore[union-attr]
+        with self.runtime.timers.phase("channel"):
             out = reduce_scatter_channels(comm, partial, pieces,
-                                          self.grid.transport)  # type: ignore[union-attr]
+                                          self.runtime.transport)
         self.volume["reduce_scatter"] += partial.size - out.size
         return out
 
@@ -108,8 +110,10 @@ def _per_channel(block: Any) -> int:
     return int(block.shape[0] * np.prod(block.shape[2:]))
 
 
-def channel_conv(layer: Conv3d, grid: ProcessGrid, choice: LayerChoice) -> ChannelConv3d:
+def channel_conv(layer: Conv3d, grid: ProcessGrid, choice: LayerChoice,
+                 runtime: Runtime | None = None) -> ChannelConv3d:
     """The channel/filter twin of ``layer``: my weight block, my comms, an inner conv."""
+    runtime = runtime or Runtime()
     rank = grid.group_comms["channel_filter"].Get_rank()
     blocks = ChannelBlocks(layer.in_channels, layer.out_channels, choice.factor, rank)
     channel_comm, filter_comm = grid.channel_filter_comms(choice.factor)
@@ -125,10 +129,11 @@ def channel_conv(layer: Conv3d, grid: ProcessGrid, choice: LayerChoice) -> Chann
         inner = SpatialConv3d(name=layer.name, params={"weight": params["weight"]},
                               in_channels=hi - lo, out_channels=rows, kernel=layer.kernel,
                               stride=layer.stride, padding=layer.padding, bias=False,
-                              needs_input_grad=layer.needs_input_grad, grid=grid)
+                              needs_input_grad=layer.needs_input_grad, grid=grid,
+                              runtime=runtime)
     return ChannelConv3d(name=layer.name, params=params, in_channels=layer.in_channels,
                          out_channels=layer.out_channels, kernel=layer.kernel,
                          stride=layer.stride, padding=layer.padding, bias=layer.bias,
                          needs_input_grad=layer.needs_input_grad, grid=grid,
-                         algorithm=choice.algorithm, blocks=blocks, channel_comm=channel_comm,
+                         runtime=runtime, algorithm=choice.algorithm, blocks=blocks, channel_comm=channel_comm,
                          filter_comm=filter_comm, inner=inner)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.comm.runtime import Runtime
 from cosmotrain.device.xp import array_module
 from cosmotrain.kernels import conv3d
 from cosmotrain.layers.window import (SpatialWindow, WindowGeometry, finish_halo_grads,
@@ -47,6 +48,7 @@ class SpatialConv3d(SpatialWindow, Conv3d):
     """A :class:`Conv3d` whose input and output are :class:`DistTensor` blocks."""
 
     grid: ProcessGrid | None = None
+    runtime: Runtime = field(default_factory=Runtime)  # the job's transport and timers
     _cache: dict = field(default_factory=dict, repr=False)
     _plans: dict = field(default_factory=dict, repr=False)
 
@@ -122,9 +124,11 @@ class SpatialConv3d(SpatialWindow, Conv3d):
                                              weight.shape, self.stride, geo.padding)
 
 
-def spatial_conv(layer: Conv3d, grid: ProcessGrid) -> SpatialConv3d:
+def spatial_conv(layer: Conv3d, grid: ProcessGrid, runtime: Runtime | None = None
+                 ) -> SpatialConv3d:
     """The distributed twin of a :class:`Conv3d`, sharing its parameters."""
     return SpatialConv3d(name=layer.name, params=layer.params, in_channels=layer.in_channels,
                          out_channels=layer.out_channels, kernel=layer.kernel,
                          stride=layer.stride, padding=layer.padding, bias=layer.bias,
-                         needs_input_grad=layer.needs_input_grad, grid=grid)
+                         needs_input_grad=layer.needs_input_grad, grid=grid,
+                         runtime=runtime or Runtime())

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.comm.runtime import Runtime
 from cosmotrain.config.layout import MIN_BLOCK_PLANES, thin_splits
 from cosmotrain.config.schema import AUTO
 from cosmotrain.errors import ConfigError
@@ -147,6 +148,7 @@ class BlockTwins:
     grid splits channels (``choices``: each convolution's algorithm, by dotted name)."""
 
     grid: ProcessGrid
+    runtime: Runtime
     bn_comm: Any
     choices: Mapping[str, LayerChoice] = field(default_factory=dict)
 
@@ -159,30 +161,30 @@ class BlockTwins:
         path = layer_path(prefix, layer.name)
         split = self.group.Get_size() > 1
         if isinstance(layer, Conv3d):
-            return channel_conv(layer, self.grid, self.choices[path]) if split \
-                else spatial_conv(layer, self.grid)
+            return channel_conv(layer, self.grid, self.choices[path], self.runtime) if split \
+                else spatial_conv(layer, self.grid, self.runtime)
         if isinstance(layer, Pool3d):
-            return spatial_pool(layer, self.grid)
+            return spatial_pool(layer, self.grid, self.runtime)
         if isinstance(layer, BatchNorm3d) and split:
             channels = fine_block(layer.channels, self.group.Get_size(), self.group.Get_rank())
-            return channel_batchnorm(layer, self.bn_comm, self.grid.timers, channels,
-                                     self.grid.transport)
+            return channel_batchnorm(layer, self.bn_comm, self.runtime.timers, channels,
+                                     self.runtime.transport)
         if isinstance(layer, BatchNorm3d):
-            return dist_batchnorm(layer, self.bn_comm, self.grid.timers, spatial=True,
-                                  transport=self.grid.transport)
+            return dist_batchnorm(layer, self.bn_comm, self.runtime.timers, spatial=True,
+                                  transport=self.runtime.transport)
         if isinstance(layer, (LeakyReLU, Dropout)):
             return blockwise(layer)
         inner = f"{path}." if path else ""
         return _map_children(layer, lambda child: self.twin(child, inner))
 
 
-def sample_twin(layer: Layer, grid: ProcessGrid, bn_comm: Any) -> Layer:
+def sample_twin(layer: Layer, bn_comm: Any, runtime: Runtime) -> Layer:
     """The layer for whole local samples: batch norm reduces its sums, the rest is serial."""
     if isinstance(layer, BatchNorm3d):
-        return dist_batchnorm(layer, bn_comm, grid.timers, spatial=False,
-                              transport=grid.transport)
+        return dist_batchnorm(layer, bn_comm, runtime.timers, spatial=False,
+                              transport=runtime.transport)
     if isinstance(layer, (Sequential, Residual)):
-        return _map_children(layer, lambda child: sample_twin(child, grid, bn_comm))
+        return _map_children(layer, lambda child: sample_twin(child, bn_comm, runtime))
     return layer
 
 
@@ -206,6 +208,7 @@ class HybridModel:
     to_samples: ToSamples
     head: Sequential
     grid: ProcessGrid
+    runtime: Runtime = field(default_factory=Runtime)  # the job's transport and timers
 
     def named_parameters(self) -> Iterator[tuple[str, Parameter]]:
         """This rank's parameters: blocks of the split layers' (``param.shard``), the rest."""
@@ -283,8 +286,10 @@ def _buffer_shard(layer: Layer, key: str) -> Any:
 def build_hybrid(model: Sequential, grid: ProcessGrid, input_shape: tuple[int, ...],
                  bn_statistics: str = "global", spatial_until: str = AUTO,
                  channel_algorithm: str = AUTO,
-                 layer_overrides: Mapping[str, Any] | None = None) -> HybridModel:
-    """Cut ``model`` at its spatial stop and make each part's distributed twins."""
+                 layer_overrides: Mapping[str, Any] | None = None, *,
+                 runtime: Runtime) -> HybridModel:
+    """Cut ``model`` at its spatial stop and make each part's distributed twins, which
+    take the transport and the timers from the job's ``runtime``."""
     group = grid.group_comms["channel_filter"].Get_size()
     index = spatial_stop(model, input_shape, grid.spatial_shape, spatial_until, group)
     choices = plan_channels(model.items[:index], input_shape,
@@ -294,12 +299,12 @@ def build_hybrid(model: Sequential, grid: ProcessGrid, input_shape: tuple[int, .
     if group == 1 and layer_overrides:
         raise ConfigError("parallel.layers", "per-layer channel/filter settings need "
                           "parallel.channel or parallel.filter above 1", "remove them")
-    twins = BlockTwins(grid, grid.group_comms[BN_GROUPS[bn_statistics]], choices)
+    twins = BlockTwins(grid, runtime, grid.group_comms[BN_GROUPS[bn_statistics]], choices)
     spatial = Sequential(name=model.name, needs_input_grad=False,
                          items=[twins.twin(layer) for layer in model.items[:index]])
     head_bn = grid.group_comms[HEAD_BN_GROUPS[bn_statistics]]
     head = Sequential(name=model.name, needs_input_grad=index > 0,
-                      items=[sample_twin(layer, grid, head_bn)
+                      items=[sample_twin(layer, head_bn, runtime)
                              for layer in model.items[index:]])
-    return HybridModel(spatial, ToSamples(name="to_samples", grid=grid,
-                                          needs_input_grad=index > 0), head, grid)
+    return HybridModel(spatial, ToSamples(name="to_samples", grid=grid, runtime=runtime,
+                                          needs_input_grad=index > 0), head, grid, runtime)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.comm.runtime import Runtime
 from cosmotrain.device.xp import array_module
 from cosmotrain.kernels import pool3d
 from cosmotrain.layers.window import (SpatialWindow, WindowGeometry, finish_halo_grads,
@@ -25,6 +26,7 @@ class SpatialPool3d(SpatialWindow, Pool3d):
     """A :class:`Pool3d` whose input and output are :class:`DistTensor` blocks."""
 
     grid: ProcessGrid | None = None
+    runtime: Runtime = field(default_factory=Runtime)  # the job's transport and timers
     _cache: dict = field(default_factory=dict, repr=False)
 
 
@@ -63,8 +65,10 @@ class SpatialPool3d(SpatialWindow, Pool3d):
                                           geo.padding)
 
 
-def spatial_pool(layer: Pool3d, grid: ProcessGrid) -> SpatialPool3d:
+def spatial_pool(layer: Pool3d, grid: ProcessGrid, runtime: Runtime | None = None
+                 ) -> SpatialPool3d:
     """The distributed twin of a :class:`Pool3d`."""
     return SpatialPool3d(name=layer.name, mode=layer.mode, kernel=layer.kernel,
                          stride=layer.stride, padding=layer.padding,
-                         needs_input_grad=layer.needs_input_grad, grid=grid)
+                         needs_input_grad=layer.needs_input_grad, grid=grid,
+                         runtime=runtime or Runtime())

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.comm.runtime import Runtime
 from cosmotrain.device.xp import array_module
 from cosmotrain.nn.module import Context, Layer
 from cosmotrain.tensor.dist_tensor import DistTensor
@@ -28,6 +29,7 @@ class ToSamples(Layer):
     """Redistribute a :class:`DistTensor` of spatial blocks into local whole samples."""
 
     grid: ProcessGrid | None = None
+    runtime: Runtime = field(default_factory=Runtime)  # the job's transport and timers
     _plans: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -49,7 +51,7 @@ class ToSamples(Layer):
             self._plans[x.dist] = Redistribution.plan(
                 comm, Distribution(shape, (1,) + x.dist.grid[1:]), (0,) + x.coord[1:],
                 Distribution(shape, (comm.Get_size(), 1, 1, 1, 1)),
-                (comm.Get_rank(), 0, 0, 0, 0), self.grid.transport)  # type: ignore[union-attr]
+                (comm.Get_rank(), 0, 0, 0, 0), self.runtime.transport)
         return self._plans[x.dist]
 
     def forward(self, x: DistTensor, ctx: Context) -> Any:
@@ -58,7 +60,7 @@ class ToSamples(Layer):
             return x.data
         if _group_empty(x.dist, x.coord):
             return array_module(x.data).zeros((0,) + x.dist.global_shape[1:], x.data.dtype)
-        with self.grid.timers.phase("redistribution"):  # type: ignore[union-attr]
+        with self.runtime.timers.phase("redistribution"):
             return self._plan(x)(x.data)
 
     def backward(self, dy: Any, ctx: Context) -> DistTensor | None:
@@ -70,7 +72,7 @@ class ToSamples(Layer):
         if _group_empty(dist, coord):
             return DistTensor(array_module(dy).zeros(dist.local_shape(coord), dy.dtype),
                               dist, coord)
-        with self.grid.timers.phase("redistribution"):  # type: ignore[union-attr]
+        with self.runtime.timers.phase("redistribution"):
             return DistTensor(self._plans[dist].reverse()(dy), dist, coord)
 
 

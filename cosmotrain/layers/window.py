@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.comm.runtime import Runtime
 from cosmotrain.device.xp import array_module
 from cosmotrain.tensor.boxes import Box, box_empty, box_slices, to_local
 from cosmotrain.tensor.dist_tensor import DistTensor
@@ -37,10 +38,12 @@ class WindowGeometry(BufferLayout):
 
 
 def window_geometry(grid: ProcessGrid, x: DistTensor, kernel: Any, stride: Any,
-                    padding: Padding, out_shape: tuple[int, ...]) -> WindowGeometry:
+                    padding: Padding, out_shape: tuple[int, ...],
+                    runtime: Runtime | None = None) -> WindowGeometry:
     """Halo widths, exchange and output distribution of a window layer at ``x.coord``."""
     layout = buffer_layout(x.dist, x.coord, kernel, stride, padding)
-    return WindowGeometry(layout.halos, layout.plans, HaloExchange(grid, layout.plans),
+    return WindowGeometry(layout.halos, layout.plans, HaloExchange(grid, layout.plans,
+                                                                  runtime or Runtime()),
                           x.dist.with_shape(out_shape))
 
 
@@ -127,7 +130,7 @@ def finish_halo_grads(grad: Any, pending: list, x: DistTensor, geo: WindowGeomet
 class SpatialWindow:
     """Mixin for window layers on spatial blocks: the cached per-distribution geometry.
 
-    The layer provides ``grid``, ``kernel``, ``stride``, ``padding``, ``output_shape`` and a
+    The layer provides ``grid``, ``runtime``, ``kernel``, ``stride``, ``padding``, ``output_shape`` and a
     ``_cache`` dict (dataclass fields of the concrete layer)."""
 
     def geometry(self, x: DistTensor) -> WindowGeometry:
@@ -135,5 +138,6 @@ class SpatialWindow:
         if x.dist not in cache:
             cache[x.dist] = window_geometry(
                 self.grid, x, self.kernel, self.stride, self.padding,  # type: ignore[attr-defined]
-                self.output_shape(x.dist.global_shape))  # type: ignore[attr-defined]
+                self.output_shape(x.dist.global_shape),  # type: ignore[attr-defined]
+                self.runtime)  # type: ignore[attr-defined]
         return cache[x.dist]

@@ -9,7 +9,6 @@ runs the same search at start-up (:func:`auto_layout`).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,26 +25,16 @@ from cosmotrain.plan.presets import PRESETS
 from cosmotrain.plan.strategy import distinct, enumerate_strategies
 from cosmotrain.plan.workload import build_workload
 
-MACHINE_ENV = "COSMOTRAIN_MACHINE"
-
-
-def default_machine_path() -> Path:
-    """``$COSMOTRAIN_MACHINE``, else ``$XDG_CACHE_HOME/cosmotrain/machine.json``."""
-    if os.environ.get(MACHINE_ENV):
-        return Path(os.environ[MACHINE_ENV])
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "cosmotrain" / "machine.json"
-
-
-def load_machine(spec: str | None = None) -> MachineModel:
-    """A machine by preset name (``h100``...), by file, or the calibrated default file."""
+def load_machine(spec: str | None = None, default: Path | None = None) -> MachineModel:
+    """A machine by preset name (``h100``...), by file, or the calibrated ``default`` file
+    (the CLI's: ``$COSMOTRAIN_MACHINE``, else ``$XDG_CACHE_HOME/cosmotrain/machine.json``)."""
     if spec in PRESETS:
         return PRESETS[spec]()
-    path = Path(spec) if spec else default_machine_path()
-    if not spec and not path.is_file():
-        raise UserError(f"no machine model at {path}: run `cosmotrain calibrate` on this "
-                        f"machine first, or pass --machine FILE or a preset "
-                        f"({', '.join(PRESETS)})")
+    path = Path(spec) if spec else default
+    if path is None or (not spec and not path.is_file()):
+        raise UserError(f"no machine model at {path or '(no default path given)'}: run "
+                        f"`cosmotrain calibrate` on this machine first, or pass --machine "
+                        f"FILE or a preset ({', '.join(PRESETS)})")
     return MachineModel.load(path)
 
 
@@ -129,12 +118,14 @@ def plan(cfg: Config, ranks: int, machine: MachineModel, ranks_per_node: int | N
     return sorted(planned, key=lambda p: p.prediction.step_s)
 
 
-def choose_parallel(cfg: Config, comm: Any) -> tuple[Config, str]:
+def choose_parallel(cfg: Config, comm: Any, machine_path: Path | None = None
+                    ) -> tuple[Config, str]:
     """``cfg`` with the planner's best strategy for this job when ``parallel.auto``.
 
     Collective: rank 0 plans (the machine file need only be readable there) and every
     rank gets the same choice, or the same error.  Returns the config (``auto`` cleared,
     so the saved config and checkpoints record the layout that ran) and a line to print.
+    ``machine_path`` is the calibrated file used when ``parallel.machine`` is unset.
     """
     if not cfg.parallel.auto:
         return cfg, ""
@@ -144,7 +135,7 @@ def choose_parallel(cfg: Config, comm: Any) -> tuple[Config, str]:
     per_node = node_ranks(comm)
 
     def best() -> tuple[Layout, float, str]:
-        machine = load_machine(cfg.parallel.machine)
+        machine = load_machine(cfg.parallel.machine, machine_path)
         top = plan(cfg, comm.Get_size(), machine, per_node)[0]
         return top.strategy, top.prediction.step_s, machine.name
 

@@ -56,6 +56,7 @@ class StudySpec:
     launcher: str = "auto"
     data: Path | None = None
     timeout_s: float | None = None
+    default_machine: Path | None = None  # the calibrated file without --machine (CLI's)
 
 
 def point_overrides(point: Point, spec: StudySpec, data_dir: Path) -> list[str]:
@@ -96,7 +97,8 @@ def remove_checkpoints(point_dir: Path) -> None:
 
 
 
-def load_study_machine(spec: str | None) -> tuple[MachineModel | None, str]:
+def load_study_machine(spec: str | None, default: Path | None = None
+                       ) -> tuple[MachineModel | None, str]:
     """The machine model for predictions and ``plan``, and a note saying which.
 
     Without ``--machine`` the calibrated default is optional (no predictions when there is
@@ -105,7 +107,7 @@ def load_study_machine(spec: str | None) -> tuple[MachineModel | None, str]:
     if spec == NO_MACHINE:
         return None, "no machine model (--machine none): no predictions"
     try:
-        machine = load_machine(spec)
+        machine = load_machine(spec, default)
     except UserError as err:
         if spec:
             raise
@@ -118,7 +120,7 @@ def run_study(spec: StudySpec, echo: Callable[[str], None] = print) -> dict[str,
     results.md and the plots into ``spec.out``; return the results."""
     spec = _absolute(spec)
     base = load_config(spec.config, spec.overrides)
-    machine, machine_note = load_study_machine(spec.machine)
+    machine, machine_note = load_study_machine(spec.machine, spec.default_machine)
     launcher = launch.find_launcher(spec.launcher, spec.ranks_per_node)
     names = spec.strategies or default_strategies(machine)
     check_explicit(names, spec.ranks)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.comm.runtime import Runtime
 from cosmotrain.device.transport import Exchange
 from cosmotrain.tensor.windows import HaloPlan
 
@@ -63,6 +64,7 @@ class HaloExchange:
 
     grid: ProcessGrid
     plans: tuple[HaloPlan, HaloPlan, HaloPlan]  # this rank's plan along D, H, W
+    runtime: Runtime = field(default_factory=Runtime)  # the transport and the timers
     messages: list[_Message] = field(default_factory=list)
     received: int = 0  # elements received so far, both modes (accounting)
 
@@ -89,13 +91,13 @@ class HaloExchange:
         """Post every receive and send; ``mode`` is ``replace`` or ``add``."""
         if mode not in ("replace", "add"):
             raise ValueError(f"mode must be 'replace' or 'add', not {mode!r}")
-        with self.grid.timers.phase("halo"):
+        with self.runtime.timers.phase("halo"):
             return self._post(buffer, mode)
 
     def _post(self, buffer: Any, mode: str) -> Pending:
-        """Pack and post through the grid's transport (numpy: straight to MPI; device
+        """Pack and post through the runtime's transport (numpy: straight to MPI; device
         arrays: staged, CUDA-aware or NCCL, see ``cosmotrain/device/transport/``)."""
-        batch = self.grid.transport.exchange(self.grid.cart, buffer)
+        batch = self.runtime.transport.exchange(self.grid.cart, buffer)
         lead, unpack = buffer.shape[:2], []
         for msg in self.messages:
             outgoing, incoming = ((msg.send_region, msg.recv_region) if mode == "replace"
@@ -114,7 +116,7 @@ class HaloExchange:
     def finish(self, buffer: Any, pending: Pending, mode: str) -> None:
         """Wait for the messages and unpack: copy into margins, or add into owned planes."""
         batch, unpack = pending
-        with self.grid.timers.phase("halo"):
+        with self.runtime.timers.phase("halo"):
             for msg, inbox in zip(unpack, batch.wait()):
                 if mode == "replace":
                     buffer[(...,) + msg.recv_region] = inbox

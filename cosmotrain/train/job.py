@@ -23,7 +23,7 @@ from cosmotrain.data.open import dataset_root, make_readers, open_dataset
 from cosmotrain.data.placement import BlockPlacement
 from cosmotrain.data.reader import Reader
 from cosmotrain.device.select import select_device
-from cosmotrain.train.step import HybridStep, hybrid_step_from_config
+from cosmotrain.train.step import HybridStep, hybrid_step_from_config, job_runtime
 
 
 @dataclass
@@ -68,7 +68,7 @@ def build_job(cfg: Config, comm: Any, splits: tuple[str, ...] | None = None,
     grid = ProcessGrid(comm, layout)
     out_dir = Path(cfg.output.dir)
     ensure_synthetic_data(cfg, comm)
-    step = hybrid_step_from_config(cfg, grid, device)
+    step = hybrid_step_from_config(cfg, grid, job_runtime(cfg, grid, device))
     manifest = open_dataset(cfg, comm)
     width = cfg.model.width
     dist, coord = step.model.input_distribution(

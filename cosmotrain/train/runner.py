@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any
 
 from cosmotrain.comm.grid import ProcessGrid
@@ -18,22 +19,23 @@ from cosmotrain.train.claim import Claim, claim_output_dir, move_aside_outputs
 from cosmotrain.train.guard import StopSignals
 from cosmotrain.train.job import build_job
 from cosmotrain.train.resume import find_resume_point
-from cosmotrain.train.step import hybrid_step_from_config
+from cosmotrain.train.step import hybrid_step_from_config, job_runtime
 from cosmotrain.train.trainer import StepHook, Trainer
 
 
 def run_training(cfg: Config, comm: Any, resume: bool = False, overwrite: bool = False,
-                 job_id: str | None = None, before_step: StepHook | None = None
-                 ) -> dict[str, Any] | None:
+                 job_id: str | None = None, before_step: StepHook | None = None,
+                 machine_path: Path | None = None) -> dict[str, Any] | None:
     """Train ``cfg`` on ``comm`` (collective); returns the summary record, or None when
     ``resume`` found the run already finished.
 
     ``before_step(rank, step)`` runs before every step (the CLI's fault injection for
-    the abort tests).  ``output.dir`` is claimed first (writable, locked, not another run's unless
+    the abort tests); ``machine_path``, the CLI's default machine file, is for ``parallel:
+    auto``.  ``output.dir`` is claimed first (writable, locked, not another run's unless
     ``resume`` or ``overwrite``), and config.yaml is written only once the job is built
     and a resumed checkpoint has been checked against the config.
     """
-    cfg, chosen = choose_parallel(cfg, comm)
+    cfg, chosen = choose_parallel(cfg, comm, machine_path)
     mode = "resume" if resume else "overwrite" if overwrite else "fresh"
     claim = claim_output_dir(cfg.output.dir, comm, mode, job_id)
     try:
@@ -113,14 +115,14 @@ def baseline_line(best: float | None, baseline: float | None) -> str:
             f"baseline ({baseline:.4f})")
 
 
-def describe_plan(cfg: Config, comm: Any) -> str:
+def describe_plan(cfg: Config, comm: Any, machine_path: Path | None = None) -> str:
     """The run's plan without data: layout, spatial stop, channel algorithms, weights."""
-    cfg, chosen = choose_parallel(cfg, comm)
+    cfg, chosen = choose_parallel(cfg, comm, machine_path)
     layout = resolve_parallel(cfg, comm.Get_size())
     device = select_device(cfg.device, comm)
     grid = ProcessGrid(comm, layout)
     try:
-        step = hybrid_step_from_config(cfg, grid, device)
+        step = hybrid_step_from_config(cfg, grid, job_runtime(cfg, grid, device))
     except UserError:
         grid.free()
         raise

@@ -19,10 +19,9 @@ from typing import Any
 import numpy as np
 
 from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.comm.runtime import Runtime, build_runtime
 from cosmotrain.config.schema import Config, DeviceConfig
 from cosmotrain.device.select import Device, host_device, select_device
-from cosmotrain.device.transport import make_transport
-from cosmotrain.kernels.cuda.settings import configure, settings_for
 from cosmotrain.layers.hybrid import HybridModel, build_hybrid
 from cosmotrain.layers.loss import loss_and_flags
 from cosmotrain.models import build_model
@@ -68,6 +67,11 @@ class HybridStep:
     def grid(self) -> ProcessGrid:
         return self.model.grid
 
+    @property
+    def runtime(self) -> Runtime:
+        """The job's runtime: transport, communication timers, device."""
+        return self.model.runtime
+
     def place_input(self, x: DistTensor) -> DistTensor:
         """The reader's host block on this rank's device: the one host -> device copy of
         a batch, cast to bf16 under ``precision: bf16`` (other dtypes are kept: float64
@@ -91,7 +95,7 @@ class HybridStep:
         start, stop_row = self.model.sample_range()
         loss, dpred, flags = loss_and_flags(
             pred, targets[start:stop_row], targets.size, self.grid.group_comms["all"],
-            self.grid.timers, self.loss, flags=(float(stop), float(self.gradients_bad)))
+            self.runtime.timers, self.loss, flags=(float(stop), float(self.gradients_bad)))
         out = StepOutput(loss, pred, (start, stop_row), int(flags[0]), int(flags[1]))
         if not out.finite:
             return out
@@ -132,30 +136,36 @@ class HybridStep:
         return self.grid.group_comms["all"].allreduce(int(bad), op=MPI.SUM)
 
 
-def hybrid_step_from_config(cfg: Config, grid: ProcessGrid,
-                            device: Device | None = None) -> HybridStep:
-    """Model (initialised from ``train.seed``), its distributed twin, optimizer, reducer,
-    on ``device`` (the job's :func:`~cosmotrain.device.select.select_device`).
+def job_runtime(cfg: Config, grid: ProcessGrid, device: Device | None = None) -> Runtime:
+    """The runtime of a job of ``cfg`` on ``grid`` (collective), on ``device`` (the job's
+    :func:`~cosmotrain.device.select.select_device`).
 
     Without a device the config's ``device`` section decides, with ``auto`` meaning the
     CPU: library calls and tests stay on the host unless they ask for a GPU (``backend:
-    gpu`` selects one collectively over the grid).  On a GPU the grid's transport follows
-    the device's communication mode (set before the layers are built, which keep it) and
-    the GPU convolution kernels take the device's settings.
+    gpu`` selects one collectively over the grid).  On a GPU the transport follows the
+    device's communication mode and the GPU convolution kernels take the device's
+    settings (:func:`~cosmotrain.comm.runtime.build_runtime`).
     """
     device = device if device is not None else _default_device(cfg.device, grid)
-    if device.is_gpu:
-        configure(settings_for(device))
-        grid.transport = make_transport(device.communication)
-        grid.transport.prepare(grid.cart)
+    return build_runtime(device, grid.cart)
+
+
+def hybrid_step_from_config(cfg: Config, grid: ProcessGrid,
+                            runtime: Runtime | None = None) -> HybridStep:
+    """Model (initialised from ``train.seed``), its distributed twin, optimizer, reducer,
+    on the job's ``runtime`` (built once with the job; :func:`job_runtime` of ``cfg``
+    when None): the layers and the reducer take their transport and timers from it.
+    """
+    runtime = runtime if runtime is not None else job_runtime(cfg, grid)
+    device = runtime.device
     model = build_model(cfg.model, cfg.train.seed)
     width = cfg.model.width
     shape = (cfg.train.batch_size, cfg.model.channels, width, width, width)
     par = cfg.parallel
     hybrid = build_hybrid(model, grid, shape, par.bn_statistics, par.spatial_until,
-                          par.channel_algorithm, par.layers)
+                          par.channel_algorithm, par.layers, runtime=runtime)
     place_model(hybrid, device)
-    reducer = GradientReducer(grid.timers, par.bucket_mb, transport=grid.transport)
+    reducer = GradientReducer(runtime.timers, par.bucket_mb, transport=runtime.transport)
     return HybridStep(hybrid, build_optimizer(cfg.optimizer), reducer, device=device)
 
 

@@ -153,7 +153,7 @@ class Trainer:
         pos.step += 1
         pos.samples += len(batch.indices)
         self.outcome.final_loss = out.loss
-        times = metrics.time_breakdown(wall, job.grid.timers.take(),
+        times = metrics.time_breakdown(wall, job.step.runtime.timers.take(),
                                        self.train_reader.stats.last_wait_seconds)
         for key, value in times.items():
             self.outcome.totals[key] = self.outcome.totals.get(key, 0.0) + value

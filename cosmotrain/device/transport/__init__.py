@@ -1,7 +1,7 @@
 """Transports: how device (and host) buffers cross MPI, one module each, one factory.
 
 Every message of the engine (halo exchanges, redistributions, channel collectives,
-gradient and batch-norm reductions) goes through the grid's transport, a
+gradient and batch-norm reductions) goes through the job's runtime transport, a
 :class:`~.base.Transport` made by :func:`make_transport` from the job's
 ``device.communication``:
 
