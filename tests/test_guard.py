@@ -9,7 +9,8 @@ import signal
 import numpy as np
 import pytest
 
-from cosmotrain.train.guard import (StopSignals, gradients_finite, non_finite_message)
+from cosmotrain.device.xp import all_finite as gradients_finite
+from cosmotrain.train.guard import StopSignals, non_finite_message
 
 
 def test_the_first_stop_signal_is_recorded_and_handlers_come_back() -> None:

@@ -29,6 +29,7 @@ import h5py
 import numpy as np
 
 from cosmotrain.atomic import write_hdf5_atomically
+from cosmotrain.device.xp import all_finite
 from cosmotrain.errors import DataError
 
 VOLUME_DATASET = "full"
@@ -226,18 +227,14 @@ def read_block(path: Path, expect: VolumeInfo, box: Box | None = None,
 
 
 def check_finite(path: Path, block: np.ndarray) -> None:
-    """Reject a float block holding NaN or Inf, naming the file (int16 cannot hold them).
-
-    One float64 sum, with no temporary array: it is finite exactly when every value is
-    (float32 values cannot overflow it).
-    """
-    if block.dtype.kind != "f" or block.size == 0:
+    """Reject a float block holding NaN or Inf, naming the file (int16 cannot hold them);
+    the same one-pass test as the trainer's gradient check (``device.xp.all_finite``)."""
+    if block.dtype.kind != "f" or all_finite([block]):
         return
-    if not np.isfinite(block.sum(dtype=np.float64)):
-        bad = int(np.count_nonzero(~np.isfinite(block)))
-        raise DataError(path, f"'{VOLUME_DATASET}' holds {bad} non-finite value(s) (NaN or "
-                        f"Inf) in the block read", "fix or replace the file: training must "
-                        "not see NaN or Inf inputs")
+    bad = int(np.count_nonzero(~np.isfinite(block)))
+    raise DataError(path, f"'{VOLUME_DATASET}' holds {bad} non-finite value(s) (NaN or "
+                    f"Inf) in the block read", "fix or replace the file: training must "
+                    "not see NaN or Inf inputs")
 
 
 def _volume_info(path: Path, handle: h5py.File, volume: h5py.Dataset) -> VolumeInfo:

@@ -185,11 +185,6 @@ def checkpoint_image(state: CheckpointState) -> memoryview:
     return hdf5_image(lambda f: fill_checkpoint(f, state))
 
 
-def write_state(path: Path, state: CheckpointState) -> None:
-    """Write ``state`` as a new checkpoint file at ``path`` (not atomic: tests, tools)."""
-    Path(path).write_bytes(checkpoint_image(state))
-
-
 def fill_checkpoint(f: h5py.File, state: CheckpointState) -> None:
     """Write every field of ``state`` into the empty HDF5 file ``f``, with its checksums."""
     f.attrs.update({"format": FORMAT, "format_version": FORMAT_VERSION,

@@ -14,10 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from cosmotrain.comm.collective import on_root
-from cosmotrain.train.run_outputs import check_fresh_directory
+from cosmotrain.train.run_outputs import MODES, check_fresh_directory
 from cosmotrain.train.rundir import RunLock, this_process
-
-MODES = ("fresh", "resume", "overwrite")
 
 
 @dataclass

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from cosmotrain.errors import UserError
+from cosmotrain.atomic import fsync_path, write_all, write_text_atomically
+from cosmotrain.errors import UserError, WriteError
 
 LOCK_NAME = ".cosmotrain.lock"
 LOCK_FORMAT = "cosmotrain-lock"
@@ -260,13 +261,19 @@ class RunLock:
             raise RunDirError(f"output.dir '{self.out_dir}' is not writable (cannot create "
                               f"{LOCK_NAME}); choose a writable output.dir") from None
         try:
-            _write_all(fd, self.holder.to_json())
-        except BaseException:
+            write_all(fd, self.holder.to_json().encode())
+            os.fsync(fd)
+        except BaseException as err:
             os.close(fd)
             self.path.unlink(missing_ok=True)
+            if isinstance(err, OSError):
+                raise WriteError(self.path, err) from None
             raise
         os.close(fd)
-        _fsync_dir(self.out_dir)
+        try:
+            fsync_path(self.out_dir)
+        except OSError as err:
+            raise WriteError(self.out_dir, err) from None
         return True
 
     def _read(self, patience: float | None = None
@@ -315,14 +322,7 @@ class RunLock:
             text, _ = self._read(patience=0.0)
             if text != stale_text:
                 return False
-            tmp = self.path.with_name(f"{LOCK_NAME}.{self.holder.token}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                _write_all(fd, self.holder.to_json())
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
-            _fsync_dir(self.out_dir)
+            write_text_atomically(self.path, self.holder.to_json(), unique=True)
             return True
         finally:
             guard.unlink(missing_ok=True)
@@ -364,23 +364,3 @@ class RunLock:
 def _with_token(holder: LockHolder) -> LockHolder:
     return LockHolder(holder.host, holder.pid, holder.started, holder.argv, holder.job_id,
                       holder.proc_start, uuid.uuid4().hex)
-
-
-def _write_all(fd: int, text: str) -> None:
-    data = text.encode()
-    while data:
-        data = data[os.write(fd, data):]
-    os.fsync(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on directories
-    finally:
-        os.close(fd)

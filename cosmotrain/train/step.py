@@ -22,13 +22,13 @@ from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.comm.runtime import Runtime, build_runtime
 from cosmotrain.config.schema import Config, DeviceConfig
 from cosmotrain.device.select import Device, host_device, select_device
+from cosmotrain.device.xp import all_finite
 from cosmotrain.layers.hybrid import HybridModel, build_hybrid
 from cosmotrain.layers.loss import loss_and_flags
 from cosmotrain.models import build_model
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.train.grad_sync import GradientReducer
-from cosmotrain.train.guard import gradients_finite
 from cosmotrain.train.optim import Optimizer, build_optimizer
 
 
@@ -101,7 +101,7 @@ class HybridStep:
             return out
         self.model.backward(dpred, ctx)
         self.reducer.finish()
-        self.gradients_bad = not gradients_finite(
+        self.gradients_bad = not all_finite(
             p.grad for _, p in self.model.named_parameters())
         return out
 
@@ -132,7 +132,7 @@ class HybridStep:
                    if np.ndim(layer.buffers[key])]
         arrays += [v for slots in self.optimizer.state.values() for v in slots.values()
                    if np.ndim(v)]
-        bad = self.gradients_bad or not gradients_finite(arrays)
+        bad = self.gradients_bad or not all_finite(arrays)
         return self.grid.group_comms["all"].allreduce(int(bad), op=MPI.SUM)
 
 

@@ -170,8 +170,8 @@ class Trainer:
         """Validate and checkpoint as configured; True when the target MAE is reached."""
         pos, train = self.position, self.cfg.train
         reached = False
-        self._require_finite()
         if self.val_reader is not None and self._due(train.validate_every, pos.epoch):
+            self._require_finite()
             errors = self._validate(log, progress)
             reached = train.target_mae is not None and errors.mean_mae <= train.target_mae
         if reached:

@@ -15,6 +15,7 @@ CUDA-aware and NCCL transports need, on cupy's current stream (tests pass fakes)
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -293,13 +294,13 @@ class Transport:
                          "make_transport(device.communication) for device arrays")
 
 
-class MpiDeviceTransport(Transport):
+class MpiDeviceTransport(Transport, ABC):
     """Device arrays through MPI itself (staging, CUDA-aware): the collectives differ only
     in the buffers :meth:`via_mpi` hands to the MPI call."""
 
+    @abstractmethod
     def via_mpi(self, call: Call, send: Any, recv: Any) -> None:
         """Run the blocking MPI collective ``call`` on device ``send`` / ``recv``."""
-        raise NotImplementedError
 
     def _device_allgatherv(self, comm: Any, send: Any, recv: Any,
                            counts: Sequence[int]) -> None:
