@@ -1,0 +1,123 @@
+"""Commands that describe and run jobs: info, config, train, predict."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cosmotrain.cli.app import ConfigOption, SetOption, app, machine_file
+from cosmotrain.errors import UserError
+from cosmotrain.exits import FAULT_ENV, fault_hook
+
+
+@app.command()
+def info(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+    """Versions, MPI library, world size, rank -> host layout, GPUs, cupy / cuDNN."""
+    from cosmotrain.comm import world
+    from cosmotrain.info import gather_info
+    from cosmotrain.info_report import render_info
+
+    report = gather_info(world())
+    if report is None:
+        return
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        render_info(report)
+
+
+@app.command()
+def config(
+    config_file: ConfigOption = None,
+    overrides: SetOption = None,
+    ranks: Annotated[Optional[int], typer.Option(
+        help="Check the parallel section for this many ranks (default: this job's size).",
+        min=1)] = None,
+    reference: Annotated[bool, typer.Option(
+        "--reference", help="Print the reference of every config key and exit.")] = False,
+) -> None:
+    """Validate a config (with --set overrides) and print it fully resolved."""
+    from cosmotrain.comm import world
+    from cosmotrain.config import dump_yaml, load_config, resolve_parallel
+    from cosmotrain.config.reference import reference_markdown
+
+    if reference:
+        print(reference_markdown())
+        return
+    cfg = load_config(config_file, overrides or [])
+    world_size = ranks if ranks is not None else world().Get_size()
+    layout = resolve_parallel(cfg, world_size)
+    if world().Get_rank() == 0:
+        print(f"# strategy {layout.describe()} on {world_size} rank(s)")
+        print(dump_yaml(cfg), end="")
+
+
+
+@app.command()
+def train(
+    config_file: ConfigOption = None,
+    overrides: SetOption = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue from the newest checkpoint in output.dir (any layout).")]
+    = False,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Check the config and print the plan (layout, spatial stop, "
+                          "channel algorithms, memory) without reading data or training.")]
+    = False,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Start afresh in an output.dir that holds another run: its "
+                            "checkpoints, metrics and config are moved into "
+                            "output.dir/previous-<time>/ (never deleted).")] = False,
+) -> None:
+    """Train a model: mpiexec -n P cosmotrain train --config configs/X.yaml [--set k=v]."""
+    from cosmotrain.comm import world
+    from cosmotrain.config import load_config
+    from cosmotrain.train.guard import EXIT_INTERRUPTED
+    from cosmotrain.train.runner import describe_plan, run_training
+
+    cfg = load_config(config_file, overrides or [])
+    comm = world()
+    if dry_run:
+        text = describe_plan(cfg, comm, machine_file())
+        if comm.Get_rank() == 0:
+            print(text)
+        return
+    if resume and overwrite:
+        raise UserError("--resume continues the run in output.dir and --overwrite starts "
+                        "a new one there: pass only one of them")
+    summary = run_training(cfg, comm, resume=resume, overwrite=overwrite,
+                           job_id=os.environ.get("SLURM_JOB_ID"), machine_path=machine_file(),
+                           before_step=fault_hook(os.environ.get(FAULT_ENV)))
+    if summary is not None and summary["stop_reason"] == "interrupted":
+        raise typer.Exit(EXIT_INTERRUPTED)
+
+
+@app.command()
+def predict(
+    checkpoint: Annotated[Path, typer.Option(
+        help="A checkpoint written by cosmotrain train (output.dir/checkpoints/*.h5).")],
+    data: Annotated[Path, typer.Option(
+        help="Dataset directory to predict (labelled or not; any layout the readers know).")],
+    out: Annotated[Path, typer.Option(help="HDF5 file to write the predictions to.")],
+    split: Annotated[Optional[list[str]], typer.Option(
+        help="Only this split of the dataset (repeatable; default: every split).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(
+        help="Samples per global batch (default: the training batch, rounded up to a "
+             "multiple of the sample groups).", min=1)] = None,
+    overrides: SetOption = None,
+) -> None:
+    """Per-sample predictions in dataset order at any rank count (and MAE when labelled)."""
+    from cosmotrain.comm import world
+    from cosmotrain.train.predict import describe, run_prediction
+
+    extra = [f"train.batch_size={batch_size}"] if batch_size is not None else []
+    comm = world()
+    results = run_prediction(checkpoint, data, out, comm, [*(overrides or []), *extra], split)
+    if results is not None:
+        print("\n".join(describe(results, out)))
+
+
