@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from cosmotrain.config.schema import ModelConfig  # noqa: E402
 from cosmotrain.kernels.cuda import conv as gpu_conv  # noqa: E402
-from cosmotrain.kernels.cuda.settings import ConvSettings, configure  # noqa: E402
+from cosmotrain.kernels.cuda.settings import ConvSettings  # noqa: E402
 from cosmotrain.kernels.geometry import ConvGeometry  # noqa: E402
 from cosmotrain.models import build_model  # noqa: E402
 from cosmotrain.nn.layers import Conv3d  # noqa: E402
@@ -155,15 +155,18 @@ def layer_operands(cupy, layer: ConvLayer, batch: int, dtype, seed: int = 0):
     return x, w, dy
 
 
-def ours_layer_ms(cupy, layer: ConvLayer, batch: int, dtype, repeats: int) -> Dict[str, float]:
-    """Median ms of forward, wgrad (and dgrad) of one layer through kernels.cuda.conv."""
+def ours_layer_ms(cupy, layer: ConvLayer, batch: int, dtype, repeats: int,
+                  settings: ConvSettings) -> Dict[str, float]:
+    """Median ms of forward, wgrad (and dgrad) of one layer through kernels.cuda.conv
+    under ``settings``."""
     x, w, dy = layer_operands(cupy, layer, batch, dtype)
-    ops = {"fwd": lambda: gpu_conv.conv3d_forward(x, w, layer.stride, layer.padding),
-           "wgrad": lambda: gpu_conv.conv3d_backward_filter(x, dy, w.shape, layer.stride,
-                                                            layer.padding)}
+    s, p = layer.stride, layer.padding
+    ops = {"fwd": lambda: gpu_conv.conv3d_forward(x, w, s, p, settings=settings),
+           "wgrad": lambda: gpu_conv.conv3d_backward_filter(x, dy, w.shape, s, p,
+                                                            settings=settings)}
     if layer.dgrad:
-        ops["dgrad"] = lambda: gpu_conv.conv3d_backward_data(dy, w, x.shape, layer.stride,
-                                                             layer.padding)
+        ops["dgrad"] = lambda: gpu_conv.conv3d_backward_data(dy, w, x.shape, s, p,
+                                                             settings=settings)
     return {name: gpu_median_ms(cupy, fn, repeats) for name, fn in ops.items()}
 
 
@@ -227,48 +230,51 @@ def agreement(cupy, layer: ConvLayer, precisions, algorithms) -> List[dict]:
     """Max relative difference of each algorithm's results from the fp32 gemm result
     (strict fp32, the most accurate path) on one layer at batch 1."""
     rows = []
-    configure(ConvSettings(algorithm="gemm", math="fp32"))
     x, w, dy = layer_operands(cupy, layer, 1, np.float32, seed=1)
-    reference = run_three(cupy, layer, x, w, dy)
+    reference = run_three(cupy, layer, x, w, dy, ConvSettings(algorithm="gemm", math="fp32"))
     for precision in precisions:
         dtype = storage_dtype(precision)
         for algo in algorithms:
-            if not select(algo, precision, "ndhwc"):
+            settings = select(algo, precision, "ndhwc")
+            if settings is None:
                 continue
-            ours = run_three(cupy, layer, x.astype(dtype), w.astype(dtype), dy.astype(dtype))
+            ours = run_three(cupy, layer, x.astype(dtype), w.astype(dtype), dy.astype(dtype),
+                             settings)
             rows.append({"layer": layer.name, "precision": precision, "algorithm": algo,
                          **{op: rel_diff(ours[op], reference[op]) for op in reference}})
     return rows
 
 
-def run_three(cupy, layer: ConvLayer, x, w, dy) -> Dict[str, np.ndarray]:
-    s, p = layer.stride, layer.padding
-    return {"fwd": cupy.asnumpy(gpu_conv.conv3d_forward(x, w, s, p).astype(np.float32)),
-            "wgrad": cupy.asnumpy(gpu_conv.conv3d_backward_filter(x, dy, w.shape, s, p)
+def run_three(cupy, layer: ConvLayer, x, w, dy, settings: ConvSettings
+              ) -> Dict[str, np.ndarray]:
+    s, p, kw = layer.stride, layer.padding, {"settings": settings}
+    return {"fwd": cupy.asnumpy(gpu_conv.conv3d_forward(x, w, s, p, **kw).astype(np.float32)),
+            "wgrad": cupy.asnumpy(gpu_conv.conv3d_backward_filter(x, dy, w.shape, s, p, **kw)
                                   .astype(np.float32)),
-            "dgrad": cupy.asnumpy(gpu_conv.conv3d_backward_data(dy, w, x.shape, s, p)
+            "dgrad": cupy.asnumpy(gpu_conv.conv3d_backward_data(dy, w, x.shape, s, p, **kw)
                                   .astype(np.float32))}
 
 
 _skipped: set = set()
 
 
-def select(algo: str, precision: str, layout: str) -> bool:
-    """Configure cosmotrain.kernels.cuda; False (and one message) when ``algo`` is unavailable.
+def select(algo: str, precision: str, layout: str) -> Optional[ConvSettings]:
+    """The settings that run ``algo`` at ``precision``; None (and one message) when
+    ``algo`` is unavailable.
 
     cuDNN is requested as ``auto`` so that a missing cuDNN skips its columns instead of
     raising; the resolved algorithm tells which one runs.
     """
     math = "tf32" if precision == "tf32" else "fp32"
-    configure(ConvSettings(algorithm="auto" if algo == "cudnn" else algo, math=math,
-                           cudnn_layout=layout))
-    chosen, why = gpu_conv.algorithm()
+    settings = ConvSettings(algorithm="auto" if algo == "cudnn" else algo, math=math,
+                            cudnn_layout=layout)
+    chosen, why = gpu_conv.algorithm(settings)
     if chosen != algo:
         if algo not in _skipped:
             _skipped.add(algo)
             print(f"skipping {algo}: {why}", file=sys.stderr)
-        return False
-    return True
+        return None
+    return settings
 
 
 def measure(cupy, torch, model, layers: List[ConvLayer], args) -> List[dict]:
@@ -280,11 +286,13 @@ def measure(cupy, torch, model, layers: List[ConvLayer], args) -> List[dict]:
             dtype = storage_dtype(precision)
             for algo in args.algorithms:
                 for layout in (args.layouts if algo == "cudnn" else ["-"]):
-                    if not select(algo, precision, "ndhwc" if layout == "-" else layout):
+                    settings = select(algo, precision, "ndhwc" if layout == "-" else layout)
+                    if settings is None:
                         continue
                     rows.append(timed_row(
                         Row(f"cosmotrain {algo}", layout, batch, precision), layers,
-                        lambda layer: ours_layer_ms(cupy, layer, batch, dtype, args.repeats),
+                        lambda layer: ours_layer_ms(cupy, layer, batch, dtype, args.repeats,
+                                                    settings),
                         cupy.cuda.memory.OutOfMemoryError, release_cupy))
             if torch is None:
                 continue

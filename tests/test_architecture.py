@@ -60,7 +60,6 @@ ENVIRONMENT_READERS = {
     "cosmotrain/study/launch.py",  # the environment a launched job inherits
     "cosmotrain/study/scale.py",  # the thread and Slurm variables a study records
     "cosmotrain/info.py",  # CUDA_VISIBLE_DEVICES, reported as found
-    "cosmotrain/data/cache.py",  # COSMOTRAIN_CACHE_DIR: still to do (issue 22)
 }
 
 

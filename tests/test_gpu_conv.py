@@ -8,7 +8,8 @@ Runs everywhere (numpy):
   strides, graph-cache keys and LRU, numerical-note filters, and the whole wrapper
   (layout conversion, extension, crop) driven by a reference runner that executes each
   graph description with the CPU kernels on strided views of the buffers it is handed;
-* settings, algorithm resolution, the cuBLAS math switch and the dispatch in ``conv``.
+* settings (passed to every call, never installed), algorithm resolution, the cuBLAS math
+  switch and the dispatch in ``conv``.
 
 With ``cudnn`` importable (no GPU needed) the graph description is checked against the
 frontend's own IR.  With cupy and a GPU, both algorithms run on the device against the
@@ -85,11 +86,9 @@ def rel_error(ours, exact) -> float:
 
 
 @pytest.fixture(autouse=True)
-def default_settings():
-    """Every test starts and ends with the default settings."""
-    settings.configure(ConvSettings())
-    yield
-    settings.configure(ConvSettings())
+def fresh_resolution(monkeypatch):
+    """Every test resolves the algorithm afresh (the process keeps one per request)."""
+    monkeypatch.setattr(conv, "_resolved", {})
 
 
 # ---------------------------------------------------------------------------------------
@@ -181,7 +180,7 @@ def test_gemm_rejects_bad_dtypes_and_shapes() -> None:
 # settings and cuBLAS math
 
 
-def test_settings_validate_and_configure() -> None:
+def test_settings_validate_and_default() -> None:
     with pytest.raises(ValueError, match="algorithm"):
         ConvSettings(algorithm="fft")
     with pytest.raises(ValueError, match="math"):
@@ -191,11 +190,11 @@ def test_settings_validate_and_configure() -> None:
     with pytest.raises(ValueError, match="gemm_budget_bytes"):
         ConvSettings(gemm_budget_bytes=0)
     with pytest.raises(TypeError, match="ConvSettings"):
-        settings.configure({"algorithm": "gemm"})
-    before = settings.generation()
+        settings.resolve_settings({"algorithm": "gemm"})
     chosen = ConvSettings(algorithm="gemm", math="tf32", gemm_budget_bytes=1 << 20)
-    settings.configure(chosen)
-    assert settings.current() is chosen and settings.generation() == before + 1
+    assert settings.resolve_settings(chosen) is chosen
+    assert settings.resolve_settings(None) == ConvSettings()
+    assert not any(hasattr(settings, name) for name in ("configure", "current", "generation"))
 
 
 def test_gemm_reads_budget_and_math_from_settings(monkeypatch) -> None:
@@ -204,9 +203,11 @@ def test_gemm_reads_budget_and_math_from_settings(monkeypatch) -> None:
                         lambda geo, itemsize, budget: seen.append(budget) or [(0, geo.batch, 0,
                                                                                geo.out[0])])
     x, w, _, stride, pad = make_case(CASES[0])
-    settings.configure(ConvSettings(gemm_budget_bytes=12345))
-    conv_gemm.conv3d_forward(x, w, stride, pad)
-    assert seen == [12345]
+    conv_gemm.conv3d_forward(x, w, stride, pad, settings=ConvSettings(gemm_budget_bytes=12345))
+    conv_gemm.conv3d_forward(x, w, stride, pad)  # no settings: the defaults
+    conv_gemm.conv3d_forward(x, w, stride, pad, budget=777,
+                             settings=ConvSettings(gemm_budget_bytes=12345))
+    assert seen == [12345, ConvSettings().gemm_budget_bytes, 777]
 
 
 class FakeLinalg:
@@ -273,26 +274,33 @@ def test_cudnn_status_names_the_packages_when_cudnn_is_missing(monkeypatch) -> N
     assert not usable and "nvidia-cudnn-frontend" in why
 
 
-def test_auto_is_resolved_once_per_configure_and_logged(monkeypatch, caplog) -> None:
+def test_auto_is_resolved_once_per_request_and_logged(monkeypatch, caplog) -> None:
+    """The resolution depends on the requested algorithm only: probed and logged once per
+    request in a process, whatever the other settings."""
     probes = []
     monkeypatch.setattr(conv, "cudnn_status",
                         lambda: probes.append(1) or (False, "import cudnn failed"))
     with caplog.at_level(logging.INFO, logger="cosmotrain.kernels.cuda"):
         assert conv.algorithm()[0] == "gemm"
-        assert conv.algorithm()[0] == "gemm"
-        settings.configure(ConvSettings(algorithm="auto"))
-        assert conv.algorithm()[0] == "gemm"
-    assert len(probes) == 2
+        assert conv.algorithm(ConvSettings(algorithm="auto"))[0] == "gemm"
+        assert conv.algorithm(ConvSettings(math="tf32", cudnn_layout="ncdhw"))[0] == "gemm"
+        assert conv.algorithm(ConvSettings(algorithm="gemm"))[0] == "gemm"  # no probe
+        for _ in range(2):  # asked for explicitly: an error on every call, nothing cached
+            with pytest.raises(RuntimeError, match="import cudnn failed"):
+                conv.algorithm(ConvSettings(algorithm="cudnn"))
+    assert len(probes) == 3
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 2 and "import cudnn failed" in warnings[0].message
+    assert len(warnings) == 1 and "import cudnn failed" in warnings[0].message
+    assert len(caplog.records) == 2  # the auto fallback (warning), gemm as asked (info)
 
 
 def test_numpy_inputs_take_the_gemm_path(monkeypatch) -> None:
-    monkeypatch.setattr(conv, "algorithm", lambda: pytest.fail("no resolution for numpy"))
-    settings.configure(ConvSettings(algorithm="cudnn"))
+    monkeypatch.setattr(conv, "algorithm",
+                        lambda *args: pytest.fail("no resolution for numpy"))
+    cudnn = ConvSettings(algorithm="cudnn")
     x, w, dy, stride, pad = make_case(CASES[1])
     for op in OPS:
-        np.testing.assert_allclose(run_op(conv, op, x, w, dy, stride, pad),
+        np.testing.assert_allclose(run_op(conv, op, x, w, dy, stride, pad, settings=cudnn),
                                    cpu_reference(op, x, w, dy, stride, pad), rtol=1e-12,
                                    atol=1e-11)
 
@@ -379,9 +387,11 @@ class ReferenceRunner:
 
     def __init__(self) -> None:
         self.calls: list = []
+        self.cache_sizes: list = []
 
-    def run(self, call, buffers) -> None:
+    def run(self, call, buffers, cache_size=conv_cudnn.DEFAULT_GRAPH_CACHE_SIZE) -> None:
         self.calls.append(call)
+        self.cache_sizes.append(cache_size)
         views = {}
         for role, desc in (("x", call.image), ("w", call.filter), ("y", call.output)):
             buf = buffers[role]
@@ -430,30 +440,42 @@ def test_cudnn_wrappers_bfloat16_and_mixed_operands() -> None:
 
 
 def test_dispatch_runs_cudnn_and_falls_back_to_gemm(monkeypatch, caplog) -> None:
-    """conv.py with cuDNN selected: the call goes to the runner with the settings' math and
-    layout; a CudnnUnsupported from the runner runs the gemm path instead, logged once."""
+    """conv.py with cuDNN selected: the call goes to the runner with the math, layout and
+    cache size of the settings it was given; a CudnnUnsupported from the runner runs the
+    gemm path instead (under the same settings), logged once."""
     runner = ReferenceRunner()
-    monkeypatch.setattr(conv, "_uses_cudnn", lambda *arrays: True)
+    seen = []
+    monkeypatch.setattr(conv, "_uses_cudnn", lambda chosen, *arrays: seen.append(chosen) or True)
     monkeypatch.setattr(conv, "default_runner", lambda: runner)
-    settings.configure(ConvSettings(algorithm="cudnn", math="tf32", cudnn_layout="ncdhw"))
+    chosen = ConvSettings(algorithm="cudnn", math="tf32", cudnn_layout="ncdhw",
+                          graph_cache_size=7)
     x, w, dy, stride, pad = make_case(CASES[3], seed=6, dtype=np.float32)
     for op in OPS:
-        assert rel_error(run_op(conv, op, x, w, dy, stride, pad),
+        assert rel_error(run_op(conv, op, x, w, dy, stride, pad, settings=chosen),
                          cpu_reference(op, x, w, dy, stride, pad)) < 1e-6
     assert [(c.math, c.layout) for c in runner.calls] == [("tf32", "ncdhw")] * 3
+    assert runner.cache_sizes == [7] * 3 and seen == [chosen] * 3
+    run_op(conv, "fprop", x, w, dy, stride, pad)  # no settings: the defaults
+    assert (runner.calls[-1].math, runner.calls[-1].layout) == ("fp32", "ndhwc")
+    assert runner.cache_sizes[-1] == ConvSettings().graph_cache_size
 
     class Unsupported:
-        def run(self, call, buffers):
+        def run(self, call, buffers, cache_size):
             raise conv_cudnn.CudnnUnsupported(f"no engine for {call.op}")
 
+    gemm_settings = []
+    gemm_op = conv_gemm.conv3d_forward
+    monkeypatch.setattr(conv_gemm, "conv3d_forward", lambda *args, settings: (
+        gemm_settings.append(settings) or gemm_op(*args, settings=settings)))
     monkeypatch.setattr(conv, "default_runner", lambda: Unsupported())
     with caplog.at_level(logging.WARNING, logger="cosmotrain.kernels.cuda"):
         for _ in range(2):
             for op in OPS:
-                assert rel_error(run_op(conv, op, x, w, dy, stride, pad),
+                assert rel_error(run_op(conv, op, x, w, dy, stride, pad, settings=chosen),
                                  cpu_reference(op, x, w, dy, stride, pad)) < 1e-5
     assert sorted(r.message.split(";")[0] for r in caplog.records) == [
         "no engine for dgrad", "no engine for fprop", "no engine for wgrad"]
+    assert gemm_settings == [chosen] * 2
 
 
 def test_describe_graph_matches_the_frontend_ir() -> None:
@@ -573,11 +595,11 @@ def _device_results(cupy, module, case, storage, **kwargs):
 def _check_on_device(cupy, algorithm: str, layout: str = "ndhwc") -> None:
     """Every case, op and precision through conv.py against the CPU kernels."""
     for storage, mode, tol in _device_dtypes():
-        settings.configure(ConvSettings(algorithm=algorithm, math=mode, cudnn_layout=layout))
+        chosen = ConvSettings(algorithm=algorithm, math=mode, cudnn_layout=layout)
         for case in CASES + ALIGNED_CASES:
-            for op, ours, exact in _device_results(cupy, conv, case, storage):
+            for op, ours, exact in _device_results(cupy, conv, case, storage, settings=chosen):
                 assert rel_error(ours, exact) < tol, (case, op, storage.name, mode, layout)
-        assert conv.algorithm()[0] == algorithm
+        assert conv.algorithm(chosen)[0] == algorithm
 
 
 def test_gpu_gemm_matches_cpu_kernels(cupy) -> None:
@@ -606,15 +628,15 @@ def test_gpu_cudnn_graphs_are_cached_and_follow_the_stream(cupy) -> None:
     usable, why = conv.cudnn_status()
     if not usable:
         pytest.skip(why)
-    settings.configure(ConvSettings(algorithm="cudnn"))
+    cudnn = ConvSettings(algorithm="cudnn")
     x, w, _, stride, pad = make_case(ALIGNED_CASES[0], seed=8)
     xd, wd = cupy.asarray(x.astype(np.float32)), cupy.asarray(w.astype(np.float32))
-    first = conv.conv3d_forward(xd, wd, stride, pad)
+    first = conv.conv3d_forward(xd, wd, stride, pad, settings=cudnn)
     builds = conv.default_runner().cache.builds
     cupy.cuda.get_current_stream().synchronize()
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        again = conv.conv3d_forward(xd, wd, stride, pad)
+        again = conv.conv3d_forward(xd, wd, stride, pad, settings=cudnn)
     stream.synchronize()
     assert conv.default_runner().cache.builds == builds
     cupy.testing.assert_array_equal(first, again)

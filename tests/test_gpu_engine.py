@@ -131,27 +131,24 @@ def test_kernels_on_the_gpu_match_the_cpu(dtype, rtol, gemm_rtol) -> None:
 
 @pytest.mark.parametrize("precision, rtol", [("fp32", 1e-4), ("tf32", 5e-3), ("bf16", 1e-2)])
 def test_convolutions_through_the_engine(precision, rtol) -> None:
-    from cosmotrain.kernels.cuda.settings import ConvSettings, configure, current
+    from cosmotrain.kernels.cuda.settings import ConvSettings
 
-    before = current()
-    configure(ConvSettings(math="tf32" if precision == "tf32" else "fp32"))
-    try:
-        storage = bfloat16() if precision == "bf16" else np.float32
-        rng = np.random.default_rng(1)
-        x = rng.normal(size=(2, 4, 10, 9, 8)).astype(np.float32)
-        w = rng.normal(size=(6, 4, 3, 3, 3)).astype(np.float32)
-        pad = ((1, 0), (1, 1), (0, 1))
-        y = conv3d.conv3d_forward(x, w, 1, pad)
-        close(conv3d.conv3d_forward(on_gpu(x, storage), on_gpu(w, storage), 1, pad), y, rtol)
-        dy = rng.normal(size=y.shape).astype(np.float32)
-        close(conv3d.conv3d_backward_data(on_gpu(dy, storage), on_gpu(w, storage), x.shape,
-                                          1, pad),
-              conv3d.conv3d_backward_data(dy, w, x.shape, 1, pad), rtol)
-        close(conv3d.conv3d_backward_filter(on_gpu(x, storage), on_gpu(dy, storage),
-                                            w.shape, 1, pad),
-              conv3d.conv3d_backward_filter(x, dy, w.shape, 1, pad), rtol)
-    finally:
-        configure(before)
+    settings = ConvSettings(math="tf32" if precision == "tf32" else "fp32")
+    storage = bfloat16() if precision == "bf16" else np.float32
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(2, 4, 10, 9, 8)).astype(np.float32)
+    w = rng.normal(size=(6, 4, 3, 3, 3)).astype(np.float32)
+    pad = ((1, 0), (1, 1), (0, 1))
+    y = conv3d.conv3d_forward(x, w, 1, pad)
+    close(conv3d.conv3d_forward(on_gpu(x, storage), on_gpu(w, storage), 1, pad,
+                                settings=settings), y, rtol)
+    dy = rng.normal(size=y.shape).astype(np.float32)
+    close(conv3d.conv3d_backward_data(on_gpu(dy, storage), on_gpu(w, storage), x.shape, 1, pad,
+                                      settings=settings),
+          conv3d.conv3d_backward_data(dy, w, x.shape, 1, pad), rtol)
+    close(conv3d.conv3d_backward_filter(on_gpu(x, storage), on_gpu(dy, storage), w.shape, 1,
+                                        pad, settings=settings),
+          conv3d.conv3d_backward_filter(x, dy, w.shape, 1, pad), rtol)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])

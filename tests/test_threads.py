@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cosmotrain.comm.threads import configure_threads, threads_per_rank
+from cosmotrain.comm.threads import configure_threads, job_threads, threads_per_rank
 from cosmotrain.kernels import _parallel
+from cosmotrain.kernels._parallel import KernelThreads
 
 
 @pytest.mark.parametrize("local, usable, node, expected", [
@@ -58,3 +59,22 @@ def test_configure_threads_respects_openblas_num_threads(monkeypatch) -> None:
         assert configure_threads(MPI.COMM_SELF) == 1
     finally:
         _parallel.set_blas_threads(before)
+
+
+def test_job_threads_decide_without_setting_anything(monkeypatch) -> None:
+    from mpi4py import MPI
+
+    monkeypatch.setattr(_parallel, "set_blas_threads", lambda count: pytest.fail("applied"))
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    assert job_threads(MPI.COMM_SELF) == KernelThreads(1)
+
+
+def test_kernel_threads_are_applied_through_one_entry_point(monkeypatch) -> None:
+    applied = []
+    monkeypatch.setattr(_parallel, "set_blas_threads", lambda count: applied.append(count) or True)
+    assert _parallel.configure_threads(KernelThreads(2)) and applied == [2]
+    with pytest.raises(TypeError, match="KernelThreads"):
+        _parallel.configure_threads(2)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="positive int"):
+            KernelThreads(bad)

@@ -12,6 +12,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from cosmotrain.config.schema import Config
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -27,6 +29,23 @@ SetOption = Annotated[Optional[list[str]], typer.Option(
 
 def _user_cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+
+
+CACHE_ENV = "COSMOTRAIN_CACHE_DIR"
+
+
+def user_cache_dir() -> str:
+    """The default of ``data.cache_dir``: ``$COSMOTRAIN_CACHE_DIR``, else ``$XDG_CACHE_HOME``
+    (or ~/.cache)/cosmotrain."""
+    return os.environ.get(CACHE_ENV) or str(_user_cache() / "cosmotrain")
+
+
+def with_user_defaults(cfg: Config) -> Config:
+    """``cfg`` with the settings the environment supplies where the config left them null
+    (``data.cache_dir``), so nothing below the command line reads the environment."""
+    if cfg.data.cache_dir is None:
+        cfg.data.cache_dir = user_cache_dir()
+    return cfg
 
 
 def machine_file() -> Path:

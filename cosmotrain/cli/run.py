@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from cosmotrain.cli.app import ConfigOption, SetOption, app, machine_file
+from cosmotrain.cli.app import (ConfigOption, SetOption, app, machine_file, user_cache_dir,
+                                with_user_defaults)
 from cosmotrain.errors import UserError
 from cosmotrain.exits import FAULT_ENV, fault_hook
 
@@ -79,7 +80,7 @@ def train(
     from cosmotrain.train.guard import EXIT_INTERRUPTED
     from cosmotrain.train.runner import describe_plan, run_training
 
-    cfg = load_config(config_file, overrides or [])
+    cfg = with_user_defaults(load_config(config_file, overrides or []))
     comm = world()
     if dry_run:
         text = describe_plan(cfg, comm, machine_file())
@@ -116,7 +117,9 @@ def predict(
 
     extra = [f"train.batch_size={batch_size}"] if batch_size is not None else []
     comm = world()
-    results = run_prediction(checkpoint, data, out, comm, [*(overrides or []), *extra], split)
+    defaults = [f"data.cache_dir={user_cache_dir()}"]  # this machine's; --set still wins
+    results = run_prediction(checkpoint, data, out, comm,
+                             [*defaults, *(overrides or []), *extra], split)
     if results is not None:
         print("\n".join(describe(results, out)))
 

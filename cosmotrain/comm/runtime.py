@@ -4,9 +4,15 @@ A :class:`Runtime` is built once when a job is built (:func:`build_runtime`, aft
 device is selected and the grid exists) and handed to the builders: the distributed
 layers, the halo exchanges and the gradient reducer take their transport and phase
 timers from it, never from the :class:`~cosmotrain.comm.grid.ProcessGrid`, which is
-pure topology.  The default ``Runtime()`` is the host's: the numpy pass-through
-transport, fresh timers, the default convolution settings (what a test or a tool that
-builds a layer by hand gets).
+pure topology; the convolution and linear layers take the GPU kernel settings
+(``conv``) and pass them to every kernel call.  Nothing here is installed process-wide
+except the kernel threads (``threads``), which :func:`build_runtime` applies once
+through :func:`cosmotrain.kernels._parallel.configure_threads` because OpenBLAS's thread
+count is process-global state of the C library (see ``kernels/_parallel.py``).
+
+The default ``Runtime()`` is the host's: the numpy pass-through transport, fresh
+timers, the default convolution settings, and ``threads=None`` (the process's threads
+left as they are): what a test or a tool that builds a layer by hand gets.
 """
 
 from __future__ import annotations
@@ -17,32 +23,35 @@ from typing import Any
 from cosmotrain.comm.timers import PhaseTimers
 from cosmotrain.device.select import Device
 from cosmotrain.device.transport import Transport, make_transport
-from cosmotrain.kernels.cuda.settings import ConvSettings, configure, settings_for
+from cosmotrain.kernels._parallel import KernelThreads, configure_threads
+from cosmotrain.kernels.cuda.settings import ConvSettings, settings_for
 
 
 @dataclass(frozen=True)
 class Runtime:
-    """One job's device, transport (how buffers cross MPI), communication timers and
-    GPU convolution settings."""
+    """One job's device, transport (how buffers cross MPI), communication timers, GPU
+    convolution settings and kernel threads (None: not set by this runtime)."""
 
     device: Device = field(default_factory=Device)
     transport: Transport = field(default_factory=make_transport)
     timers: PhaseTimers = field(default_factory=PhaseTimers)
     conv: ConvSettings = field(default_factory=ConvSettings)
+    threads: KernelThreads | None = None
 
 
-def build_runtime(device: Device, comm: Any) -> Runtime:
+def build_runtime(device: Device, comm: Any, threads: KernelThreads | None = None) -> Runtime:
     """The runtime of a job on ``device`` whose ranks are ``comm`` (the grid's ``cart``;
     collective on a GPU, where the transport follows ``device.communication`` and is
     prepared over ``comm``).
 
-    The GPU convolution kernels still read their settings from
-    :mod:`cosmotrain.kernels.cuda.settings`: this is the one place that installs them.
+    ``threads`` (the job's :func:`~cosmotrain.comm.threads.job_threads`) are applied to
+    this process here, once; None leaves the process's threads as they are.  On a GPU
+    the convolution settings are the device's (:func:`settings_for`).
     """
+    if threads is not None:
+        configure_threads(threads)
     if not device.is_gpu:
-        return Runtime(device)
-    conv = settings_for(device)
-    configure(conv)
+        return Runtime(device, threads=threads)
     transport = make_transport(device.communication)
     transport.prepare(comm)
-    return Runtime(device, transport, PhaseTimers(), conv)
+    return Runtime(device, transport, PhaseTimers(), settings_for(device), threads)

@@ -8,6 +8,12 @@ launcher already bound it to fewer cores than the node has (``srun --cpus-per-ta
 in which case its own affinity mask is the budget.  An explicit ``OPENBLAS_NUM_THREADS``
 or ``OMP_NUM_THREADS`` (the Slurm scripts set them from ``--cpus-per-task``) caps it.  The
 chunked kernels use as many workers as BLAS has threads (``kernels/_parallel.py``).
+
+:func:`job_threads` decides (collective, no side effect): the job records the value in
+its :class:`~cosmotrain.comm.runtime.Runtime` (``build_runtime(..., threads=)``), which
+applies it once through :func:`cosmotrain.kernels._parallel.configure_threads`.
+:func:`configure_threads` decides and applies in one call (benchmarks, and the job until
+it hands the value to its runtime).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import os
 from typing import Any
 
 from cosmotrain.kernels import _parallel
+from cosmotrain.kernels._parallel import KernelThreads
 
 
 def threads_per_rank(local_ranks: int, usable_cores: int, node_cores: int) -> int:
@@ -28,8 +35,9 @@ def threads_per_rank(local_ranks: int, usable_cores: int, node_cores: int) -> in
     return max(1, node_cores // local_ranks)
 
 
-def configure_threads(comm: Any) -> int:
-    """Set this rank's BLAS threads from the ranks sharing its node (collective)."""
+def job_threads(comm: Any) -> KernelThreads:
+    """This rank's kernel threads from the ranks sharing its node and the thread
+    variables (collective over ``comm``; sets nothing)."""
     from cosmotrain.comm import node_ranks
 
     local_ranks = node_ranks(comm)
@@ -39,8 +47,15 @@ def configure_threads(comm: Any) -> int:
     limit = env_thread_limit()
     if limit is not None:
         threads = min(threads, limit)
-    _parallel.set_blas_threads(threads)
-    return threads
+    return KernelThreads(threads)
+
+
+def configure_threads(comm: Any) -> int:
+    """Decide this rank's threads (:func:`job_threads`, collective) and apply them now;
+    returns the BLAS thread count."""
+    threads = job_threads(comm)
+    _parallel.configure_threads(threads)
+    return threads.blas
 
 
 def env_thread_limit(env: Any = None) -> int | None:

@@ -2,10 +2,10 @@
 
 Caches go next to the data when the dataset directory is writable (they then travel with
 it, e.g. when it is staged), otherwise under a per-user cache directory, in a
-sub-directory named by a hash of the dataset's absolute path:
-
-    data.cache_dir, else $COSMOTRAIN_CACHE_DIR, else $XDG_CACHE_HOME/cosmotrain,
-    else ~/.cache/cosmotrain
+sub-directory named by a hash of the dataset's absolute path: ``data.cache_dir``, which
+the command line fills, when the config leaves it null, from the environment
+($COSMOTRAIN_CACHE_DIR, else $XDG_CACHE_HOME/cosmotrain: ``cli/app.py``), else
+``~/.cache/cosmotrain`` (a library caller that sets nothing).
 
 Lookups try the dataset directory first, then the cache directory.
 """
@@ -24,15 +24,9 @@ import numpy as np
 
 from cosmotrain.atomic import write_bytes_atomically, write_text_atomically
 
-CACHE_ENV = "COSMOTRAIN_CACHE_DIR"
-
-
 def default_cache_base() -> Path:
-    """The per-user cache directory (see the module docstring)."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "cosmotrain"
+    """The per-user cache directory when ``data.cache_dir`` is not set."""
+    return Path.home() / ".cache" / "cosmotrain"
 
 
 def fallback_dir(root: Path, cache_dir: str | Path | None = None) -> Path:

@@ -15,6 +15,18 @@ Accelerate, non-Linux) chunks run in the calling thread and BLAS threads itself:
 just without parallel copies.  With one BLAS thread (``OPENBLAS_NUM_THREADS=1``, several
 MPI ranks per node) there is one worker.  :func:`set_num_workers` overrides the count.
 The pool is rebuilt after ``fork`` (mpi-pytest's forking mode), whose child has no threads.
+
+Why the pool and the thread count stay per process rather than flowing down as a value
+(as the GPU convolution settings do): OpenBLAS's thread count is process-global state of
+the C library, shared by every numpy call in the process whoever makes it, and the
+workers follow it (a pool larger than BLAS's thread budget oversubscribes the cores the
+launcher gave the rank).  Handing a count to every kernel call could not give two jobs
+in one process different BLAS thread counts; it would only hide the one global behind
+an argument.  So a job decides its threads once (a :class:`KernelThreads`, from
+:func:`cosmotrain.comm.threads.job_threads`), its :class:`~cosmotrain.comm.runtime.Runtime`
+records them, and they are applied once, through :func:`configure_threads`: the one entry
+point that sets a job's kernel threads (tools that time kernels, ``study/``, may still
+call :func:`set_blas_threads` / :func:`set_num_workers` directly).
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ import itertools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, TypeVar
 
 import numpy as np
@@ -131,6 +144,27 @@ def set_blas_threads(count: int) -> bool:
         else:
             blas.set(count)
     return True
+
+
+@dataclass(frozen=True)
+class KernelThreads:
+    """A job's kernel threads: OpenBLAS's thread count, which is also the number of
+    workers the chunked kernels use (:func:`num_workers`)."""
+
+    blas: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.blas, bool) or not isinstance(self.blas, int) or self.blas < 1:
+            raise ValueError(f"KernelThreads.blas must be a positive int, got {self.blas!r}")
+
+
+def configure_threads(threads: KernelThreads) -> bool:
+    """Apply a job's ``threads`` to this process (once, when the job's runtime is built);
+    False when no controllable OpenBLAS is loaded (BLAS then threads itself)."""
+    if not isinstance(threads, KernelThreads):
+        raise TypeError(f"configure_threads() takes a KernelThreads, got "
+                        f"{type(threads).__name__}")
+    return set_blas_threads(threads.blas)
 
 
 def _enter_single_blas(blas: _OpenBLAS) -> None:

@@ -45,7 +45,9 @@ and out (the prototype also lacks the W split, whose GEMM shape is better; see
 set before numpy is imported, makes every layer 1.3-1.7x faster.)
 
 Other devices and storage: cupy arrays go to the GPU kernels of the same names
-(:mod:`.cuda.conv`, which imports cupy on first use); bfloat16 numpy arrays are widened
+(:mod:`.cuda.conv`, which imports cupy on first use), with the call's ``settings`` (the
+:class:`~.cuda.settings.ConvSettings` the layer was built with; None: the defaults;
+the numpy code below ignores them); bfloat16 numpy arrays are widened
 to float32, convolved here and the result rounded back to bfloat16 (the CPU emulation of
 bf16 storage, :mod:`cosmotrain.precision`).  float32 and float64 numpy
 arrays take the code below untouched.
@@ -63,6 +65,7 @@ from cosmotrain.precision import is_bf16, narrow, widen
 from . import _parallel
 from .conv3d_dgrad import backward_data_scatter
 from .cuda import conv as cuda_conv
+from .cuda.settings import ConvSettings
 from .geometry import ConvGeometry, PaddingLike, plan_chunks
 from .lowering import Lowering, planes_view
 
@@ -172,7 +175,8 @@ def _run_lowered(src: np.ndarray, wmat: np.ndarray, low: Lowering, y: np.ndarray
 
 
 def conv3d_forward(x: np.ndarray, w: np.ndarray, stride: "int | Sequence[int]" = 1,
-                   padding: PaddingLike = 0, *, out: Optional[np.ndarray] = None) -> np.ndarray:
+                   padding: PaddingLike = 0, *, out: Optional[np.ndarray] = None,
+                   settings: Optional[ConvSettings] = None) -> np.ndarray:
     """``y = conv3d(x, w)``: x (N,C,D,H,W), w (F,C,kD,kH,kW) -> y (N,F,Do,Ho,Wo).
 
     ``out``: optional C-contiguous result buffer (reusing one saves the page faults of a
@@ -183,7 +187,7 @@ def conv3d_forward(x: np.ndarray, w: np.ndarray, stride: "int | Sequence[int]" =
                            out)
     if _elsewhere(out, x, w):
         if is_device_array(x):
-            return cuda_conv.conv3d_forward(x, w, stride, padding)
+            return cuda_conv.conv3d_forward(x, w, stride, padding, settings=settings)
         return narrow(conv3d_forward(widen(x), widen(w), stride, padding))
     x = as_float_array(x, "x")
     w = as_float_array(w, "w", x.dtype)
@@ -193,8 +197,8 @@ def conv3d_forward(x: np.ndarray, w: np.ndarray, stride: "int | Sequence[int]" =
 
 
 def conv3d_backward_filter(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int],
-                           stride: "int | Sequence[int]" = 1,
-                           padding: PaddingLike = 0) -> np.ndarray:
+                           stride: "int | Sequence[int]" = 1, padding: PaddingLike = 0, *,
+                           settings: Optional[ConvSettings] = None) -> np.ndarray:
     """``dL/dw`` from the input x and the output gradient dy; shape ``w_shape``.
 
     bf16 (CPU emulation): computed in float32, returned as bf16 like the GPU kernel.
@@ -205,7 +209,8 @@ def conv3d_backward_filter(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int]
         return _no_samples(x, geo.w_shape)
     if _elsewhere(None, x, dy):
         if is_device_array(x):
-            return cuda_conv.conv3d_backward_filter(x, dy, w_shape, stride, padding)
+            return cuda_conv.conv3d_backward_filter(x, dy, w_shape, stride, padding,
+                                                    settings=settings)
         return narrow(conv3d_backward_filter(widen(x), widen(dy), w_shape, stride, padding))
     x = as_float_array(x, "x")
     dy = as_float_array(dy, "dy", x.dtype)
@@ -231,7 +236,8 @@ def conv3d_backward_filter(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int]
 
 def conv3d_backward_data(dy: np.ndarray, w: np.ndarray, x_shape: Sequence[int],
                          stride: "int | Sequence[int]" = 1, padding: PaddingLike = 0,
-                         *, out: Optional[np.ndarray] = None) -> np.ndarray:
+                         *, out: Optional[np.ndarray] = None,
+                         settings: Optional[ConvSettings] = None) -> np.ndarray:
     """``dL/dx`` from the output gradient dy and the weights; shape ``x_shape``."""
     if dy.shape[0] == 0:
         geo = ConvGeometry.create(x_shape, w.shape, stride, padding)
@@ -239,7 +245,8 @@ def conv3d_backward_data(dy: np.ndarray, w: np.ndarray, x_shape: Sequence[int],
         return _no_samples(dy, geo.x_shape, out)
     if _elsewhere(out, dy, w):
         if is_device_array(dy):
-            return cuda_conv.conv3d_backward_data(dy, w, x_shape, stride, padding)
+            return cuda_conv.conv3d_backward_data(dy, w, x_shape, stride, padding,
+                                                  settings=settings)
         return narrow(conv3d_backward_data(widen(dy), widen(w), x_shape, stride, padding))
     dy = as_float_array(dy, "dy")
     w = as_float_array(w, "w", dy.dtype)

@@ -1,9 +1,11 @@
 """Fully connected layer, PyTorch layout: weight (out, in), y = x @ W^T + b.
 
 bfloat16 operands are multiplied in float32 (widened, the output rounded back to bf16;
-the weight gradient stays float32).  On the GPU the products run under the configured
-math mode (``device.precision: tf32`` allows TF32 tensor cores, see
-:func:`cosmotrain.kernels.cuda.settings.cublas_math`).
+the weight gradient stays float32).  On the GPU the products run under the math mode of
+the call's ``settings`` (a :class:`~cosmotrain.kernels.cuda.settings.ConvSettings`, the
+one the layer was built with; None: the defaults, strict fp32): ``math: tf32``
+(``device.precision: tf32``) allows TF32 tensor cores, see
+:func:`cosmotrain.kernels.cuda.settings.cublas_math`.  numpy operands ignore it.
 """
 
 from __future__ import annotations
@@ -14,39 +16,41 @@ from typing import Any, ContextManager
 import numpy as np
 
 from cosmotrain.device.xp import array_module
-from cosmotrain.kernels.cuda.settings import cublas_math, current
+from cosmotrain.kernels.cuda.settings import ConvSettings, cublas_math, resolve_settings
 from cosmotrain.precision import is_bf16, narrow, widen
 
 
-def _math(x: Any) -> ContextManager[None]:
-    """The GEMM math mode of the GPU settings for cupy operands; nothing for numpy."""
+def _math(x: Any, settings: ConvSettings | None) -> ContextManager[None]:
+    """The GEMM math mode of ``settings`` for cupy operands; nothing for numpy."""
     xp = array_module(x)
     if xp is np:
         return nullcontext()
-    return cublas_math(xp, current().math == "tf32")
+    return cublas_math(xp, resolve_settings(settings).math == "tf32")
 
 
-def linear_forward(x: Any, weight: Any, bias: Any | None) -> Any:
+def linear_forward(x: Any, weight: Any, bias: Any | None, *,
+                   settings: ConvSettings | None = None) -> Any:
     if is_bf16(x):
         return narrow(linear_forward(widen(x), widen(weight),
-                                     None if bias is None else widen(bias)))
-    with _math(x):
+                                     None if bias is None else widen(bias), settings=settings))
+    with _math(x, settings):
         y = x @ weight.T
     if bias is not None:
         y += bias
     return y
 
 
-def linear_backward_data(dy: Any, weight: Any) -> Any:
+def linear_backward_data(dy: Any, weight: Any, *, settings: ConvSettings | None = None) -> Any:
     if is_bf16(dy):
-        return narrow(linear_backward_data(widen(dy), widen(weight)))
-    with _math(dy):
+        return narrow(linear_backward_data(widen(dy), widen(weight), settings=settings))
+    with _math(dy, settings):
         return dy @ weight
 
 
-def linear_backward_weight(x: Any, dy: Any) -> tuple[Any, Any]:
+def linear_backward_weight(x: Any, dy: Any, *, settings: ConvSettings | None = None
+                           ) -> tuple[Any, Any]:
     """(dW, db) for this block of samples (to be summed over the sample replicas)."""
     if is_bf16(dy):
-        return linear_backward_weight(widen(x), widen(dy))
-    with _math(dy):
+        return linear_backward_weight(widen(x), widen(dy), settings=settings)
+    with _math(dy, settings):
         return dy.T @ x, dy.sum(axis=0)

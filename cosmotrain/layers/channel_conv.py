@@ -130,10 +130,11 @@ def channel_conv(layer: Conv3d, grid: ProcessGrid, choice: LayerChoice,
                               in_channels=hi - lo, out_channels=rows, kernel=layer.kernel,
                               stride=layer.stride, padding=layer.padding, bias=False,
                               needs_input_grad=layer.needs_input_grad, grid=grid,
-                              runtime=runtime)
+                              conv_settings=runtime.conv, runtime=runtime)
     return ChannelConv3d(name=layer.name, params=params, in_channels=layer.in_channels,
                          out_channels=layer.out_channels, kernel=layer.kernel,
                          stride=layer.stride, padding=layer.padding, bias=layer.bias,
                          needs_input_grad=layer.needs_input_grad, grid=grid,
-                         runtime=runtime, algorithm=choice.algorithm, blocks=blocks, channel_comm=channel_comm,
-                         filter_comm=filter_comm, inner=inner)
+                         conv_settings=runtime.conv, runtime=runtime, algorithm=choice.algorithm,
+                         blocks=blocks, channel_comm=channel_comm, filter_comm=filter_comm,
+                         inner=inner)

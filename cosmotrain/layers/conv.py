@@ -16,6 +16,10 @@ travelling back (add mode), and the weight gradient is computed while they trave
 the received margin gradients are added into the owned planes.  The weight gradient is
 this rank's partial sum: the trainer reduces it over the ranks that share the weights.
 
+Kernel settings: the kernels run under the layer's ``conv_settings``, which
+:func:`spatial_conv` takes from the job's runtime (``Runtime.conv``) with its transport and
+timers.
+
 Memory: forward keeps the input block (the previous layer holds it anyway) and copies of
 the received margins, not the halo buffer (a second copy of the block); backward rebuilds
 the extended block from them for the weight gradient only, and frees it at once.
@@ -105,7 +109,8 @@ class SpatialConv3d(SpatialWindow, Conv3d):
         return y
 
     def _conv(self, ext: Any, padding: Any) -> Any:
-        return conv3d.conv3d_forward(ext, self.params["weight"].like(ext), self.stride, padding)
+        return conv3d.conv3d_forward(ext, self.params["weight"].like(ext), self.stride, padding,
+                                     settings=self.conv_settings)
 
     def _data_grad(self, dy: DistTensor, x: DistTensor, geo: WindowGeometry) -> Any:
         """The extended block's data gradient (None for a rank without output)."""
@@ -113,7 +118,7 @@ class SpatialConv3d(SpatialWindow, Conv3d):
             return None
         return conv3d.conv3d_backward_data(dy.data, self.params["weight"].like(dy.data),
                                            geo.extended_shape(x.data.shape[:2]), self.stride,
-                                           geo.padding)
+                                           geo.padding, settings=self.conv_settings)
 
     def _weight_grad(self, x: DistTensor, margins: Margins, dy: DistTensor,
                      geo: WindowGeometry) -> Any:
@@ -121,14 +126,17 @@ class SpatialConv3d(SpatialWindow, Conv3d):
         if not geo.has_output:
             return array_module(x.data).zeros(weight.shape, dtype=weight.data.dtype)
         return conv3d.conv3d_backward_filter(restore_extended(x, margins, geo), dy.data,
-                                             weight.shape, self.stride, geo.padding)
+                                             weight.shape, self.stride, geo.padding,
+                                             settings=self.conv_settings)
 
 
 def spatial_conv(layer: Conv3d, grid: ProcessGrid, runtime: Runtime | None = None
                  ) -> SpatialConv3d:
-    """The distributed twin of a :class:`Conv3d`, sharing its parameters."""
+    """The distributed twin of a :class:`Conv3d`, sharing its parameters, on the job's
+    ``runtime`` (transport, timers, and the GPU kernel settings ``runtime.conv``)."""
+    runtime = runtime or Runtime()
     return SpatialConv3d(name=layer.name, params=layer.params, in_channels=layer.in_channels,
                          out_channels=layer.out_channels, kernel=layer.kernel,
                          stride=layer.stride, padding=layer.padding, bias=layer.bias,
                          needs_input_grad=layer.needs_input_grad, grid=grid,
-                         runtime=runtime or Runtime())
+                         conv_settings=runtime.conv, runtime=runtime)

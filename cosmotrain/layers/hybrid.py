@@ -43,7 +43,7 @@ from cosmotrain.layers.shards import gather_full
 from cosmotrain.layers.pool import spatial_pool
 from cosmotrain.layers.to_samples import ToSamples
 from cosmotrain.nn.containers import Residual, Sequential
-from cosmotrain.nn.layers import BatchNorm3d, Conv3d, Dropout, LeakyReLU, Pool3d
+from cosmotrain.nn.layers import BatchNorm3d, Conv3d, Dropout, LeakyReLU, Linear, Pool3d
 from cosmotrain.nn.module import Context, Layer, Parameter, layer_path
 from cosmotrain.tensor.channel_split import Factor, fine_block
 from cosmotrain.tensor.dist_tensor import DistTensor
@@ -179,12 +179,15 @@ class BlockTwins:
 
 
 def sample_twin(layer: Layer, bn_comm: Any, runtime: Runtime) -> Layer:
-    """The layer for whole local samples: batch norm reduces its sums, the rest is serial."""
+    """The layer for whole local samples: batch norm reduces its sums, convolutions and
+    linear layers run under the runtime's GPU kernel settings, the rest is serial."""
     if isinstance(layer, BatchNorm3d):
         return dist_batchnorm(layer, bn_comm, runtime.timers, spatial=False,
                               transport=runtime.transport)
     if isinstance(layer, (Sequential, Residual)):
         return _map_children(layer, lambda child: sample_twin(child, bn_comm, runtime))
+    if isinstance(layer, (Conv3d, Linear)) and layer.conv_settings != runtime.conv:
+        return replace(layer, conv_settings=runtime.conv)  # same parameters and buffers
     return layer
 
 
@@ -289,7 +292,8 @@ def build_hybrid(model: Sequential, grid: ProcessGrid, input_shape: tuple[int, .
                  layer_overrides: Mapping[str, Any] | None = None, *,
                  runtime: Runtime) -> HybridModel:
     """Cut ``model`` at its spatial stop and make each part's distributed twins, which
-    take the transport and the timers from the job's ``runtime``."""
+    take the transport, the timers and the GPU kernel settings (``runtime.conv``, for
+    the convolutions and linear layers) from the job's ``runtime``."""
     group = grid.group_comms["channel_filter"].Get_size()
     index = spatial_stop(model, input_shape, grid.spatial_shape, spatial_until, group)
     choices = plan_channels(model.items[:index], input_shape,

@@ -5,6 +5,11 @@ forward/backward to work on halo-extended blocks; batch norm overrides
 ``reduce_sums`` to reduce its statistics over the ranks sharing them; dropout overrides
 ``block_geometry`` to place a block in the global tensor.  Every layer accepts an empty
 batch (a rank that holds no sample after a redistribution still takes part).
+
+Convolutions and linear layers carry the GPU kernel settings they pass to every kernel
+call (``conv_settings``, a :class:`~cosmotrain.kernels.cuda.settings.ConvSettings`): the
+defaults in a model as built, the job's (``Runtime.conv``) in the twins that
+:func:`cosmotrain.layers.hybrid.build_hybrid` makes.  numpy kernels ignore them.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from cosmotrain.kernels.geometry import Padding, Triple, output_size
 from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
 from cosmotrain.kernels.batchnorm import (bn_backward_apply, bn_backward_local_sums,
                                           bn_local_sums, bn_normalize, bn_statistics)
+from cosmotrain.kernels.cuda.settings import ConvSettings
 from cosmotrain.kernels.dropout import dropout_backward, dropout_forward, dropout_keep_mask
 from cosmotrain.kernels.linear import (linear_backward_data, linear_backward_weight,
                                        linear_forward)
@@ -50,12 +56,14 @@ class Conv3d(Layer):
     stride: Triple = (1, 1, 1)
     padding: Padding = ((1, 1), (1, 1), (1, 1))
     bias: bool = False
+    conv_settings: ConvSettings = field(default_factory=ConvSettings, repr=False)
 
     def forward(self, x: Any, ctx: Context) -> Any:
         self._x = x
         if x.shape[0] == 0:
             return array_module(x).zeros(self.output_shape(x.shape), x.dtype)
-        y = conv3d.conv3d_forward(x, self.params["weight"].like(x), self.stride, self.padding)
+        y = conv3d.conv3d_forward(x, self.params["weight"].like(x), self.stride, self.padding,
+                                  settings=self.conv_settings)
         if self.bias:
             y += self.params["bias"].like(y).reshape(1, -1, 1, 1, 1)
         return y
@@ -66,13 +74,14 @@ class Conv3d(Layer):
         if x.shape[0] == 0:
             return self._empty_backward(x)
         weight.accumulate(conv3d.conv3d_backward_filter(x, dy, weight.shape, self.stride,
-                                                        self.padding))
+                                                        self.padding,
+                                                        settings=self.conv_settings))
         if self.bias:
             self.params["bias"].accumulate(channel_sums(dy))
         if not self.needs_input_grad:
             return None
         return conv3d.conv3d_backward_data(dy, weight.like(dy), x.shape, self.stride,
-                                           self.padding)
+                                           self.padding, settings=self.conv_settings)
 
     def _empty_backward(self, x: Any) -> Any:
         """No sample here: zero parameter gradients (this rank's share of the sum)."""
@@ -241,21 +250,24 @@ class Linear(Layer):
 
     in_features: int = 1
     out_features: int = 1
+    conv_settings: ConvSettings = field(default_factory=ConvSettings, repr=False)  # its math
 
     def forward(self, x: Any, ctx: Context) -> Any:
         self._x = x
         bias = self.params.get("bias")
-        return linear_forward(x, self.params["weight"].like(x), bias.like(x) if bias else None)
+        return linear_forward(x, self.params["weight"].like(x), bias.like(x) if bias else None,
+                              settings=self.conv_settings)
 
     def backward(self, dy: Any, ctx: Context) -> Any:
         x, self._x = self._x, None
-        dw, db = linear_backward_weight(x, dy)
+        dw, db = linear_backward_weight(x, dy, settings=self.conv_settings)
         self.params["weight"].accumulate(dw)
         if "bias" in self.params:
             self.params["bias"].accumulate(db)
         if not self.needs_input_grad:
             return None
-        return linear_backward_data(dy, self.params["weight"].like(dy))
+        return linear_backward_data(dy, self.params["weight"].like(dy),
+                                    settings=self.conv_settings)
 
     def output_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return (shape[0], self.out_features)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cosmotrain.comm.grid import ProcessGrid
-from cosmotrain.comm.threads import configure_threads
+from cosmotrain.comm.threads import job_threads
 from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.config.schema import Config
 from cosmotrain.data import datagen
@@ -62,13 +62,13 @@ def build_job(cfg: Config, comm: Any, splits: tuple[str, ...] | None = None,
     ``training`` requires labels in every split read; prediction (False) reads each split
     in dataset order, never shuffled, and accepts unlabelled files.
     """
-    configure_threads(comm)
+    threads = job_threads(comm)
     layout = resolve_parallel(cfg, comm.Get_size())
     device = select_device(cfg.device, comm)
     grid = ProcessGrid(comm, layout)
     out_dir = Path(cfg.output.dir)
     ensure_synthetic_data(cfg, comm)
-    step = hybrid_step_from_config(cfg, grid, job_runtime(cfg, grid, device))
+    step = hybrid_step_from_config(cfg, grid, job_runtime(cfg, grid, device, threads))
     manifest = open_dataset(cfg, comm)
     width = cfg.model.width
     dist, coord = step.model.input_distribution(

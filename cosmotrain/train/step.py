@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from cosmotrain.comm.grid import ProcessGrid
-from cosmotrain.comm.runtime import Runtime, build_runtime
+from cosmotrain.comm.runtime import KernelThreads, Runtime, build_runtime
 from cosmotrain.config.schema import Config, DeviceConfig
 from cosmotrain.device.select import Device, host_device, select_device
 from cosmotrain.device.xp import all_finite
@@ -69,7 +69,8 @@ class HybridStep:
 
     @property
     def runtime(self) -> Runtime:
-        """The job's runtime: transport, communication timers, device."""
+        """The job's runtime: device, transport, communication timers, GPU kernel
+        settings, kernel threads."""
         return self.model.runtime
 
     def place_input(self, x: DistTensor) -> DistTensor:
@@ -136,25 +137,30 @@ class HybridStep:
         return self.grid.group_comms["all"].allreduce(int(bad), op=MPI.SUM)
 
 
-def job_runtime(cfg: Config, grid: ProcessGrid, device: Device | None = None) -> Runtime:
+def job_runtime(cfg: Config, grid: ProcessGrid, device: Device | None = None,
+                threads: KernelThreads | None = None) -> Runtime:
     """The runtime of a job of ``cfg`` on ``grid`` (collective), on ``device`` (the job's
-    :func:`~cosmotrain.device.select.select_device`).
+    :func:`~cosmotrain.device.select.select_device`), with the job's kernel ``threads``
+    (:func:`~cosmotrain.comm.threads.job_threads`, applied here once; None leaves the
+    process's threads as they are).
 
     Without a device the config's ``device`` section decides, with ``auto`` meaning the
     CPU: library calls and tests stay on the host unless they ask for a GPU (``backend:
     gpu`` selects one collectively over the grid).  On a GPU the transport follows the
-    device's communication mode and the GPU convolution kernels take the device's
-    settings (:func:`~cosmotrain.comm.runtime.build_runtime`).
+    device's communication mode and the runtime carries the device's convolution
+    settings, which the layers built on it pass to the GPU kernels
+    (:func:`~cosmotrain.comm.runtime.build_runtime`).
     """
     device = device if device is not None else _default_device(cfg.device, grid)
-    return build_runtime(device, grid.cart)
+    return build_runtime(device, grid.cart, threads)
 
 
 def hybrid_step_from_config(cfg: Config, grid: ProcessGrid,
                             runtime: Runtime | None = None) -> HybridStep:
     """Model (initialised from ``train.seed``), its distributed twin, optimizer, reducer,
     on the job's ``runtime`` (built once with the job; :func:`job_runtime` of ``cfg``
-    when None): the layers and the reducer take their transport and timers from it.
+    when None): the layers and the reducer take their transport and timers from it, the
+    convolution and linear layers its GPU kernel settings.
     """
     runtime = runtime if runtime is not None else job_runtime(cfg, grid)
     device = runtime.device

@@ -2,10 +2,10 @@
 element-wise kernels.
 
 * :mod:`.conv`: ``conv3d_forward``, ``conv3d_backward_data``, ``conv3d_backward_filter``
-  (the CPU kernels' signatures and semantics; :mod:`cosmotrain.kernels.conv3d` hands cupy
-  arrays to them);
-* :mod:`.settings`: ``ConvSettings``, ``settings_for(device)``, ``configure`` (once, by
-  the training step at job start), ``current``, and ``cublas_math`` (TF32 on/off for
+  (the CPU kernels' signatures and semantics, plus ``settings=``;
+  :mod:`cosmotrain.kernels.conv3d` hands cupy arrays to them);
+* :mod:`.settings`: ``ConvSettings`` (a value: the job's runtime holds it and the layers
+  pass it to every call), ``settings_for(device)``, and ``cublas_math`` (TF32 on/off for
   cupy's float32 GEMMs);
 * :mod:`.conv_cudnn`: cuDNN Frontend graphs, cached per shape;
 * :mod:`.conv_gemm`: the im2col + ``xp.matmul`` fallback, also runnable (and tested) on numpy;
@@ -19,8 +19,7 @@ See docs/GPU_KERNELS.md.
 
 from .conv import (algorithm, conv3d_backward_data, conv3d_backward_filter, conv3d_forward,
                    cudnn_status)
-from .settings import ConvSettings, configure, cublas_math, current, settings_for
+from .settings import ConvSettings, cublas_math, settings_for
 
-__all__ = ["ConvSettings", "algorithm", "configure", "conv3d_backward_data",
-           "conv3d_backward_filter", "conv3d_forward", "cublas_math", "cudnn_status", "current",
-           "settings_for"]
+__all__ = ["ConvSettings", "algorithm", "conv3d_backward_data", "conv3d_backward_filter",
+           "conv3d_forward", "cublas_math", "cudnn_status", "settings_for"]

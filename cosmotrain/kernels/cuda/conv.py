@@ -12,17 +12,23 @@ master weights with bf16 activations (a small copy per call) or keep a bf16 copy
 Outputs are in the storage dtype: with bf16 storage dx and dW are bf16 (what cuDNN writes
 for bf16 io, and what PyTorch autocast returns); accumulation is fp32 in every case.
 
-Algorithm (:mod:`.settings`): ``cudnn`` (:mod:`.conv_cudnn`), ``gemm``
-(:mod:`.conv_gemm`) or ``auto``, resolved on the first cupy call after
-:func:`~.settings.configure` and logged once with the reason.  A call cuDNN has no engine
-for runs on the gemm path (logged once per shape).  numpy inputs always take the gemm
-path (it is the tested CPU implementation of the same contract).
+Settings: every entry point takes ``settings`` (a :class:`~.settings.ConvSettings`, the
+one its layer was built with from the job's runtime; None: the defaults).  Algorithm:
+``cudnn`` (:mod:`.conv_cudnn`), ``gemm`` (:mod:`.conv_gemm`) or ``auto``, resolved on the
+first cupy call that requests it and logged once with the reason.  A call cuDNN has no
+engine for runs on the gemm path (logged once per shape).  numpy inputs always take the
+gemm path (it is the tested CPU implementation of the same contract).
+
+Per process, on purpose (they belong to the CUDA context, not to a job): the cuDNN runner
+(one handle per device, the graph cache, bounded by the calling settings'
+``graph_cache_size``), the resolved algorithm of each requested one (whether cuDNN is
+usable does not change within a process) and the set of fallbacks already logged.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -30,11 +36,11 @@ from cosmotrain.device.xp import array_module
 from cosmotrain.kernels.geometry import PaddingLike
 
 from . import conv_cudnn, conv_gemm
-from .settings import current, generation
+from .settings import ConvSettings, resolve_settings
 
 LOG = logging.getLogger("cosmotrain.kernels.cuda")
 
-_resolved: Optional[Tuple[int, str, str]] = None  # (settings generation, algorithm, why)
+_resolved: Dict[str, Tuple[str, str]] = {}  # requested algorithm -> (algorithm, why)
 _runner: Optional[conv_cudnn.CudnnRunner] = None
 _fallbacks_logged: set = set()
 
@@ -43,7 +49,7 @@ def default_runner() -> conv_cudnn.CudnnRunner:
     """The process's cuDNN runner (handles and graph cache), created on first use."""
     global _runner
     if _runner is None:
-        _runner = conv_cudnn.CudnnRunner(lambda: current().graph_cache_size)
+        _runner = conv_cudnn.CudnnRunner()
     return _runner
 
 
@@ -87,20 +93,21 @@ def resolve_algorithm(requested: str, probe: Callable[[], Tuple[bool, str]] = cu
     return "gemm", f"cuDNN unavailable: {why}"
 
 
-def algorithm() -> Tuple[str, str]:
-    """The algorithm serving cupy arrays and why, resolved once per :func:`configure`."""
-    global _resolved
-    if _resolved is None or _resolved[0] != generation():
-        algo, why = resolve_algorithm(current().algorithm, cudnn_status)
-        _resolved = (generation(), algo, why)
-        fell_back = current().algorithm == "auto" and algo == "gemm"
+def algorithm(settings: Optional[ConvSettings] = None) -> Tuple[str, str]:
+    """The algorithm serving cupy arrays under ``settings`` (None: the defaults) and why,
+    resolved once per requested algorithm in this process (and logged then)."""
+    requested = resolve_settings(settings).algorithm
+    found = _resolved.get(requested)
+    if found is None:
+        found = _resolved[requested] = resolve_algorithm(requested, cudnn_status)
+        fell_back = requested == "auto" and found[0] == "gemm"
         LOG.log(logging.WARNING if fell_back else logging.INFO,
-                "GPU convolutions: %s (%s)", algo, why)
-    return _resolved[1], _resolved[2]
+                "GPU convolutions: %s (%s)", *found)
+    return found
 
 
-def _uses_cudnn(*arrays: Any) -> bool:
-    return array_module(*arrays) is not np and algorithm()[0] == "cudnn"
+def _uses_cudnn(settings: ConvSettings, *arrays: Any) -> bool:
+    return array_module(*arrays) is not np and algorithm(settings)[0] == "cudnn"
 
 
 def _note_fallback(exc: conv_cudnn.CudnnUnsupported) -> None:
@@ -110,33 +117,40 @@ def _note_fallback(exc: conv_cudnn.CudnnUnsupported) -> None:
         LOG.warning("%s; this convolution runs on the gemm path", message)
 
 
-def _dispatch(op: str, operands: Tuple[Any, Any], *args: Any) -> Any:
-    """Run ``op`` (a function name both backends share) on cuDNN when it serves these
-    operands, else, or when cuDNN has no engine for the call, on the gemm path."""
-    if _uses_cudnn(*operands):
-        settings = current()
+def _dispatch(op: str, operands: Tuple[Any, Any], *args: Any,
+              settings: Optional[ConvSettings]) -> Any:
+    """Run ``op`` (a function name both backends share) on cuDNN when ``settings`` select
+    it for these operands, else, or when cuDNN has no engine for the call, on the gemm
+    path."""
+    settings = resolve_settings(settings)
+    if _uses_cudnn(settings, *operands):
         try:
             return getattr(conv_cudnn, op)(*operands, *args, runner=default_runner(),
                                            math=settings.math,
-                                           layout=settings.cudnn_layout)
+                                           layout=settings.cudnn_layout,
+                                           cache_size=settings.graph_cache_size)
         except conv_cudnn.CudnnUnsupported as exc:
             _note_fallback(exc)
-    return getattr(conv_gemm, op)(*operands, *args)
+    return getattr(conv_gemm, op)(*operands, *args, settings=settings)
 
 
 def conv3d_forward(x: Any, w: Any, stride: "int | Sequence[int]" = 1,
-                   padding: PaddingLike = 0) -> Any:
+                   padding: PaddingLike = 0, *, settings: Optional[ConvSettings] = None) -> Any:
     """``y = conv3d(x, w)``: x (N,C,D,H,W), w (F,C,kD,kH,kW) -> y (N,F,Do,Ho,Wo)."""
-    return _dispatch("conv3d_forward", (x, w), stride, padding)
+    return _dispatch("conv3d_forward", (x, w), stride, padding, settings=settings)
 
 
 def conv3d_backward_data(dy: Any, w: Any, x_shape: Sequence[int],
-                         stride: "int | Sequence[int]" = 1, padding: PaddingLike = 0) -> Any:
+                         stride: "int | Sequence[int]" = 1, padding: PaddingLike = 0, *,
+                         settings: Optional[ConvSettings] = None) -> Any:
     """``dL/dx`` (shape ``x_shape``) from the output gradient dy and the weights."""
-    return _dispatch("conv3d_backward_data", (dy, w), x_shape, stride, padding)
+    return _dispatch("conv3d_backward_data", (dy, w), x_shape, stride, padding,
+                     settings=settings)
 
 
 def conv3d_backward_filter(x: Any, dy: Any, w_shape: Sequence[int],
-                           stride: "int | Sequence[int]" = 1, padding: PaddingLike = 0) -> Any:
+                           stride: "int | Sequence[int]" = 1, padding: PaddingLike = 0, *,
+                           settings: Optional[ConvSettings] = None) -> Any:
     """``dL/dw`` (shape ``w_shape``) from the input x and the output gradient dy."""
-    return _dispatch("conv3d_backward_filter", (x, dy), w_shape, stride, padding)
+    return _dispatch("conv3d_backward_filter", (x, dy), w_shape, stride, padding,
+                     settings=settings)

@@ -52,6 +52,7 @@ import numpy as np
 
 from cosmotrain.device.xp import array_module
 from cosmotrain.kernels.cuda.layouts import empty_buffer, extended_shape, from_layout, to_layout
+from cosmotrain.kernels.cuda.settings import DEFAULT_GRAPH_CACHE_SIZE
 from cosmotrain.kernels.geometry import ConvGeometry, Padding, PaddingLike, Triple
 
 # cuDNN data type (cudnn.data_type member) of each storage dtype.
@@ -175,8 +176,10 @@ class GraphCache:
 
 
 class Runner(Protocol):
-    def run(self, call: ConvCall, buffers: Mapping[str, Any]) -> None:
-        """Execute ``call`` on ``buffers`` (roles x, w, y; the op's output is written)."""
+    def run(self, call: ConvCall, buffers: Mapping[str, Any],
+            cache_size: int = DEFAULT_GRAPH_CACHE_SIZE) -> None:
+        """Execute ``call`` on ``buffers`` (roles x, w, y; the op's output is written),
+        keeping at most ``cache_size`` built graphs."""
 
 
 @dataclass
@@ -245,11 +248,12 @@ class CudnnRunner:
     current stream before each call; graphs cached; workspace from cupy's pool.
 
     The workspace is freed right after the launch: cupy's pool hands that block only to
-    later allocations on the same stream, which run after the convolution.
+    later allocations on the same stream, which run after the convolution.  The cache's
+    bound is the calling settings' ``graph_cache_size`` (``cache_size``), applied when a
+    graph is added.
     """
 
-    def __init__(self, capacity: Callable[[], int]) -> None:
-        self._capacity = capacity
+    def __init__(self) -> None:
         self._cache = GraphCache()
         self._handles: Dict[int, Any] = {}
         self._unsupported: Dict[tuple, str] = {}
@@ -274,7 +278,8 @@ class CudnnRunner:
                 self._handles[device] = cudnn.create_handle()
         return self._handles[device]
 
-    def run(self, call: ConvCall, buffers: Mapping[str, Any]) -> None:
+    def run(self, call: ConvCall, buffers: Mapping[str, Any],
+            cache_size: int = DEFAULT_GRAPH_CACHE_SIZE) -> None:
         import cudnn
         import cupy
 
@@ -287,7 +292,7 @@ class CudnnRunner:
             cudnn.set_stream(handle, cupy.cuda.get_current_stream().ptr)
             try:
                 entry = self._cache.get(key, lambda: build_graph(cudnn, call, handle),
-                                        self._capacity())
+                                        cache_size)
             except CudnnUnsupported as exc:
                 self._unsupported[key] = str(exc)
                 raise
@@ -315,40 +320,45 @@ def _operands(a: Any, name: str, b: Any) -> tuple[Any, np.dtype, Any]:
     return array_module(a, b), storage, b.astype(storage, copy=False)
 
 
-def _run(runner: Runner, call: ConvCall, buffers: Dict[str, Any]) -> Dict[str, Any]:
-    runner.run(call, buffers)
+def _run(runner: Runner, call: ConvCall, buffers: Dict[str, Any], cache_size: int
+         ) -> Dict[str, Any]:
+    runner.run(call, buffers, cache_size)
     return buffers
 
 
 def conv3d_forward(x: Any, w: Any, stride: "int | Sequence[int]" = 1,
                    padding: PaddingLike = 0, *, runner: Runner, math: str = "fp32",
-                   layout: str = "ndhwc") -> Any:
+                   layout: str = "ndhwc", cache_size: int = DEFAULT_GRAPH_CACHE_SIZE) -> Any:
     """``y = conv3d(x, w)`` in the dtype of x (w is cast to it)."""
     xp, storage, w = _operands(x, "x", w)
     geo = ConvGeometry.create(x.shape, w.shape, stride, padding)
     call = plan_call("fprop", geo, storage.name, math, layout)
     out = _run(runner, call, {"x": to_layout(xp, x, layout, call.extend),
                               "w": to_layout(xp, w, layout),
-                              "y": empty_buffer(xp, call.output.dims, layout, storage)})
+                              "y": empty_buffer(xp, call.output.dims, layout, storage)},
+               cache_size)
     return from_layout(xp, out["y"], layout)
 
 
 def conv3d_backward_data(dy: Any, w: Any, x_shape: Sequence[int],
                          stride: "int | Sequence[int]" = 1, padding: PaddingLike = 0, *,
-                         runner: Runner, math: str = "fp32", layout: str = "ndhwc") -> Any:
+                         runner: Runner, math: str = "fp32", layout: str = "ndhwc",
+                         cache_size: int = DEFAULT_GRAPH_CACHE_SIZE) -> Any:
     """``dL/dx`` of shape ``x_shape`` in the dtype of dy (w is cast to it)."""
     xp, storage, w = _operands(dy, "dy", w)
     geo = ConvGeometry.create(x_shape, w.shape, stride, padding)
     geo.check("dy", dy.shape, geo.y_shape)
     call = plan_call("dgrad", geo, storage.name, math, layout)
     out = _run(runner, call, {"y": to_layout(xp, dy, layout), "w": to_layout(xp, w, layout),
-                              "x": empty_buffer(xp, call.image.dims, layout, storage)})
+                              "x": empty_buffer(xp, call.image.dims, layout, storage)},
+               cache_size)
     return from_layout(xp, out["x"], layout, crop=call.extend)
 
 
 def conv3d_backward_filter(x: Any, dy: Any, w_shape: Sequence[int],
                            stride: "int | Sequence[int]" = 1, padding: PaddingLike = 0, *,
-                           runner: Runner, math: str = "fp32", layout: str = "ndhwc") -> Any:
+                           runner: Runner, math: str = "fp32", layout: str = "ndhwc",
+                           cache_size: int = DEFAULT_GRAPH_CACHE_SIZE) -> Any:
     """``dL/dw`` of shape ``w_shape`` in the dtype of x (dy is cast to it)."""
     xp, storage, dy = _operands(x, "x", dy)
     geo = ConvGeometry.create(x.shape, w_shape, stride, padding)
@@ -356,5 +366,6 @@ def conv3d_backward_filter(x: Any, dy: Any, w_shape: Sequence[int],
     call = plan_call("wgrad", geo, storage.name, math, layout)
     out = _run(runner, call, {"x": to_layout(xp, x, layout, call.extend),
                               "y": to_layout(xp, dy, layout),
-                              "w": empty_buffer(xp, call.filter.dims, layout, storage)})
+                              "w": empty_buffer(xp, call.filter.dims, layout, storage)},
+               cache_size)
     return from_layout(xp, out["w"], layout)

@@ -22,10 +22,11 @@ with ``as_strided`` (cupy has it too) and materialises it with one copy; then
 Precision.  Storage dtypes: float32, bfloat16 (``ml_dtypes.bfloat16``) and float64 (for
 tests).  Every product and sum runs in the compute dtype, float32 (float64 for float64
 storage): bf16 operands are widened when the slab / weight matrix are built and results
-are rounded to bf16 once, at the end.  ``tf32``: float32 GEMMs on TF32 tensor cores
-(cupy only, see :func:`cosmotrain.kernels.cuda.settings.cublas_math`).  With bf16 storage TF32 is
-always used: a bf16 value has 8 significant bits and TF32 keeps 11, so TF32 products of
-bf16 operands are exact and the result equals the fp32 GEMM's up to summation order.
+are rounded to bf16 once, at the end.  ``tf32`` (an explicit ``tf32=``, else the call's
+``settings.math``): float32 GEMMs on TF32 tensor cores (cupy only, see
+:func:`cosmotrain.kernels.cuda.settings.cublas_math`).  With bf16 storage TF32 is always
+used: a bf16 value has 8 significant bits and TF32 keeps 11, so TF32 products of bf16
+operands are exact and the result equals the fp32 GEMM's up to summation order.
 The weight gradient is returned in the storage dtype (bf16 with bf16 storage), as
 PyTorch's autocast does; the optimizer's fp32 master weights take it from there.
 """
@@ -40,7 +41,7 @@ import numpy as np
 from cosmotrain.device.xp import array_module
 from cosmotrain.kernels.geometry import ConvGeometry, PaddingLike, plan_chunks
 
-from .settings import cublas_math, current
+from .settings import ConvSettings, cublas_math, resolve_settings
 
 Chunk = Tuple[int, int, int, int]  # samples n0:n1, output depth planes z0:z1
 STORAGE_DTYPES = ("float32", "bfloat16", "float64")
@@ -128,8 +129,10 @@ def gradient_matrix(xp: Any, dy: Any, chunk: Chunk, compute: np.dtype) -> Any:
     return xp.ascontiguousarray(block, dtype=compute).reshape(dy.shape[1], -1)
 
 
-def _resolve(budget: Optional[int], tf32: Optional[bool]) -> Tuple[int, bool]:
-    settings = current()
+def _resolve(settings: Optional[ConvSettings], budget: Optional[int], tf32: Optional[bool]
+             ) -> Tuple[int, bool]:
+    """The GEMM budget and TF32 switch: explicit values, else those of ``settings``."""
+    settings = resolve_settings(settings)
     return (settings.gemm_budget_bytes if budget is None else int(budget),
             settings.math == "tf32" if tf32 is None else bool(tf32))
 
@@ -147,15 +150,16 @@ def _forward_into(xp: Any, x: Any, wmat: Any, geo: ConvGeometry, y: Any,
 
 def conv3d_forward(x: Any, w: Any, stride: "int | Sequence[int]" = 1,
                    padding: PaddingLike = 0, *, budget: Optional[int] = None,
-                   tf32: Optional[bool] = None) -> Any:
+                   tf32: Optional[bool] = None, settings: Optional[ConvSettings] = None) -> Any:
     """``y = conv3d(x, w)``: x (N,C,D,H,W), w (F,C,kD,kH,kW) -> y (N,F,Do,Ho,Wo), dtype of x.
 
-    ``budget`` / ``tf32`` default to the process settings (:mod:`.settings`).
+    ``budget`` / ``tf32`` default to those of ``settings`` (``gemm_budget_bytes``,
+    ``math == "tf32"``; None: the defaults of :class:`~.settings.ConvSettings`).
     """
     xp = array_module(x, w)
     storage = storage_dtype(x, "x")
     geo = ConvGeometry.create(x.shape, w.shape, stride, padding)
-    budget, tf32 = _resolve(budget, tf32)
+    budget, tf32 = _resolve(settings, budget, tf32)
     compute = compute_dtype(storage)
     y = xp.empty(geo.y_shape, dtype=storage)
     with cublas_math(xp, tf32 or is_bfloat16(storage)):
@@ -165,13 +169,14 @@ def conv3d_forward(x: Any, w: Any, stride: "int | Sequence[int]" = 1,
 
 def conv3d_backward_filter(x: Any, dy: Any, w_shape: Sequence[int],
                            stride: "int | Sequence[int]" = 1, padding: PaddingLike = 0, *,
-                           budget: Optional[int] = None, tf32: Optional[bool] = None) -> Any:
+                           budget: Optional[int] = None, tf32: Optional[bool] = None,
+                           settings: Optional[ConvSettings] = None) -> Any:
     """``dL/dw`` of shape ``w_shape`` in the storage dtype of x, summed in fp32 (or fp64)."""
     xp = array_module(x, dy)
     storage = storage_dtype(x, "x")
     geo = ConvGeometry.create(x.shape, w_shape, stride, padding)
     geo.check("dy", dy.shape, geo.y_shape)
-    budget, tf32 = _resolve(budget, tf32)
+    budget, tf32 = _resolve(settings, budget, tf32)
     compute = compute_dtype(storage)
     dy = dy.astype(storage, copy=False)
     total = xp.zeros((geo.filters, geo.rows), dtype=compute)
@@ -184,13 +189,14 @@ def conv3d_backward_filter(x: Any, dy: Any, w_shape: Sequence[int],
 
 def conv3d_backward_data(dy: Any, w: Any, x_shape: Sequence[int],
                          stride: "int | Sequence[int]" = 1, padding: PaddingLike = 0, *,
-                         budget: Optional[int] = None, tf32: Optional[bool] = None) -> Any:
+                         budget: Optional[int] = None, tf32: Optional[bool] = None,
+                         settings: Optional[ConvSettings] = None) -> Any:
     """``dL/dx`` of shape ``x_shape`` in the storage dtype of dy."""
     xp = array_module(dy, w)
     storage = storage_dtype(dy, "dy")
     geo = ConvGeometry.create(x_shape, w.shape, stride, padding)
     geo.check("dy", dy.shape, geo.y_shape)
-    budget, tf32 = _resolve(budget, tf32)
+    budget, tf32 = _resolve(settings, budget, tf32)
     compute = compute_dtype(storage)
     fits = all(lo < k and hi < k for (lo, hi), k in zip(geo.padding, geo.kernel))
     with cublas_math(xp, tf32 or is_bfloat16(storage)):

@@ -2,18 +2,17 @@
 
 :func:`settings_for` derives a job's :class:`ConvSettings` from its
 :class:`~cosmotrain.device.select.Device` (the requested algorithm, and TF32 or strict fp32
-math for fp32 storage); the training step installs them with :func:`configure` once, when
-the job is built on a GPU (never at import time).  The kernels read :func:`current` on
-every call, so a benchmark may re-configure between runs.
+math for fp32 storage).  The settings are a value, never process state: the job's
+:class:`~cosmotrain.comm.runtime.Runtime` holds them (``Runtime.conv``), the layer builders
+hand them to the convolution and linear layers they build, and those pass them to every
+kernel call (``settings=``; None means the defaults ``ConvSettings()``, and the CPU
+kernels ignore them).  Two layers built from two runtimes therefore compute under their
+own settings in one process (a benchmark compares algorithms by building, or calling,
+with different values).
 
-Process-wide state, on purpose: the settings in force (``_current`` and its
-``_generation``, which :mod:`.conv` caches its resolved ``auto`` algorithm against) and the
-one-time warning below.  The kernels are plain functions called from the layers with the
-CPU kernels' signatures (``conv3d_forward(x, w, stride, padding)``); handing a settings
-object to every call would change those signatures through ``kernels/conv3d.py``,
-``kernels/linear.py`` and every convolution layer, for a value that is fixed once per
-process (one job per process).  :mod:`.conv` keeps the cuDNN handles and graph cache per
-process for the same reason (they belong to the CUDA context, not to a job).
+What stays per process, on purpose, is what belongs to the CUDA context rather than to a
+job: :mod:`.conv` keeps the cuDNN handles and graph cache and the resolved ``auto``
+algorithm (keyed by the requested algorithm), and this module the one-time warning below.
 
 :func:`cublas_math` switches cupy's cuBLAS compute type for float32 around a block.  CuPy
 reads ``CUPY_TF32=1`` only on its first GEMM; at run time the switch is
@@ -41,6 +40,7 @@ ALGORITHMS = ("cudnn", "gemm", "auto")
 MATH_MODES = ("fp32", "tf32")
 LAYOUTS = ("ndhwc", "ncdhw")
 DEFAULT_GEMM_BUDGET = 256 << 20
+DEFAULT_GRAPH_CACHE_SIZE = 256
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class ConvSettings:
     math: str = "fp32"
     cudnn_layout: str = "ndhwc"
     gemm_budget_bytes: int = DEFAULT_GEMM_BUDGET
-    graph_cache_size: int = 256
+    graph_cache_size: int = DEFAULT_GRAPH_CACHE_SIZE
 
     def __post_init__(self) -> None:
         for name, allowed in (("algorithm", ALGORITHMS), ("math", MATH_MODES),
@@ -84,28 +84,16 @@ def settings_for(device: Device) -> ConvSettings:
                         math="tf32" if device.precision == "tf32" else "fp32")
 
 
-_current = ConvSettings()
-_generation = 0
+DEFAULT_SETTINGS = ConvSettings()
 
 
-def configure(settings: ConvSettings) -> None:
-    """Make ``settings`` the process-wide convolution settings (the step, at job start)."""
-    global _current, _generation
+def resolve_settings(settings: Optional[ConvSettings]) -> ConvSettings:
+    """``settings``, or the defaults when None (what a kernel called without any uses)."""
+    if settings is None:
+        return DEFAULT_SETTINGS
     if not isinstance(settings, ConvSettings):
-        raise TypeError(f"configure() takes a ConvSettings, got {type(settings).__name__}")
-    _current = settings
-    _generation += 1
-
-
-def current() -> ConvSettings:
-    """The settings in force (the defaults until :func:`configure` is called)."""
-    return _current
-
-
-def generation() -> int:
-    """How many times :func:`configure` has run: a decision derived from the settings
-    (the resolved ``auto`` algorithm) is cached together with the generation it saw."""
-    return _generation
+        raise TypeError(f"settings must be a ConvSettings, got {type(settings).__name__}")
+    return settings
 
 
 def _cupy_linalg() -> Optional[ModuleType]:
