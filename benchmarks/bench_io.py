@@ -3,9 +3,10 @@
     [mpiexec -n P] python benchmarks/bench_io.py [--dir DIR] [--samples N] [--width W]
         [--batch B] [--ways N,C,D,H,W] [--epochs E] [--compute-ms T]
         [--compute sleep|numpy] [--cold] [--only bandwidth|wait] [--repeats R]
+        [--format hdf5|tfrecord|npy] [--gzip]
 
 Generates a synthetic dataset with ``cosmotrain datagen`` into ``--dir`` (default
-``/tmp/cosmotrain-bench-io-W<W>``) unless it is there, then, with the readers of
+``/tmp/cosmotrain-bench-io-W<W>[-<format>[-gzip]]``) in ``--format`` unless it is there, then, with the readers of
 ``cosmotrain.data`` on the ranks of the job (rank r holds block r of ``--ways``, row-major):
 
 * bandwidth: ``--epochs`` epochs of batches with no compute, after one warm-up epoch.
@@ -59,25 +60,28 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--compute-ms", type=float, default=500.0)
     parser.add_argument("--compute", choices=("sleep", "numpy"), default="numpy")
     parser.add_argument("--cold", action="store_true")
+    parser.add_argument("--format", choices=("hdf5", "tfrecord", "npy"), default="hdf5")
+    parser.add_argument("--gzip", action="store_true", help="tfrecord: whole-file gzip")
     parser.add_argument("--only", choices=("bandwidth", "wait"), default=None)
     parser.add_argument("--repeats", type=int, default=3,
                         help="measure this many times and report the median of each figure")
     return parser.parse_args()
 
 
-def ensure_dataset(comm: Any, root: Path, samples: int, width: int) -> None:
+def ensure_dataset(comm: Any, root: Path, samples: int, width: int,
+                   format_args: list[str]) -> None:
     """``cosmotrain datagen`` on rank 0 when the dataset is missing."""
     if comm.Get_rank() == 0 and not (root / "manifest.json").is_file():
         cmd = [sys.executable, "-m", "cosmotrain", "datagen", "--out", str(root),
                "--samples", str(samples), "--width", str(width), "--seed", "7",
-               "--val-fraction", "0"]
+               "--val-fraction", "0", *format_args]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     comm.Barrier()
 
 
 def evict(root: Path) -> None:
     """Drop the dataset's pages from the page cache (next reads come from the disk)."""
-    for path in root.glob("*/*.hdf5"):
+    for path in root.glob("*/sample_*"):
         fd = os.open(path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -186,13 +190,16 @@ def median_of(repeats: int, measure: Any) -> dict[str, float]:
 def main() -> None:
     args = parse()
     comm = MPI.COMM_WORLD
-    root = args.dir or Path(f"/tmp/cosmotrain-bench-io-W{args.width}")
-    ensure_dataset(comm, root, args.samples, args.width)
+    kind = "" if args.format == "hdf5" else f"-{args.format}" + ("-gzip" if args.gzip else "")
+    root = args.dir or Path(f"/tmp/cosmotrain-bench-io-W{args.width}{kind}")
+    format_args = ["--format", args.format] + (["--gzip"] if args.gzip else [])
+    ensure_dataset(comm, root, args.samples, args.width, format_args)
     ways = tuple(int(w) for w in args.ways.split(","))
     where = placement(comm, ways, args.width)
     result: dict[str, Any] = {"ranks": comm.Get_size(), "ways": ways, "width": args.width,
                               "batch": args.batch, "samples": args.samples,
-                              "cold": args.cold, "compute": args.compute}
+                              "cold": args.cold, "compute": args.compute,
+                              "format": args.format + ("-gzip" if args.gzip else "")}
     if args.only in (None, "bandwidth"):
         result.update(median_of(args.repeats, lambda: bandwidth(comm, args, root, where)))
     if args.only in (None, "wait"):

@@ -1,4 +1,4 @@
-"""Commands that make and move datasets: datagen, preload."""
+"""Commands that make and move datasets: datagen, convert, preload."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cosmotrain.cli.app import ConfigOption, SetOption, app
+from cosmotrain.cli.app import ConfigOption, SetOption, app, user_cache_dir, with_user_defaults
 
 
 class Layout(str, Enum):
@@ -19,6 +19,12 @@ class Layout(str, Enum):
 class DType(str, Enum):
     int16 = "int16"
     float32 = "float32"
+
+
+class Format(str, Enum):
+    hdf5 = "hdf5"
+    tfrecord = "tfrecord"
+    npy = "npy"
 
 
 class Shuffle(str, Enum):
@@ -41,8 +47,13 @@ def datagen(
         help="Fraction of the samples held out for validation.")] = 0.125,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing dataset in --out.")]
     = False,
+    format: Annotated[Format, typer.Option(
+        help="hdf5 (cosmotrain's), tfrecord (MLPerf HPC) or npy (NVIDIA's *_data.npy / "
+             "*_label.npy with files_data.lst).")] = Format.hdf5,
+    gzip: Annotated[bool, typer.Option(
+        "--gzip", help="tfrecord: compress each file as a whole (MLPerf v1.0).")] = False,
 ) -> None:
-    """Write a synthetic CosmoFlow dataset (HDF5, one file per sample) with learnable labels."""
+    """Write a synthetic CosmoFlow dataset (one file per sample) with learnable labels."""
     from cosmotrain.comm import world
     from cosmotrain.console import progress
     from cosmotrain.data.datagen import generate_dataset
@@ -53,11 +64,42 @@ def datagen(
     with progress(mine, f"datagen (rank 0 of {size})", rank) as update:
         manifest = generate_dataset(out, samples, width, seed, layout=layout.value,
                                     dtype=dtype.value, val_fraction=val_fraction,
-                                    overwrite=overwrite, comm=comm, progress=update)
+                                    overwrite=overwrite, comm=comm, progress=update,
+                                    format=format.value, gzip=gzip)
     if rank == 0:
         counts = ", ".join(f"{split}: {manifest['splits'][split]['count']}"
                            for split in manifest["splits"])
-        print(f"wrote {samples} samples of 4 x {width}^3 ({counts}) to {out}")
+        kind = f"{format.value}{' (gzip)' if gzip else ''}"
+        print(f"wrote {samples} {kind} samples of 4 x {width}^3 ({counts}) to {out}")
+
+
+@app.command()
+def convert(
+    data: Annotated[Path, typer.Option(help="Source dataset directory (any format).")],
+    out: Annotated[Path, typer.Option(help="Directory of the converted dataset.")],
+    format: Annotated[Format, typer.Option(help="Format to write.")],
+    gzip: Annotated[bool, typer.Option(
+        "--gzip", help="tfrecord: compress each file as a whole (MLPerf v1.0).")] = False,
+    source_format: Annotated[Optional[Format], typer.Option(
+        help="Format of the source when its directory holds two (default: from the files).")]
+    = None,
+    overwrite: Annotated[bool, typer.Option(
+        help="Replace converted files in a --out that is not empty.")] = False,
+) -> None:
+    """Rewrite a dataset in another format (hdf5, tfrecord, npy), each file verified."""
+    from cosmotrain.comm import world
+    from cosmotrain.console import progress
+    from cosmotrain.data.convert import plan_conversion, run_conversion
+
+    comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    plan = plan_conversion(data, out, format.value, comm, gzip=gzip, overwrite=overwrite,
+                           source_format=source_format.value if source_format else "auto",
+                           cache_dir=user_cache_dir())
+    with progress(len(plan.mine), f"convert (rank 0 of {size})", rank) as update:
+        report = run_conversion(plan, comm, update)
+    if rank == 0:
+        print(report.describe())
 
 
 @app.command()
@@ -78,7 +120,7 @@ def preload(
     from cosmotrain.data.staging import plan_staging, run_staging
 
     extra = [f"data.shuffle={shuffle.value}"] if shuffle is not None else []
-    cfg = load_config(config_file, [*(overrides or []), *extra])
+    cfg = with_user_defaults(load_config(config_file, [*(overrides or []), *extra]))
     comm = world()
     plan = plan_staging(cfg, comm, dest)
     with progress(len(plan.mine), f"preload (rank 0 of {comm.Get_size()})",

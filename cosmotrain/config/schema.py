@@ -62,6 +62,10 @@ class DataConfig:
                        choices=("files", "synthetic"))
     path: str | None = spec(None, "dataset directory (with manifest.json) when source is files",
                             nullable=True)
+    format: str = spec("auto", "sample file format: auto (from the files: *.hdf5 / *.h5, "
+                       "*.tfrecord plain or gzip, NVIDIA *_data.npy), or one of them forced "
+                       "(a directory holding two formats needs it)",
+                       choices=("auto", "hdf5", "tfrecord", "npy"))
     reader: str = spec("preload", "preload (dataset held in the job's memory) or direct "
                        "(each rank reads its sub-volume every step)",
                        choices=("preload", "direct"))

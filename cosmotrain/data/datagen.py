@@ -1,10 +1,15 @@
-"""Write a synthetic CosmoFlow dataset: per-sample HDF5 files, a train/validation split, a manifest.
+"""Write a synthetic CosmoFlow dataset: per-sample files, a train/validation split, a manifest.
 
-Layout of ``out_dir``::
+Layout of ``out_dir`` (``--format hdf5``, the default)::
 
     train/sample_000000.hdf5 ...        global sample index in the name
     validation/sample_000056.hdf5 ...   the last round(samples * val_fraction) indices
     manifest.json                       written last, atomically, by rank 0
+
+``--format tfrecord`` writes ``sample_000000.tfrecord`` (MLPerf HPC's record; ``--gzip``:
+whole-file gzip as in MLPerf v1.0), ``--format npy`` NVIDIA's ``sample_000000_data.npy``
+and ``sample_000000_label.npy`` with ``files_data.lst`` / ``files_label.lst`` per split:
+the same samples in every format, so tests and users can make fixtures of each.
 
 Under MPI, rank ``r`` of ``size`` generates indices ``r, r + size, ...``.  Each sample depends
 only on ``(seed, index, width)``, so the files are byte-for-byte the same for any rank count.
@@ -22,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from cosmotrain.atomic import write_text_atomically
-from cosmotrain.data import formats, synthetic
+from cosmotrain.data import formats, npy_sample, synthetic
 from cosmotrain.errors import UserError, WriteError
 
 MANIFEST_NAME = "manifest.json"
@@ -48,13 +53,14 @@ def split_of(index: int, samples: int, val_fraction: float) -> str:
     return VALIDATION if index >= samples - validation_count(samples, val_fraction) else TRAIN
 
 
-def sample_relpath(split: str, index: int) -> str:
+def sample_relpath(split: str, index: int, format: str = formats.HDF5) -> str:
     """A sample's path relative to the dataset directory, e.g. ``train/sample_000007.hdf5``."""
-    return f"{split}/sample_{index:06d}.hdf5"
+    return f"{split}/" + formats.sample_name(f"sample_{index:06d}", format)
 
 
 def check_arguments(
-    samples: int, width: int, seed: int, layout: str, dtype: str, val_fraction: float
+    samples: int, width: int, seed: int, layout: str, dtype: str, val_fraction: float,
+    format: str = formats.HDF5, gzip: bool = False,
 ) -> None:
     """Raise :class:`UserError` for a bad argument; pure, so every rank raises the same one.
 
@@ -74,6 +80,20 @@ def check_arguments(
         raise UserError(f"dtype must be one of {', '.join(formats.DTYPES)}, got {dtype!r}")
     if not (isinstance(val_fraction, Real) and 0.0 <= val_fraction < 1.0):
         raise UserError(f"val_fraction must be in [0, 1), got {val_fraction!r}; e.g. 0.125")
+    check_format(format, layout, dtype, gzip)
+
+
+def check_format(format: str, layout: str, dtype: str, gzip: bool) -> None:
+    """What a format can hold: TFRecord is MLPerf's int16 channels-last record (and the only
+    one gzip applies to)."""
+    if format not in formats.FORMATS:
+        raise UserError(f"format must be one of {', '.join(formats.FORMATS)}, got {format!r}")
+    if format == formats.TFRECORD and (dtype != "int16" or layout != formats.CHANNELS_LAST):
+        raise UserError(f"--format tfrecord holds int16 channels-last cubes (MLPerf's "
+                        f"record), not {dtype} {layout}: drop --dtype / --layout, or "
+                        f"choose --format hdf5 or npy")
+    if gzip and format != formats.TFRECORD:
+        raise UserError(f"--gzip compresses TFRecord files only; drop it for --format {format}")
 
 
 def _rank_size(comm: Any) -> tuple[int, int]:
@@ -94,7 +114,7 @@ def _agree(comm: Any, error: str | None) -> None:
 
 def _existing_samples(out_dir: Path) -> list[Path]:
     """Sample files (finished or temporary) already in the split directories of ``out_dir``."""
-    return [path for split in SPLITS for path in sorted((out_dir / split).glob("sample_*.hdf5*"))]
+    return [path for split in SPLITS for path in sorted((out_dir / split).glob("sample_*"))]
 
 
 def _prepare_directory(out_dir: Path, overwrite: bool) -> str | None:
@@ -126,6 +146,7 @@ def _prepare_directory(out_dir: Path, overwrite: bool) -> str | None:
 def _write_samples(
     out_dir: Path, indices: range, samples: int, width: int, seed: int,
     layout: str, dtype: str, val_fraction: float, progress: Callable[[int], None] | None,
+    format: str = formats.HDF5, gzip: bool = False,
 ) -> None:
     """Generate and write this rank's samples, calling ``progress(n)`` after each one."""
     for split in SPLITS:
@@ -133,24 +154,26 @@ def _write_samples(
     for written, index in enumerate(indices, start=1):
         params = synthetic.sample_parameters(seed, index)
         volume = synthetic.generate_volume(params, width, seed, index)
-        path = out_dir / sample_relpath(split_of(index, samples, val_fraction), index)
+        path = out_dir / sample_relpath(split_of(index, samples, val_fraction), index, format)
         attrs = {"generator": synthetic.GENERATOR_NAME,
                  "generator_version": synthetic.GENERATOR_VERSION, "seed": seed, "index": index}
-        formats.write_sample(path, volume, params, layout=layout, dtype=dtype, attrs=attrs)
+        formats.write_sample(path, volume, params, format=format, layout=layout, dtype=dtype,
+                             attrs=attrs, gzip=gzip)
         if progress is not None:
             progress(written)
 
 
 def build_manifest(
-    samples: int, width: int, seed: int, layout: str, dtype: str, val_fraction: float
+    samples: int, width: int, seed: int, layout: str, dtype: str, val_fraction: float,
+    format: str = formats.HDF5,
 ) -> dict[str, Any]:
     """The manifest describing a generated dataset (a pure function of the arguments)."""
     n_val = validation_count(samples, val_fraction)
     ranges = {TRAIN: range(samples - n_val), VALIDATION: range(samples - n_val, samples)}
-    splits = {name: {"count": len(r), "files": [sample_relpath(name, i) for i in r]}
+    splits = {name: {"count": len(r), "files": [sample_relpath(name, i, format) for i in r]}
               for name, r in ranges.items()}
     return {
-        "format_version": MANIFEST_VERSION,
+        "format_version": MANIFEST_VERSION, "format": format,
         "generator": synthetic.GENERATOR_NAME,
         "generator_version": synthetic.GENERATOR_VERSION,
         "seed": seed, "samples": samples, "width": width, "layout": layout, "dtype": dtype,
@@ -170,6 +193,16 @@ def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> Path:
                                  json.dumps(manifest, indent=2) + "\n", where="--out")
 
 
+def write_npy_lists(out_dir: Path, manifest: dict[str, Any]) -> None:
+    """NVIDIA's ``files_data.lst`` / ``files_label.lst`` in each split directory."""
+    for split, entry in manifest["splits"].items():
+        names = [Path(relpath).name for relpath in entry["files"]]
+        labels = [npy_sample.label_path(Path(name)).name for name in names]
+        for listing, lines in ((npy_sample.DATA_LIST, names), (npy_sample.LABEL_LIST, labels)):
+            write_text_atomically(out_dir / split / listing, "".join(f"{n}\n" for n in lines),
+                                  where="--out")
+
+
 def generate_dataset(
     out_dir: Path,
     samples: int,
@@ -182,6 +215,8 @@ def generate_dataset(
     overwrite: bool = False,
     comm: Any = None,
     progress: Callable[[int], None] | None = None,
+    format: str = formats.HDF5,
+    gzip: bool = False,
 ) -> dict[str, Any]:
     """Generate ``samples`` synthetic universes of ``width**3`` in ``out_dir``; return the manifest.
 
@@ -189,7 +224,7 @@ def generate_dataset(
     call it with the same arguments.  Rank ``r`` writes indices ``r, r + size, ...``; rank 0
     prepares the directory first and writes ``manifest.json`` last, after all samples exist.
     """
-    check_arguments(samples, width, seed, layout, dtype, val_fraction)
+    check_arguments(samples, width, seed, layout, dtype, val_fraction, format, gzip)
     samples, width, seed, val_fraction = int(samples), int(width), int(seed), float(val_fraction)
     out_dir = Path(out_dir)
     rank, size = _rank_size(comm)
@@ -197,16 +232,18 @@ def generate_dataset(
     error = None
     try:
         _write_samples(out_dir, range(rank, samples, size), samples, width, seed,
-                       layout, dtype, val_fraction, progress)
+                       layout, dtype, val_fraction, progress, format, gzip)
     except WriteError as err:
         error = str(err)  # names the sample file and the cause
     except OSError as err:
         error = f"cannot write samples under '{out_dir}': {err}; check free space and permissions"
     _agree(comm, error)  # every sample is on disk past this point
-    manifest = build_manifest(samples, width, seed, layout, dtype, val_fraction)
+    manifest = build_manifest(samples, width, seed, layout, dtype, val_fraction, format)
     error = None
     if rank == 0:
         try:
+            if format == formats.NPY:
+                write_npy_lists(out_dir, manifest)
             write_manifest(out_dir, manifest)
         except WriteError as err:
             error = str(err)

@@ -55,7 +55,7 @@ class DirectReader(Reader):
             path, origin = self.manifest.locate(self.split, int(sample))
             formats.read_block(path, self.manifest.volume, self.placement.box, origin,
                                self.placement.channel_slice, out=raw[k])
-            check_domain(path, raw[k], self.transform)
+            check_domain(path, raw[k], self.transform, self.manifest.volume.volume_name)
         seconds = time.perf_counter() - start
         return Delivery(self.transformed(raw, rows), seconds, raw.nbytes, transformed=True)
 

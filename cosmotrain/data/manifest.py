@@ -1,6 +1,7 @@
 """The dataset manifest: files per split, on-disk shape, model-width sub-cubes, labels, means.
 
-A dataset is a directory of HDF5 sample files.  :func:`open_manifest` describes it once,
+A dataset is a directory of sample files (HDF5, MLPerf TFRecord or NVIDIA numpy:
+``formats.py``).  :func:`open_manifest` describes it once,
 collectively, and every reader works from the result:
 
 - a ``manifest.json`` (written by ``cosmotrain datagen`` or ``cosmotrain preload``) is
@@ -72,6 +73,11 @@ class Manifest:
         return (formats.NUM_CHANNELS, self.width, self.width, self.width)
 
     @property
+    def volume_bytes(self) -> int:
+        """Bytes of one file's volume as stored."""
+        return int(np.prod(self.volume.shape)) * self.itemsize
+
+    @property
     def itemsize(self) -> int:
         """Bytes per voxel value as stored (2 for int16, 4 for float32)."""
         return np.dtype(self.volume.dtype).itemsize
@@ -94,7 +100,7 @@ class Manifest:
         return self.labels[split][np.asarray(indices, dtype=np.int64) // self.cubes_per_file]
 
     def unlabelled_files(self, split: str) -> tuple[str, ...]:
-        """Files of ``split`` without ``unitPar`` labels (their label rows are NaN)."""
+        """Files of ``split`` without labels (their label rows are NaN)."""
         missing = np.isnan(self.labels[split]).any(axis=1)
         return tuple(name for name, bad in zip(self._files(split), missing) if bad)
 
@@ -103,7 +109,7 @@ class Manifest:
         missing = self.unlabelled_files(split)
         if missing:
             raise everyone(DataError(
-                self.root / missing[0], f"has no '{formats.LABELS_DATASET}' labels "
+                self.root / missing[0], f"has no {self.volume.label_name} labels "
                 f"({len(missing)} of the {split} split's files lack them)",
                 "train on labelled files; cosmotrain predict reads unlabelled ones"))
 
@@ -133,18 +139,22 @@ def cube_origins(per_axis: int, width: int) -> tuple[tuple[int, int, int], ...]:
                  for i, j, k in itertools.product(range(per_axis), repeat=3))
 
 
-def open_manifest(root: str | Path, width: int, comm: Any = None, *, means: bool = False,
-                  cache_dir: str | None = None) -> Manifest:
-    """Describe dataset ``root`` at model width ``width`` (collective over ``comm``).
+def open_manifest(root: str | Path, width: int | None, comm: Any = None, *, means: bool = False,
+                  cache_dir: str | None = None, format: str = scan.AUTO) -> Manifest:
+    """Describe dataset ``root`` at model width ``width`` (collective over ``comm``; None:
+    the width of the files, one sample per file).
 
     Every rank returns the same manifest or raises the same error, printed once: a bad
     sample file found while building the label table (by whichever rank read it) is
     reported on every rank alike, the first bad file in dataset order.
+    ``format`` (``data.format``) chooses the files a scan looks for, and must match what a
+    ``manifest.json`` describes; ``auto`` takes the format the files are in.
     ``means`` also loads (or computes once and caches) each sample's mean count.
     """
     comm = self_comm(comm)
     root = Path(root)
-    source, volume, files = on_root(comm, lambda: _described(root, cache_dir))
+    source, volume, files = on_root(comm, lambda: _described(root, cache_dir, format))
+    width = volume.width if width is None else width  # None: whole files, as on disk
     _check_width(root, volume, width)
     labels = sample_table.file_labels(root, files, volume, comm, cache_dir)
     manifest = Manifest(root, source, volume, width, files, labels)
@@ -155,24 +165,32 @@ def open_manifest(root: str | Path, width: int, comm: Any = None, *, means: bool
     return manifest
 
 
-def _described(root: Path, cache_dir: str | None
+def _described(root: Path, cache_dir: str | None, format: str = scan.AUTO
                ) -> tuple[Path, formats.VolumeInfo, dict[str, tuple[str, ...]]]:
     """Rank 0's part of :func:`open_manifest`: the description, read and checked once."""
-    source, description = read_description(root, cache_dir)
-    return (source, *parse_description(source, description))
+    source, description = read_description(root, cache_dir, format)
+    volume, files = parse_description(source, description)
+    if format != scan.AUTO and volume.format != format:
+        raise ConfigError("data.format", f"is {format} but '{source}' describes "
+                          f"{volume.format} files", "set data.format: auto, or point "
+                          "data.path at the dataset in that format")
+    return source, volume, files
 
 
-def read_description(root: Path, cache_dir: str | None = None) -> tuple[Path, dict[str, Any]]:
+def read_description(root: Path, cache_dir: str | None = None, format: str = scan.AUTO
+                     ) -> tuple[Path, dict[str, Any]]:
     """``(file, description)``: ``manifest.json``, a still-valid scan cache, or a new scan."""
     if (root / MANIFEST_NAME).is_file():
         return root / MANIFEST_NAME, _read_json(root / MANIFEST_NAME)
-    _, listing = scan.discover(root)
+    _, listing = scan.discover(root, format)
     cached = cache.find(root, SCAN_CACHE_NAME, cache_dir)
     if cached is not None:
         description = _read_json(cached)
-        if {s: v.get("files") for s, v in description.get("splits", {}).items()} == listing:
+        same_files = {s: v.get("files") for s, v in description.get("splits", {}).items()
+                      } == listing
+        if same_files and format in (scan.AUTO, description.get("format", formats.HDF5)):
             return cached, description
-    description = scan.describe(root)
+    description = scan.describe(root, format)
     try:
         target = cache.target(root, SCAN_CACHE_NAME, cache_dir)
         cache.write_json(target, description)
@@ -191,14 +209,17 @@ def parse_description(path: Path, description: Mapping[str, Any]
                         "rescan the directory")
     try:
         volume = formats.VolumeInfo(tuple(int(n) for n in description["volume_shape"]),
-                                    str(description["dtype"]), str(description["layout"]))
+                                    str(description["dtype"]), str(description["layout"]),
+                                    str(description.get("format", formats.HDF5)))
         files = {str(split): tuple(str(f) for f in entry["files"])
                  for split, entry in description["splits"].items()}
     except (TypeError, ValueError, KeyError, AttributeError) as err:
         raise DataError(path, f"is malformed ({err})", "regenerate it or delete it") from err
-    if volume.layout not in formats.LAYOUTS or volume.dtype not in formats.DTYPES:
-        raise DataError(path, f"names layout {volume.layout!r} and dtype {volume.dtype!r}",
-                        f"expected one of {formats.LAYOUTS} and {formats.DTYPES}")
+    if volume.layout not in formats.LAYOUTS or volume.dtype not in formats.DTYPES or \
+            volume.format not in formats.FORMATS:
+        raise DataError(path, f"names format {volume.format!r}, layout {volume.layout!r} "
+                        f"and dtype {volume.dtype!r}", f"expected one of {formats.FORMATS}, "
+                        f"{formats.LAYOUTS} and {formats.DTYPES}")
     problem = formats.volume_problem(volume.shape, volume.layout)
     if problem is not None:
         raise DataError(path, f"volume_shape: {problem}", "regenerate it (cosmotrain "

@@ -10,11 +10,13 @@ Everything here is collective over ``comm`` (every rank of the job calls it alik
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from cosmotrain.config.schema import Config
+from cosmotrain.data import formats, tfrecord_sample
 from cosmotrain.data.direct import DirectReader
 from cosmotrain.data.manifest import Manifest, open_manifest
 from cosmotrain.data.placement import BlockPlacement
@@ -42,7 +44,22 @@ def open_dataset(cfg: Config, comm: Any) -> Manifest:
         raise ConfigError("model.channels", f"{cfg.model.channels} does not match the 4 "
                           "channels of CosmoFlow data", "set model.channels: 4")
     return open_manifest(dataset_root(cfg), cfg.model.width, comm,
-                         means=cfg.data.transform == "mean", cache_dir=cfg.data.cache_dir)
+                         means=cfg.data.transform == "mean", cache_dir=cfg.data.cache_dir,
+                         format=cfg.data.format)
+
+
+def note_compression(manifest: Manifest, comm: Any) -> None:
+    """Say once (rank 0, stderr) that a dataset of gzip TFRecord files is inflated on every
+    read, and how to avoid it; a dataset's files are all alike, so the first one tells."""
+    if manifest.volume.format != formats.TFRECORD or comm.Get_rank() != 0:
+        return
+    first = next((names[0] for names in manifest.files.values() if names), None)
+    if first is not None and tfrecord_sample.is_gzip(manifest.root / first):
+        print(f"cosmotrain: note: the TFRecord files of '{manifest.root}' are gzip streams, "
+              f"so every read inflates a whole file ({manifest.disk_width}^3 x 4 int16: "
+              f"{manifest.volume_bytes / 2**20:.0f} MiB per file); stage them decompressed "
+              f"once with cosmotrain preload and train from the staged copy",
+              file=sys.stderr, flush=True)
 
 
 def make_reader(cfg: Config, manifest: Manifest, split: str, comm: Any,
@@ -70,6 +87,7 @@ def make_readers(cfg: Config, manifest: Manifest, comm: Any, placement: BlockPla
         flag = shuffle.get(split, split == "train")
         kind = PreloadReader if cfg.data.reader == "preload" else DirectReader
         readers[split] = kind(cfg, manifest, split, comm, placement, shuffle=flag)
+    note_compression(manifest, comm)
     preload = [r for r in readers.values() if isinstance(r, PreloadReader)]
     if preload:
         check_preload_memory(comm, sum(r.store_bytes for r in preload),

@@ -89,7 +89,8 @@ class PreloadReader(Reader):
             path, origin = self.manifest.locate(self.split, int(sample))
             formats.read_block(path, self.manifest.volume, self.placement.box, origin,
                                self.placement.channel_slice, out=store[slot])
-            check_domain(path, store[slot], self.transform)
+            check_domain(path, store[slot], self.transform,
+                         self.manifest.volume.volume_name)
             if progress is not None:
                 progress(slot + 1)
         return store

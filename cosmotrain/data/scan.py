@@ -1,17 +1,21 @@
-"""Describe a dataset directory that has no ``manifest.json`` (data from elsewhere).
+"""Describe a dataset directory that has no ``manifest.json`` (data as downloaded).
 
 Recognised layouts, tried in this order:
 
 1. list files ``train.txt`` / ``validation.txt`` (or ``val.txt``) / ``test.txt``: one path
    per line, relative to the directory (LBANN-style sample lists; ``#`` comments allowed);
 2. split directories ``train/`` / ``validation/`` (or ``val/``, ``valid/``) / ``test/``
-   holding ``*.hdf5`` or ``*.h5`` files (MLPerf, LBANN's split files);
-3. ``*.hdf5`` / ``*.h5`` files directly in the directory: one ``train`` split.
+   holding sample files: ``*.hdf5`` / ``*.h5``, ``*.tfrecord`` (MLPerf HPC, plain or
+   gzip), or NVIDIA's ``*_data.npy`` (listed in ``files_data.lst`` when the directory has
+   one, with ``files_label.lst`` checked against it);
+3. sample files directly in the directory: one ``train`` split.
 
-Files are taken in sorted name order.  The first file fixes the volume shape, dtype and
-layout; every other file is checked against it when the sample table is built.  The result
-is a dictionary in the format of ``cosmotrain datagen``'s manifest (``generator:
-cosmotrain.scan``), so both kinds of dataset are read by the same code.
+The format comes from the file names (``formats.format_of``) unless ``data.format`` names
+one; a directory holding the samples of two formats must name one.  Files are taken in
+sorted name order (list files: in their order).  The first file fixes the volume shape,
+dtype and layout; every other file is checked against it when the sample table is built.
+The result is a dictionary in the format of ``cosmotrain datagen``'s manifest
+(``generator: cosmotrain.scan``), so every kind of dataset is read by the same code.
 """
 
 from __future__ import annotations
@@ -19,50 +23,71 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from cosmotrain.data import formats
+from cosmotrain.data import formats, npy_sample
 from cosmotrain.errors import DataError
 
 SCAN_GENERATOR = "cosmotrain.scan"
+AUTO = "auto"
 SPLIT_NAMES: dict[str, tuple[str, ...]] = {
     "train": ("train",), "validation": ("validation", "val", "valid"), "test": ("test",)}
-SUFFIXES = (".hdf5", ".h5")
 LAYOUT_HINT = ("use a directory with manifest.json, train.txt/validation.txt lists, "
-               "train/ and validation/ sub-directories of *.hdf5 files, or *.hdf5 files")
+               "train/ and validation/ sub-directories of sample files (*.hdf5, *.tfrecord, "
+               "*_data.npy), or sample files")
 
 
-def discover(root: Path) -> tuple[str, dict[str, list[str]]]:
-    """``(how, {split: relative paths})`` for a foreign dataset directory (cheap: no opens)."""
+def discover(root: Path, format: str = AUTO) -> tuple[str, dict[str, list[str]]]:
+    """``(how, {split: relative paths})`` for a foreign dataset directory (cheap: no opens).
+
+    ``format`` (``auto`` or a name in ``formats.FORMATS``) limits the files looked for.
+    """
     root = Path(root)
     if not root.is_dir():
         raise DataError(root, "is not a directory", "set data.path to a dataset directory")
     lists = _from_list_files(root)
     if lists:
         return "list files", lists
-    dirs = _from_split_dirs(root)
+    dirs = _from_split_dirs(root, format)
     if dirs:
         return "split directories", dirs
-    flat = _hdf5_files(root, root)
+    flat = _sample_files(root, root, format)
     if flat:
         return "flat directory", {"train": flat}
-    raise DataError(root, "holds no manifest.json and no HDF5 sample files", LAYOUT_HINT)
+    wanted = "sample files" if format == AUTO else f"{format} sample files"
+    raise DataError(root, f"holds no manifest.json and no {wanted}", LAYOUT_HINT)
 
 
-def describe(root: Path) -> dict[str, Any]:
+def dataset_format(splits: dict[str, list[str]], format: str = AUTO) -> str:
+    """The format of the discovered files: ``format`` when forced, else the one their names
+    say (HDF5 for names no format claims, as LBANN lists may hold)."""
+    if format != AUTO:
+        return format
+    found = {formats.format_of(name) or formats.HDF5 for names in splits.values()
+             for name in names}
+    if len(found) > 1:
+        raise DataError(Path(next(iter(splits.values()))[0]).parent,
+                        f"mixes sample files of formats {', '.join(sorted(found))}",
+                        "keep one format per dataset, or set data.format to choose one")
+    return found.pop()
+
+
+def describe(root: Path, format: str = AUTO) -> dict[str, Any]:
     """A manifest dictionary for ``root``: the discovered files and the first file's header."""
-    how, splits = discover(root)
+    how, splits = discover(root, format)
+    chosen = dataset_format(splits, format)
     first = next(iter(splits.values()))[0]
-    info, _ = formats.probe(Path(root) / first)
+    info, _ = formats.probe(Path(root) / first, format=chosen)
     return manifest_dict(info, splits, generator=SCAN_GENERATOR, source=how)
 
 
 def manifest_dict(info: formats.VolumeInfo, splits: dict[str, list[str]],
                   **extra: Any) -> dict[str, Any]:
     """A manifest in ``cosmotrain datagen``'s format (counts are files) plus ``extra`` keys."""
+    hdf5 = ({"volume_dataset": formats.VOLUME_DATASET,
+             "labels_dataset": formats.LABELS_DATASET} if info.format == formats.HDF5 else {})
     return {
-        "format_version": 1, **extra, "width": info.width, "layout": info.layout,
-        "dtype": info.dtype, "volume_dataset": formats.VOLUME_DATASET,
-        "labels_dataset": formats.LABELS_DATASET, "volume_shape": list(info.shape),
-        "labels_shape": [formats.NUM_LABELS],
+        "format_version": 1, **extra, "format": info.format, "width": info.width,
+        "layout": info.layout, "dtype": info.dtype, **hdf5,
+        "volume_shape": list(info.shape), "labels_shape": [formats.NUM_LABELS],
         "splits": {name: {"count": len(files), "files": list(files)}
                    for name, files in splits.items()},
     }
@@ -79,11 +104,11 @@ def _from_list_files(root: Path) -> dict[str, list[str]]:
     return found
 
 
-def _from_split_dirs(root: Path) -> dict[str, list[str]]:
+def _from_split_dirs(root: Path, format: str) -> dict[str, list[str]]:
     found = {}
     for split, names in SPLIT_NAMES.items():
         for name in names:
-            files = _hdf5_files(root, root / name) if (root / name).is_dir() else []
+            files = _sample_files(root, root / name, format) if (root / name).is_dir() else []
             if files:
                 found[split] = files
                 break
@@ -101,6 +126,37 @@ def _read_list(listing: Path) -> list[str]:
     return files
 
 
-def _hdf5_files(root: Path, directory: Path) -> list[str]:
-    return sorted(str(path.relative_to(root)) for path in directory.iterdir()
-                  if path.suffix in SUFFIXES and path.is_file())
+def _sample_files(root: Path, directory: Path, format: str) -> list[str]:
+    """The sample files of ``format`` in ``directory``, relative to ``root``: NVIDIA's
+    ``files_data.lst`` when there is one, else the names a format claims, sorted."""
+    if format in (AUTO, formats.NPY) and (directory / npy_sample.DATA_LIST).is_file():
+        return [_relative(root, directory / name) for name in _nvidia_lists(directory)]
+    names = sorted(path.name for path in directory.iterdir() if path.is_file())
+    claimed = [name for name in names if formats.format_of(name) is not None and
+               (format == AUTO or formats.format_of(name) == format)]
+    return [_relative(root, directory / name) for name in claimed]
+
+
+def _nvidia_lists(directory: Path) -> list[str]:
+    """``files_data.lst``, checked entry by entry against ``files_label.lst`` if present."""
+    data = _read_list(directory / npy_sample.DATA_LIST)
+    if not (directory / npy_sample.LABEL_LIST).is_file():
+        return data
+    labels = _read_list(directory / npy_sample.LABEL_LIST)
+    for index, (volume, label) in enumerate(zip(data, labels)):
+        expected = npy_sample.label_path(Path(volume)).name
+        if Path(label).name != expected:
+            raise DataError(directory / npy_sample.LABEL_LIST, f"entry {index + 1} is "
+                            f"'{label}' but the labels of '{volume}' are '{expected}'",
+                            "list the label files in the order of files_data.lst")
+    if len(data) != len(labels):
+        raise DataError(directory / npy_sample.LABEL_LIST, f"lists {len(labels)} files but "
+                        f"files_data.lst lists {len(data)}", "list one label file per sample")
+    return data
+
+
+def _relative(root: Path, path: Path) -> str:
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)  # an absolute entry of a list file, outside the dataset directory

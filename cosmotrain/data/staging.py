@@ -10,7 +10,8 @@ Each node copies the files its ranks will read into the same local path (``--des
 The ranks of a node share its files out; each file is copied to a temporary name with a
 CRC-32 computed on the way, re-read and compared, checked to be a sample of the dataset's
 shape and dtype, then renamed.  A file already staged with the same size and checksum is
-kept.  The node's leader writes ``manifest.json`` and the label (and mean) tables beside
+kept.  Gzip TFRecord files (MLPerf v1.0) are staged *inflated*: a plain record can be
+memory-mapped and sliced, so the training loop never decompresses a file.  The node's leader writes ``manifest.json`` and the label (and mean) tables beside
 the copies, so a job opens the staged directory without touching any file it lacks.
 """
 
@@ -29,7 +30,7 @@ from cosmotrain.comm.collective import agree
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.config.schema import Config
-from cosmotrain.data import cache, formats, order, sample_table
+from cosmotrain.data import cache, formats, order, sample_table, tfrecord_sample
 from cosmotrain.data.manifest import MANIFEST_NAME, Manifest
 from cosmotrain.data.open import dataset_root, open_dataset
 from cosmotrain.errors import DataError
@@ -61,13 +62,15 @@ class StageReport:
     bytes: int  # bytes copied, all nodes
     seconds: float  # the slowest rank's copy time
     node_gib_s: float  # bandwidth of the slowest node
+    inflated: int = 0  # gzip files staged decompressed, all nodes
 
     @property
     def aggregate_gib_s(self) -> float:
         return self.bytes / GIB / self.seconds if self.seconds > 0 else 0.0
 
     def describe(self) -> str:
-        return (f"staged {self.files} file(s), {_size(self.bytes)} copied, to "
+        inflated = f" ({self.inflated} inflated from gzip)" if self.inflated else ""
+        return (f"staged {self.files} file(s){inflated}, {_size(self.bytes)} copied, to "
                 f"{self.dest} on {self.nodes} node(s) ({self.mode} shuffle) in "
                 f"{self.seconds:.2f} s: {self.aggregate_gib_s:.2f} GiB/s in all, "
                 f"{self.node_gib_s:.2f} GiB/s on the slowest node; checksums verified\n"
@@ -123,17 +126,24 @@ def run_staging(plan: StagePlan, comm: Any,
     """Copy and verify this rank's files, write the node's manifest; totals (collective)."""
     plan.node.Barrier()
     start = time.perf_counter()
-    copied = 0
+    copied = inflated = 0
+    tfrecord = plan.manifest.volume.format == formats.TFRECORD
     for done, relpath in enumerate(plan.mine, start=1):
-        target = plan.dest / relpath
-        copied += copy_verified(plan.manifest.root / relpath, target)
+        source, target = plan.manifest.root / relpath, plan.dest / relpath
+        if tfrecord and tfrecord_sample.is_gzip(source):
+            copied += inflate_verified(source, target)
+            inflated += 1
+        else:
+            copied += copy_verified(source, target)
         formats.probe(target, plan.manifest.volume)
         if progress is not None:
             progress(done)
     if plan.node.Get_rank() == 0:
         write_metadata(plan.manifest, plan.dest)
     seconds = time.perf_counter() - start
-    return _report(plan, comm, copied, seconds)
+    report = _report(plan, comm, copied, seconds)
+    report.inflated = comm.allreduce(inflated)
+    return report
 
 
 def copy_verified(source: Path, target: Path) -> int:
@@ -163,6 +173,28 @@ def copy_verified(source: Path, target: Path) -> int:
         size.append(tmp.stat().st_size)
     write_atomically(target, copy, where=DEST, unique=True)
     return size[0]
+
+
+def inflate_verified(source: Path, target: Path) -> int:
+    """Stage a gzip file decompressed (as :func:`copy_verified`, which it follows: a
+    temporary name, a CRC-32 of what was written, re-read and compared, then renamed);
+    bytes written (0 when ``target`` already holds these bytes)."""
+    data = tfrecord_sample.inflate(source)  # a damaged stream: DataError naming source
+    crc = zlib.crc32(data)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.is_file() and target.stat().st_size == len(data) and checksum(target) == crc:
+            return 0
+    except OSError as err:
+        raise _not_staged(source, target, err) from err
+
+    def write(tmp: Path) -> None:
+        tmp.write_bytes(data)
+        if checksum(tmp) != crc:
+            raise DataError(target, "the inflated copy does not match what was written",
+                            "check the node-local disk and run cosmotrain preload again")
+    write_atomically(target, write, where=DEST, unique=True)
+    return len(data)
 
 
 def checksum(path: Path) -> int:

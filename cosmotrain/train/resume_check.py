@@ -121,6 +121,7 @@ RULES: dict[str, Rule] = {
     # data: which samples, their values and their order are part of the trajectory
     "data.source": _refuse(_SAMPLES),
     "data.path": _refuse(_SAMPLES, _FILES, "data.source is synthetic"),
+    "data.format": _refuse(_SAMPLES, _FILES, "data.source is synthetic"),
     "data.reader": _allow("preload and direct read the same samples in the same order"),
     "data.transform": _refuse(_SAMPLES),
     "data.shuffle": _refuse(_ORDER),

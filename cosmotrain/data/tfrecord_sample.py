@@ -1,0 +1,186 @@
+"""The MLPerf HPC CosmoFlow TFRecord sample, read and written without TensorFlow.
+
+One sample per ``.tfrecord`` file: one record (``tfrecord_codec``) whose ``Example`` has
+feature ``x``, the raw little-endian int16 cube ``[W, W, W, 4]`` (D, H, W, C; W = 128 in
+MLPerf), and feature ``y``, the 4 float32 labels (absent: unlabelled).  MLPerf v1.0 files
+are whole-file gzip streams under the same name (magic bytes ``1f 8b``); v0.7 files are
+plain.
+
+- A plain file is memory-mapped and the ``x`` bytes are addressed where they lie, so the
+  direct reader reads only a rank's hyperslab.  Only the record's framing is parsed per
+  read; the payload CRC, which needs every byte, is checked when the file is probed (once
+  per dataset, building the label table), staged or converted.
+- A gzip file cannot be sliced: every read inflates the whole file (16 MiB per MLPerf
+  sample).  ``cosmotrain preload`` stages such files decompressed onto node-local storage
+  so a training loop never inflates; without staging the job says so once (``open.py``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import mmap
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from cosmotrain.atomic import write_bytes_atomically
+from cosmotrain.data.tfrecord_codec import (FeatureValue, Record, TFRecordError, bytes_value,
+                                            encode_example, float_values, frame_record,
+                                            parse_record)
+from cosmotrain.data.volume import (CHANNELS_LAST, NUM_CHANNELS, TFRECORD, Box, VolumeInfo,
+                                    check_expected, checked_labels, copy_block, encode_counts,
+                                    to_layout)
+from cosmotrain.errors import DataError, UserError
+
+GZIP_MAGIC = b"\x1f\x8b"
+SUFFIXES = (".tfrecord", ".tfrecords")
+VOLUME_FEATURE, LABEL_FEATURE = "x", "y"
+ITEM = np.dtype("<i2")  # x holds little-endian int16 counts
+FORMAT_HINT = ("expected one TFRecord Example per file (plain or gzip) with feature 'x' "
+               "(bytes: int16 [W, W, W, 4]) and feature 'y' (4 floats), as MLPerf HPC "
+               "CosmoFlow writes them")
+GZIP_LEVEL = 6
+
+
+def is_sample_name(name: str) -> bool:
+    return name.endswith(SUFFIXES)
+
+
+def sample_name(stem: str) -> str:
+    return stem + SUFFIXES[0]
+
+
+def sample_stem(name: str) -> str:
+    """The sample's name without the format's suffix (``a.tfrecord`` -> ``a``)."""
+    return next((name[:-len(s)] for s in SUFFIXES if name.endswith(s)), name)
+
+
+def is_gzip(path: Path) -> bool:
+    """True when the file is a whole-file gzip stream (MLPerf v1.0), by its magic bytes."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(2) == GZIP_MAGIC
+    except OSError as err:
+        raise DataError(path, f"cannot be read: {err}", FORMAT_HINT) from err
+
+
+def write_sample(path: Path, volume_cdhw: np.ndarray, labels: np.ndarray, *,
+                 layout: str = CHANNELS_LAST, dtype: str = "int16", where: str = "--out",
+                 gzip: bool = False) -> Path:
+    """Write one sample as a one-record TFRecord file, atomically; ``gzip`` compresses the
+    whole file as MLPerf v1.0 does (deterministic bytes: no timestamp in the header)."""
+    if layout != CHANNELS_LAST or dtype != "int16":
+        raise UserError(f"TFRecord samples hold int16 channels-last cubes (MLPerf's "
+                        f"format), not {dtype} {layout}: write hdf5 or npy instead")
+    cube = np.ascontiguousarray(encode_counts(to_layout(volume_cdhw, CHANNELS_LAST), "int16"),
+                                dtype=ITEM)
+    features: dict[str, FeatureValue] = {VOLUME_FEATURE: cube.tobytes()}
+    labels = np.asarray(labels, dtype=np.float32)
+    if not np.isnan(labels).all():
+        features[LABEL_FEATURE] = labels
+    record = frame_record(encode_example(features))
+    if gzip:
+        record = _gzip(record)
+    return write_bytes_atomically(Path(path), record, where)
+
+
+def probe(path: Path, expect: VolumeInfo | None = None) -> tuple[VolumeInfo, np.ndarray]:
+    """Header and labels of one file, every CRC verified (reads the whole file once)."""
+    with _opened(path) as buffer:
+        record = _record(path, buffer, verify=True)
+        info = _volume_info(path, buffer, record)
+        labels = _labels(path, buffer, record)
+    if expect is not None:
+        check_expected(path, info, expect)
+    return info, labels
+
+
+def read_block(path: Path, expect: VolumeInfo, box: Box | None = None,
+               origin: tuple[int, int, int] = (0, 0, 0),
+               channels: slice = slice(0, NUM_CHANNELS),
+               out: np.ndarray | None = None) -> np.ndarray:
+    """One hyperslab (int16, C, D, H, W) read where ``x`` lies in the mapped file."""
+    with _opened(path) as buffer:
+        record = _record(path, buffer, verify=False)
+        info = _volume_info(path, buffer, record)
+        check_expected(path, info, expect)
+        feature = record.features[VOLUME_FEATURE]
+        volume = np.frombuffer(buffer, dtype=ITEM, count=feature.length // ITEM.itemsize,
+                               offset=feature.offset).reshape(info.shape)
+        block = copy_block(path, volume, info, box, origin, channels, out)
+        del volume  # the map cannot close while a view of it is alive
+    return block
+
+
+def inflate(path: Path) -> bytes:
+    """The decompressed bytes of a gzip file; a truncated or damaged stream is a
+    :class:`DataError` naming the file."""
+    try:
+        return gzip.decompress(Path(path).read_bytes())
+    except (OSError, EOFError, zlib.error) as err:
+        raise DataError(path, f"is a damaged or truncated gzip stream ({err})",
+                        "download or copy the file again") from err
+
+
+@contextmanager
+def _opened(path: Path) -> Iterator[bytes | mmap.mmap]:
+    """The file's record bytes: inflated (gzip) or a read-only memory map (plain)."""
+    if is_gzip(path):
+        yield inflate(path)
+        return
+    try:
+        with open(path, "rb") as handle:
+            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as err:  # ValueError: an empty file cannot be mapped
+        raise DataError(path, f"cannot be read: {err}", FORMAT_HINT) from err
+    try:
+        yield mapped
+    finally:
+        mapped.close()
+
+
+def _record(path: Path, buffer: bytes | mmap.mmap, verify: bool) -> Record:
+    try:
+        record = parse_record(buffer, verify_payload=verify)
+    except TFRecordError as err:
+        raise DataError(path, str(err), FORMAT_HINT) from err
+    if record.end != len(buffer):
+        raise DataError(path, f"holds {len(buffer) - record.end} byte(s) after its record",
+                        "expected one sample (one record) per file")
+    if VOLUME_FEATURE not in record.features:
+        raise DataError(path, f"has no feature '{VOLUME_FEATURE}' (it has "
+                        f"{', '.join(sorted(record.features)) or 'none'})", FORMAT_HINT)
+    return record
+
+
+def _volume_info(path: Path, buffer: bytes | mmap.mmap, record: Record) -> VolumeInfo:
+    """The cube's shape from the length of ``x``: ``W**3 * 4`` int16 values."""
+    feature = record.features[VOLUME_FEATURE]
+    try:
+        length = len(bytes_value(buffer, feature))
+    except TFRecordError as err:
+        raise DataError(path, f"feature '{VOLUME_FEATURE}': {err}", FORMAT_HINT) from err
+    voxels = length // (ITEM.itemsize * NUM_CHANNELS)
+    width = round(voxels ** (1 / 3)) if voxels > 0 else 0
+    if width < 1 or width ** 3 * NUM_CHANNELS * ITEM.itemsize != length:
+        raise DataError(path, f"feature '{VOLUME_FEATURE}' holds {length} bytes, not an "
+                        f"int16 cube [W, W, W, 4] (128^3 x 4 is 16777216 bytes)", FORMAT_HINT)
+    return VolumeInfo((width, width, width, NUM_CHANNELS), "int16", CHANNELS_LAST, TFRECORD)
+
+
+def _labels(path: Path, buffer: bytes | mmap.mmap, record: Record) -> np.ndarray:
+    feature = record.features.get(LABEL_FEATURE)
+    if feature is None:
+        return checked_labels(path, None, f"feature '{LABEL_FEATURE}'")
+    try:
+        values = float_values(buffer, feature)
+    except TFRecordError as err:
+        raise DataError(path, f"feature '{LABEL_FEATURE}': {err}", FORMAT_HINT) from err
+    return checked_labels(path, values, f"feature '{LABEL_FEATURE}'")
+
+
+def _gzip(data: bytes) -> bytes:
+    return gzip.compress(data, compresslevel=GZIP_LEVEL, mtime=0)
