@@ -18,6 +18,7 @@ from cosmotrain.config.load import save_resolved
 from cosmotrain.train.claim import Claim, claim_output_dir, move_aside_outputs
 from cosmotrain.train.guard import StopSignals
 from cosmotrain.train.job import build_job
+from cosmotrain.train.observers import make_observers
 from cosmotrain.train.resume import find_resume_point
 from cosmotrain.train.step import hybrid_step_from_config, job_runtime
 from cosmotrain.train.trainer import StepHook, Trainer
@@ -61,8 +62,10 @@ def _train_claimed(cfg: Config, comm: Any, mode: str, claim: Claim, chosen: str 
                          f"checkpoints: starting afresh"])
     if job.step.device.is_gpu:
         _say(rank0, [f"device (rank 0): {job.step.device.describe()}"])
-    with StopSignals() as signals, _watchdog(cfg, comm) as watchdog:
-        trainer = Trainer(job, signals, watchdog, before_step)
+    observer = make_observers(cfg, job.out_dir, comm.Get_rank())
+    with StopSignals() as signals, _watchdog(cfg, comm) as watchdog, \
+            contextlib.closing(observer):
+        trainer = Trainer(job, signals, watchdog, before_step, observer)
         if rank0:  # the config has passed every check: the job is built, the resume fits
             save_resolved(cfg, job.out_dir)
         if resumed:

@@ -25,6 +25,7 @@ from cosmotrain.train.checkpoint import CheckpointState, checkpoint_dir, save_ch
 from cosmotrain.train.evaluate import Errors, evaluate
 from cosmotrain.train.guard import NonFiniteError, StopSignals, non_finite_message
 from cosmotrain.train.job import Job
+from cosmotrain.train.observers import Observer, RunStart
 from cosmotrain.train.progress import TrainProgress
 from cosmotrain.train.schedule import build_schedule
 from cosmotrain.train.snapshot import full_state, restore
@@ -58,10 +59,11 @@ class Trainer:
     target MAE, whichever comes first."""
 
     def __init__(self, job: Job, signals: StopSignals | None = None,
-                 watchdog: Watchdog | None = None, before_step: StepHook | None = None
-                 ) -> None:
+                 watchdog: Watchdog | None = None, before_step: StepHook | None = None,
+                 observer: Observer | None = None) -> None:
         self.job, self.cfg = job, job.cfg
         self.before_step = before_step
+        self.observer = observer if observer is not None else Observer()
         self.signals = signals if signals is not None else StopSignals(())
         self.watchdog = watchdog
         self.last_checkpoint: str | None = None
@@ -104,6 +106,7 @@ class Trainer:
             if job.rank == 0 else None
         self.outcome.baseline_mae = self._baseline_mae()
         self._first_samples = self.position.samples
+        self.observer.run_start(self._run_start(resumed))
         start = time.perf_counter()
         with TrainProgress(self.total, rank=job.rank) as progress:
             self._loop(log, progress)
@@ -111,16 +114,30 @@ class Trainer:
             if log is not None:
                 log.write(summary)
                 log.close()
+            self.observer.record(summary)
+            self.observer.run_stop(summary)
             progress.finish(summary)
         return summary
 
+    def _run_start(self, resumed: bool) -> RunStart:
+        job = self.job
+        val = self.val_reader.count if self.val_reader is not None else 0
+        return RunStart(self.cfg, job.out_dir, job.comm.Get_size(), _nodes(job.comm),
+                        self.train_reader.count, val, self.per_epoch, self.total,
+                        self.position.step, resumed)
+
     def _loop(self, log: Any, progress: TrainProgress) -> None:
         pos = self.position
+        self.position_at_start = pos.step  # a resumed run tells the epoch it resumes into
         while pos.step < self.total:
             index = pos.step - pos.epoch * self.per_epoch
+            if index == 0 or pos.step == self.position_at_start:
+                self.observer.epoch_start(pos.epoch + 1)
             stop = self._train_step(pos, index, log, progress)
             self._beat()
             epoch_done = pos.step - pos.epoch * self.per_epoch == self.per_epoch
+            if epoch_done:
+                self.observer.epoch_stop(pos.epoch + 1)
             pos.epoch += int(epoch_done)
             if stop:  # every rank agreed in this step's loss allreduce
                 self.outcome.reason = "interrupted"
@@ -183,8 +200,10 @@ class Trainer:
 
     def _validate(self, log: Any, progress: TrainProgress) -> Errors:
         started = time.perf_counter()
+        self.observer.eval_start(self.position.epoch)
         errors = evaluate(self.job.step, self.val_reader, self.cfg.model.outputs,
                           on_batch=self._beat)
+        self.observer.eval_stop(self.position.epoch)
         if self.outcome.best_mae is None or errors.mean_mae < self.outcome.best_mae:
             self.outcome.best_mae, self.outcome.best_epoch = errors.mean_mae, self.position.epoch
         record = metrics.validation_record(
@@ -201,6 +220,7 @@ class Trainer:
     def _emit(self, record: dict, log: Any, progress: TrainProgress) -> None:
         if log is not None:
             log.write(record)
+        self.observer.record(record)
         progress.update(record)
 
     def _io(self) -> dict[str, float]:
@@ -281,3 +301,10 @@ class Trainer:
             stop_reason=out.reason, time_s=out.totals or metrics.time_breakdown(0.0, {}),
             memory_hwm_mib=self._memory())
 
+
+
+def _nodes(comm: Any) -> int:
+    """Nodes of the job: distinct host names (collective)."""
+    import socket
+
+    return len(set(comm.allgather(socket.gethostname())))
