@@ -74,6 +74,21 @@ def test_preload_stages_gzip_files_inflated(cli, tmp_path: Path) -> None:
     assert code == 0 and "0.0 MiB copied" in out, err  # verified copies are kept
 
 
+def test_preload_stages_nvidia_label_files_beside_their_volumes(cli, tmp_path: Path) -> None:
+    datagen(cli, tmp_path / "nv", "--format", "npy")
+    code, out, err = cli("preload", "--set", f"data.path={tmp_path / 'nv'}", "--set",
+                         "model.width=8", "--dest", str(tmp_path / "stage"))
+    assert code == 0, err
+    for label in (tmp_path / "nv").rglob("*_label.npy"):
+        staged = tmp_path / "stage" / label.relative_to(tmp_path / "nv")
+        assert staged.read_bytes() == label.read_bytes()
+    for cache in (tmp_path / "stage").glob("cosmotrain-*"):
+        cache.unlink()  # labels rebuilt from the staged files alone
+    staged = open_manifest(tmp_path / "stage", 8)
+    np.testing.assert_array_equal(staged.labels["train"],
+                                  open_manifest(tmp_path / "nv", 8).labels["train"])
+
+
 def test_training_on_gzip_files_says_once_that_they_are_inflated(cli, tmp_path: Path) -> None:
     datagen(cli, tmp_path / "gz", "--format", "tfrecord", "--gzip")
     code, _, err = cli("train", "--config", str(REPO / "configs" / "tiny.yaml"),

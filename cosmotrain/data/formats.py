@@ -86,8 +86,8 @@ def probe(path: Path, expect: VolumeInfo | None = None,
           format: str | None = None) -> tuple[VolumeInfo, np.ndarray]:
     """Header and labels of one sample file, checked against ``expect`` when given.
 
-    The format is ``expect``'s, else ``format``, else the file name's (HDF5 by default).  Every problem
-    raises :class:`~cosmotrain.errors.DataError` naming the file.
+    The format is ``expect``'s, else ``format``, else the file name's (HDF5 by default).
+    Every problem raises :class:`~cosmotrain.errors.DataError` naming the file.
     """
     chosen = expect.format if expect is not None else format or _named(path)
     return module(chosen).probe(Path(path), expect)

@@ -10,9 +10,11 @@ Each node copies the files its ranks will read into the same local path (``--des
 The ranks of a node share its files out; each file is copied to a temporary name with a
 CRC-32 computed on the way, re-read and compared, checked to be a sample of the dataset's
 shape and dtype, then renamed.  A file already staged with the same size and checksum is
-kept.  Gzip TFRecord files (MLPerf v1.0) are staged *inflated*: a plain record can be
-memory-mapped and sliced, so the training loop never decompresses a file.  The node's leader writes ``manifest.json`` and the label (and mean) tables beside
-the copies, so a job opens the staged directory without touching any file it lacks.
+kept.  NVIDIA's ``_label.npy`` files are staged beside their volumes.  Gzip TFRecord
+files (MLPerf v1.0) are staged *inflated*: a plain record can be memory-mapped and
+sliced, so the training loop never decompresses a file.  The node's leader writes
+``manifest.json`` and the label (and mean) tables beside the copies, so a job opens the
+staged directory without touching any file it lacks.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from cosmotrain.comm.collective import agree
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.config.schema import Config
-from cosmotrain.data import cache, formats, order, sample_table, tfrecord_sample
+from cosmotrain.data import cache, formats, npy_sample, order, sample_table, tfrecord_sample
 from cosmotrain.data.manifest import MANIFEST_NAME, Manifest
 from cosmotrain.data.open import dataset_root, open_dataset
 from cosmotrain.errors import DataError
@@ -128,6 +130,7 @@ def run_staging(plan: StagePlan, comm: Any,
     start = time.perf_counter()
     copied = inflated = 0
     tfrecord = plan.manifest.volume.format == formats.TFRECORD
+    npy = plan.manifest.volume.format == formats.NPY
     for done, relpath in enumerate(plan.mine, start=1):
         source, target = plan.manifest.root / relpath, plan.dest / relpath
         if tfrecord and tfrecord_sample.is_gzip(source):
@@ -135,6 +138,9 @@ def run_staging(plan: StagePlan, comm: Any,
             inflated += 1
         else:
             copied += copy_verified(source, target)
+        labels = npy_sample.label_path(source)
+        if npy and labels.exists():  # NVIDIA's labels travel with their volumes
+            copied += copy_verified(labels, npy_sample.label_path(target))
         formats.probe(target, plan.manifest.volume)
         if progress is not None:
             progress(done)
