@@ -85,7 +85,7 @@ def require_gpu():
             return cupy
         reason = "cupy sees no CUDA device"
     print(f"bench_gpu.py needs cupy and a CUDA GPU ({reason}); "
-          "install with pip install 'cosmotrain[gpu]' on a GPU machine", file=sys.stderr)
+          "install with pip install -e \".[gpu]\" on a GPU machine", file=sys.stderr)
     raise SystemExit(2)
 
 

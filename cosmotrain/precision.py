@@ -29,7 +29,7 @@ def bfloat16() -> np.dtype:
         import ml_dtypes
     except ImportError:
         raise ImportError("bfloat16 storage needs ml_dtypes: pip install ml_dtypes "
-                          "(or pip install 'cosmotrain[gpu]')") from None
+                          '(or pip install -e ".[gpu]")') from None
     return np.dtype(ml_dtypes.bfloat16)
 
 

@@ -78,7 +78,7 @@ def test_auto_on_cpu_rejects_gpu_only_settings_and_says_why() -> None:
 
 def test_gpu_backend_errors_name_the_rank_host_and_fix() -> None:
     with pytest.raises(ConfigError, match=r"rank 2 \(host b\) has none: cupy does not "
-                                          r"import.*pip install 'cosmotrain\[gpu\]'"):
+                                          r'import.*pip install -e "\.\[gpu\]"'):
         decide(DeviceConfig(backend="gpu"), gpu_node("a", 2, 1) + cpu_node("b", 2), 0)
     with pytest.raises(ConfigError, match=r"needs a CUDA device on every rank.*rank 0 "
                                           r"\(host a\).*CUDA_VISIBLE_DEVICES"):

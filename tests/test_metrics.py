@@ -18,8 +18,8 @@ from rich.console import Console
 
 from cosmotrain.comm.timers import PhaseTimers
 from cosmotrain.errors import DataError
-from cosmotrain.train.metrics import (RECORD_SCHEMAS, TIME_KEYS, MetricsLog, memory_hwm_mib,
-                                      metrics_path, read_metrics, summary_record, time_breakdown,
+from cosmotrain.train.metrics import (RECORD_SCHEMAS, TIME_KEYS, MetricsLog, epoch_of,
+                                      memory_hwm_mib, metrics_path, read_metrics, summary_record, time_breakdown,
                                       train_record, validate_record, validation_record)
 from cosmotrain.train.progress import TrainProgress, summary_table
 
@@ -28,12 +28,12 @@ TIMES = {**dict.fromkeys(TIME_KEYS, 0.0), "compute": 0.05, "halo": 0.01, "allred
 
 
 def train(step: int, loss: float = 0.5, **extra: Any) -> dict[str, Any]:
-    args = dict(step=step, epoch=(step - 1) // 10, samples=4 * step, loss=loss, lr=1e-3,
+    args = dict(step=step, epoch=epoch_of(step, 10), samples=4 * step, loss=loss, lr=1e-3,
                 samples_per_s=80.0, time_s=TIMES, memory_hwm_mib=[512.0, 480.5])
     return train_record(**{**args, **extra})
 
 
-def validation(step: int = 10, epoch: int = 0) -> dict[str, Any]:
+def validation(step: int = 10, epoch: int = 1) -> dict[str, Any]:
     return validation_record(step=step, epoch=epoch, samples=16,
                              mse_per_param=[0.01, 0.02, 0.03, 0.04],
                              mae_per_param=[0.1, 0.12, 0.14, 0.16], wall_s=1.5)
@@ -58,11 +58,16 @@ def test_builders_make_valid_records() -> None:
     assert set(RECORD_SCHEMAS) == {"train", "validation", "summary"}
 
 
+def test_epoch_is_the_epoch_of_the_step_from_1() -> None:
+    """10 steps an epoch: steps 1-10 are epoch 1 (step 10 ends it), 11 starts epoch 2."""
+    assert [epoch_of(step, 10) for step in (0, 1, 9, 10, 11, 20, 21)] == [0, 1, 1, 1, 2, 2, 3]
+
+
 def test_numpy_scalars_and_non_finite_values() -> None:
     rec = train(1, loss=np.float32(np.nan), lr=np.float64(2e-3))
     assert rec["loss"] is None and type(rec["lr"]) is float
     json.dumps(rec, allow_nan=False)                 # strict JSON
-    val = validation_record(step=1, epoch=0, samples=2, mse_per_param=[np.inf, 1.0],
+    val = validation_record(step=1, epoch=1, samples=2, mse_per_param=[np.inf, 1.0],
                             mae_per_param=[1.0, 1.0], wall_s=0.1)
     assert val["mse_per_param"] == [None, 1.0] and val["mse"] is None
     assert val["mae"] == 1.0
@@ -193,7 +198,7 @@ def test_plain_lines_when_not_a_terminal() -> None:
         for step in range(1, 101):
             progress.update(train(step))
             if step % 50 == 0:
-                progress.update(validation(step=step, epoch=step // 50 - 1))
+                progress.update(validation(step=step, epoch=epoch_of(step, 10)))
         progress.finish(summary())
     text = out.getvalue()
     assert "\x1b" not in text                                          # no control codes
@@ -223,11 +228,11 @@ def test_live_bar_in_a_terminal() -> None:
     with TrainProgress(30, console=console, terminal=True) as progress:
         for step in range(1, 31):
             progress.update(train(step, loss=1.0 / step))
-        progress.update(validation(step=30, epoch=2))
+        progress.update(validation(step=30, epoch=3))
         progress.finish(summary())
     text = out.getvalue()
     assert "\x1b[" in text and "30/30" in text and "loss 0.03333" in text
-    assert "validation epoch 2 step 30" in text and "Training summary" in text
+    assert "validation epoch 3 step 30" in text and "Training summary" in text
 
 
 def test_live_bar_stops_on_error() -> None:

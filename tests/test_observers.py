@@ -46,7 +46,7 @@ class Recorder(Observer):
 def train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *extra: str,
           resume: bool = False) -> list[tuple]:
     recorder = Recorder()
-    monkeypatch.setattr(runner, "make_observers", lambda cfg, out, rank: Observers([recorder]))
+    monkeypatch.setattr(runner, "make_observers", lambda cfg, out, rank, *_: Observers([recorder]))
     cfg = load_config(REPO_TINY, ["data.source=synthetic", "data.synthetic.samples=10",
                                   "data.synthetic.val_fraction=0.2", "model.width=8",
                                   "train.batch_size=4", "train.log_every=1",

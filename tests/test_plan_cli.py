@@ -77,9 +77,9 @@ def test_plan_ranks_applies_and_auto_uses_it(machine_file: Path, tmp_path: Path)
 
 
 def test_plan_errors_exit_2(tmp_path: Path) -> None:
-    missing = run("plan", *sets(*TINY), "--ranks", "2",
-                  env={"COSMOTRAIN_MACHINE": str(tmp_path / "none.json")})
-    assert missing.returncode == 2 and "run `cosmotrain calibrate`" in missing.stderr
+    missing = run("plan", *sets(*TINY), "--ranks", "2", "--machine",
+                  str(tmp_path / "none.json"))  # asked for by name: no estimate instead
+    assert missing.returncode == 2 and "machine file not found" in missing.stderr
     (tmp_path / "bad.json").write_text("{}")
     bad = run("plan", *sets(*TINY), "--ranks", "2", "--machine", str(tmp_path / "bad.json"))
     assert bad.returncode == 2 and "unreadable machine file" in bad.stderr

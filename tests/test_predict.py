@@ -139,7 +139,8 @@ def test_bad_predict_arguments_exit_2(trained: Path, tmp_path: Path) -> None:
     assert missing.returncode == 2 and "checkpoint not found" in missing.stderr
     split = run_cli("predict", "--checkpoint", str(checkpoint_of(trained)), "--data", data,
                     "--out", str(tmp_path / "p.h5"), "--split", "test")
-    assert split.returncode == 2 and "no split 'test'" in split.stderr
+    assert split.returncode == 2 and "--split test: dataset" in split.stderr
+    assert "its splits: train, validation" in split.stderr
     assert not (tmp_path / "p.h5").exists()
 
 

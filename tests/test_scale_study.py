@@ -23,7 +23,7 @@ from conftest import REPO, mpiexec, subprocess_env
 from cosmotrain.config.layout import Layout as Strategy
 from cosmotrain.study.launch import Launcher, find_launcher, slurm_tasks_per_node
 from cosmotrain.study.points import build_points, parse_ranks, point_batch, spatial_strategy
-from cosmotrain.study.report import CSV_COLUMNS
+from cosmotrain.study.report import CSV_COLUMNS, document, markdown
 from cosmotrain.train.metrics import TIME_KEYS
 
 TINY = str(REPO / "configs/tiny.yaml")
@@ -304,6 +304,49 @@ def test_points_from_templates_are_merged_per_rank_count() -> None:
         (1, "N1", 4, ["data", "spatial", "plan"]),
         (2, "N2", 8, ["data", "N2"]), (2, "D2", 8, ["spatial", "plan"])]
     assert point_batch(4, 8, "strong") == 4 and point_batch(4, 8, "weak") == 32
+
+
+def measured_doc(names: list[str], ranks: list[int]) -> dict:
+    """A weak-scaling results document of ``names`` with made-up timings (halo and
+    compute only: the zero phases are stacked on top of each bar)."""
+    points = build_points(names, ranks, 4, "weak", None)
+    for i, point in enumerate(points):
+        seconds = {key: 0.0 for key in TIME_KEYS} | {"compute": 0.5, "halo": 0.1 * i}
+        point.status = "ok"
+        point.measured = {"step_s": sum(seconds.values()), "time_s": seconds,
+                          "samples_per_s": point.batch / sum(seconds.values()),
+                          "comm_share": 0.0, "memory_hwm_mib_max": 100.0}
+    return document({"mode": "weak", "config": "tiny.yaml", "model": "tiny", "width": 8,
+                     "base_batch": 4, "steps": 3, "warmup": 1, "launcher": "mpiexec",
+                     "points": points})
+
+
+def test_legends_name_the_strategies_as_the_table_does() -> None:
+    pytest.importorskip("matplotlib")
+    from cosmotrain.study.plots import scaling_figure, throughput_figure
+
+    doc = measured_doc(["N1", "N2", "N4", "C2F2:w"], [1, 2, 4])
+    ok = doc["points"]
+    base = next(p for p in ok if p["name"] == doc["baseline"])
+    table = {line.split("|")[2].strip() for line in markdown(doc).splitlines()
+             if line.startswith("| ") and line[2].isdigit()}
+    assert table == {"N1", "N2", "N4", "C2F2:w"}
+    for fig in (scaling_figure(doc, ok, base, "efficiency"), throughput_figure(doc, ok, base)):
+        legend = [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
+        assert legend == ["N1, N2, N4", "C2F2:w", "ideal"]  # the baseline N1 starts both
+        assert {name for label in legend[:-1] for name in label.split(", ")} == table
+
+
+def test_the_breakdown_has_headroom_above_the_tallest_bar() -> None:
+    pytest.importorskip("matplotlib")
+    from cosmotrain.study.plots import breakdown_figure
+
+    doc = measured_doc(["data"], [1, 2, 4])
+    tallest = max(p["measured"]["step_s"] for p in doc["points"])
+    bars = breakdown_figure(doc["points"]).axes[0]
+    assert max(patch.get_y() + patch.get_height() for patch in bars.patches) == \
+        pytest.approx(tallest)
+    assert bars.get_ylim() == (0.0, pytest.approx(1.12 * tallest))
 
 
 def test_srun_inside_an_allocation(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import traceback
 
-from cosmotrain.cli import run, data, study  # this order is the order in --help
+from cosmotrain.cli import run, data, outputs, export, study  # the order in --help
 from cosmotrain.cli.app import app
 from cosmotrain.errors import UserError
 from cosmotrain.exits import EXIT_KEYBOARD, exit_code, report_user_error
@@ -19,7 +19,7 @@ from cosmotrain.exits import EXIT_KEYBOARD, exit_code, report_user_error
 __all__ = ["app", "main", "report_user_error"]
 
 # Importing a command module registers its commands on ``app``, in this order in --help.
-COMMAND_MODULES = (run, data, study)
+COMMAND_MODULES = (run, data, outputs, export, study)
 
 
 def main() -> None:

@@ -12,7 +12,10 @@ from typing import Annotated, Optional
 
 import typer
 
+from cosmotrain import logs
+from cosmotrain.cli.help_flags import show_flags_bare
 from cosmotrain.config.schema import Config
+from cosmotrain.errors import UserError
 
 app = typer.Typer(
     add_completion=False,
@@ -20,6 +23,25 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Hybrid-parallel training of 3D CNNs (CosmoFlow, 3D ResNet) on large volumes.",
 )
+show_flags_bare()  # --help: `--resume`, not `--resume <bool>`
+
+
+@app.callback()
+def global_options(
+    log_level: Annotated[str, typer.Option(
+        "--log-level", metavar="LEVEL", help="Log lines on stderr from this level: debug, "
+        "info, warning (the default) or error; ranks other than 0 show warnings and "
+        "errors only.")] = "warning",
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", "-v", help="Debug log lines from every rank, each tagged with its "
+        "rank and host.")] = False,
+) -> None:
+    """Options for every command, given before it: cosmotrain -v train ..."""
+    try:
+        level = logs.parse_level(log_level)
+    except ValueError as err:
+        raise UserError(f"--log-level: {err}") from None
+    logs.setup_logging(logs.LEVELS["debug"] if verbose else level, every_rank=verbose)
 
 ConfigOption = Annotated[Optional[Path], typer.Option(
     "--config", "-c", help="YAML config file (see configs/).")]
@@ -40,12 +62,30 @@ def user_cache_dir() -> str:
     return os.environ.get(CACHE_ENV) or str(_user_cache() / "cosmotrain")
 
 
+def load_user_config(path: Optional[Path], overrides: Optional[list[str]]) -> Config:
+    """The config of ``--config`` and ``--set``, ``${VAR}`` in its path keys expanded from
+    this process's environment (library callers of ``load_config`` pass their own)."""
+    from cosmotrain.config import load_config
+
+    return load_config(path, overrides or [], env=os.environ)
+
+
 def with_user_defaults(cfg: Config) -> Config:
     """``cfg`` with the settings the environment supplies where the config left them null
     (``data.cache_dir``), so nothing below the command line reads the environment."""
     if cfg.data.cache_dir is None:
         cfg.data.cache_dir = user_cache_dir()
     return cfg
+
+
+def slurm_per_node() -> int | None:
+    """Tasks per node of the Slurm allocation this command runs in (None outside one):
+    the default ranks per node of ``plan`` and ``train --dry-run --ranks``."""
+    from cosmotrain.study.launch import slurm_tasks_per_node
+
+    if not os.environ.get("SLURM_JOB_ID"):
+        return None
+    return slurm_tasks_per_node(dict(os.environ))
 
 
 def machine_file() -> Path:

@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from cosmotrain.cli.app import ConfigOption, SetOption, app, user_cache_dir, with_user_defaults
+from cosmotrain.cli.app import (ConfigOption, SetOption, app, load_user_config, user_cache_dir,
+                                with_user_defaults)
 
 
 class Layout(str, Enum):
@@ -115,17 +116,18 @@ def preload(
 ) -> None:
     """Stage the config's dataset onto each node's local storage (copy, verify, manifest)."""
     from cosmotrain.comm import world
-    from cosmotrain.config import load_config
     from cosmotrain.console import progress
     from cosmotrain.data.staging import plan_staging, run_staging
+    from cosmotrain.train.mlperf_file import staging_logged
 
     extra = [f"data.shuffle={shuffle.value}"] if shuffle is not None else []
-    cfg = with_user_defaults(load_config(config_file, [*(overrides or []), *extra]))
+    cfg = with_user_defaults(load_user_config(config_file, [*(overrides or []), *extra]))
     comm = world()
-    plan = plan_staging(cfg, comm, dest)
-    with progress(len(plan.mine), f"preload (rank 0 of {comm.Get_size()})",
-                  comm.Get_rank()) as update:
-        report = run_staging(plan, comm, update)
+    with staging_logged(cfg, comm):  # output.mlperf_log: staging_start/stop in mlperf.log
+        plan = plan_staging(cfg, comm, dest)
+        with progress(len(plan.mine), f"preload (rank 0 of {comm.Get_size()})",
+                      comm.Get_rank()) as update:
+            report = run_staging(plan, comm, update)
     if comm.Get_rank() == 0:
         print(report.describe())
 

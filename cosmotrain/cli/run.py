@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from cosmotrain.cli.app import (ConfigOption, SetOption, app, machine_file, user_cache_dir,
-                                with_user_defaults)
+from cosmotrain.cli.app import (ConfigOption, SetOption, app, load_user_config,
+                                user_cache_dir, with_user_defaults)
 from cosmotrain.errors import UserError
 from cosmotrain.exits import FAULT_ENV, fault_hook
 
@@ -43,13 +43,13 @@ def config(
 ) -> None:
     """Validate a config (with --set overrides) and print it fully resolved."""
     from cosmotrain.comm import world
-    from cosmotrain.config import dump_yaml, load_config, resolve_parallel
+    from cosmotrain.config import dump_yaml, resolve_parallel
     from cosmotrain.config.reference import reference_markdown
 
     if reference:
         print(reference_markdown())
         return
-    cfg = load_config(config_file, overrides or [])
+    cfg = load_user_config(config_file, overrides)
     world_size = ranks if ranks is not None else world().Get_size()
     layout = resolve_parallel(cfg, world_size)
     if world().Get_rank() == 0:
@@ -67,8 +67,16 @@ def train(
     = False,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Check the config and print the plan (layout, spatial stop, "
-                          "channel algorithms, memory) without reading data or training.")]
+                          "channel algorithms, memory per rank against this node's) "
+                          "without reading data or training; exit 2 if a step does not "
+                          "fit.")]
     = False,
+    ranks: Annotated[Optional[int], typer.Option(
+        help="With --dry-run: check the layout for a job of this many ranks, from the "
+             "model, without launching them.", min=1)] = None,
+    ranks_per_node: Annotated[Optional[int], typer.Option(
+        help="With --dry-run: ranks per node of that job (default: the Slurm allocation's, "
+             "else all on this node).", min=1)] = None,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Start afresh in an output.dir that holds another run: its "
                             "checkpoints, metrics and config are moved into "
@@ -76,14 +84,18 @@ def train(
 ) -> None:
     """Train a model: mpiexec -n P cosmotrain train --config configs/X.yaml [--set k=v]."""
     from cosmotrain.comm import world
-    from cosmotrain.config import load_config
     from cosmotrain.train.guard import EXIT_INTERRUPTED
+    from cosmotrain.cli.machine import auto_machine_path, target_nodes
     from cosmotrain.train.runner import describe_plan, run_training
 
-    cfg = with_user_defaults(load_config(config_file, overrides or []))
+    cfg = with_user_defaults(load_user_config(config_file, overrides))
     comm = world()
+    if not dry_run and (ranks or ranks_per_node):
+        raise UserError("--ranks and --ranks-per-node only go with --dry-run (a run's size "
+                        "is the launcher's: mpiexec -n P)")
+    machine_path = auto_machine_path(cfg, comm)
     if dry_run:
-        text = describe_plan(cfg, comm, machine_file())
+        text = describe_plan(cfg, comm, machine_path, target_nodes(ranks, ranks_per_node, comm))
         if comm.Get_rank() == 0:
             print(text)
         return
@@ -91,7 +103,7 @@ def train(
         raise UserError("--resume continues the run in output.dir and --overwrite starts "
                         "a new one there: pass only one of them")
     summary = run_training(cfg, comm, resume=resume, overwrite=overwrite,
-                           job_id=os.environ.get("SLURM_JOB_ID"), machine_path=machine_file(),
+                           job_id=os.environ.get("SLURM_JOB_ID"), machine_path=machine_path,
                            before_step=fault_hook(os.environ.get(FAULT_ENV)))
     if summary is not None and summary["stop_reason"] == "interrupted":
         raise typer.Exit(EXIT_INTERRUPTED)

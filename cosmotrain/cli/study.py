@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cosmotrain.cli.app import ConfigOption, SetOption, app, machine_file
+from cosmotrain.cli.app import ConfigOption, SetOption, app, machine_file, slurm_per_node
 from cosmotrain.errors import UserError
 
 
@@ -52,9 +52,11 @@ def plan(
         help="Drop strategies needing more than this many GiB per rank.", min=0.0)] = None,
     machine: Annotated[Optional[str], typer.Option(
         help="Machine model: a calibrated JSON file or a preset (v100-abci, a100, h100); "
-             "default: the calibrated file.")] = None,
+             "default: the calibrated file, else a quick estimate of this machine "
+             "(measured once, cached).")] = None,
     ranks_per_node: Annotated[Optional[int], typer.Option(
-        help="Ranks per node (default: the machine's cores or GPUs per node).", min=1)]
+        help="Ranks per node (default: one per GPU on a GPU preset, else the Slurm "
+             "allocation's tasks per node, else all ranks on this node).", min=1)]
     = None,
     top: Annotated[int, typer.Option(help="Rows to show.", min=1)] = 15,
     apply: Annotated[Optional[Path], typer.Option(
@@ -63,18 +65,22 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Rank the parallel strategies for a config on P ranks by predicted step time."""
+    from cosmotrain.cli.machine import command_machine, note
     from cosmotrain.config import load_config
-    from cosmotrain.plan.planner import load_machine, plan as make_plan
+    from cosmotrain.plan.planner import node_layout, plan as make_plan
     from cosmotrain.plan.report import plan_json, plan_table, write_applied
 
     cfg = load_config(config_file, overrides or [])
-    model = load_machine(machine, machine_file())
-    planned = make_plan(cfg, ranks, model, ranks_per_node,
+    model, line = command_machine(machine)
+    nodes = node_layout(ranks, ranks_per_node, slurm_per_node(), model)
+    planned = make_plan(cfg, ranks, model, nodes.per_node,
                         memory_per_rank * 2**30 if memory_per_rank is not None else None)
     if as_json:
-        print(json.dumps(plan_json(planned[:top], model), indent=1))
+        note(line)
+        print(json.dumps(plan_json(planned[:top], model, nodes), indent=1))
     else:
-        plan_table(planned[:top], cfg, ranks, model)
+        print(line)
+        plan_table(planned[:top], cfg, nodes, model)
     if apply is not None:
         print(f"wrote {write_applied(cfg, planned[0].strategy, apply)} "
               f"(parallel: {planned[0].strategy.describe()})")

@@ -10,13 +10,14 @@ import dataclasses
 import difflib
 import math
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from cosmotrain.config.device import check_device
+from cosmotrain.config.expand import expand_path_keys
 from cosmotrain.config.schema import AUTO, Config
 from cosmotrain.errors import ConfigError, UserError
 
@@ -25,14 +26,21 @@ _TRUE_WORDS = {"true", "yes", "on", "1"}
 _FALSE_WORDS = {"false", "no", "off", "0"}
 
 
-def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> Config:
-    """Read ``path`` (or start from the defaults when None), apply overrides, validate."""
+def load_config(path: str | Path | None, overrides: Iterable[str] = (),
+                env: Mapping[str, str] | None = None) -> Config:
+    """Read ``path`` (or start from the defaults when None), apply overrides, validate.
+
+    ``env`` (the command line passes the process environment) expands ``${VAR}`` in the
+    path keys (``config/expand.py``); None, a library caller's default, expands nothing.
+    """
     raw = read_yaml(Path(path)) if path is not None else {}
-    return config_from_mapping(raw, overrides)
+    return config_from_mapping(raw, overrides, env)
 
 
-def config_from_mapping(raw: dict[str, Any], overrides: Iterable[str] = ()) -> Config:
-    """Validate a parsed config (e.g. a checkpoint's) after applying ``key=value`` overrides."""
+def config_from_mapping(raw: dict[str, Any], overrides: Iterable[str] = (),
+                        env: Mapping[str, str] | None = None) -> Config:
+    """Validate a parsed config (e.g. a checkpoint's) after applying ``key=value`` overrides
+    (and expanding ``${VAR}`` in the path keys from ``env`` when given)."""
     for assignment in overrides:
         key, value = parse_assignment(assignment)
         if key.startswith("parallel.") and raw.get("parallel") == AUTO:
@@ -41,6 +49,7 @@ def config_from_mapping(raw: dict[str, Any], overrides: Iterable[str] = ()) -> C
     if raw.get("parallel") == AUTO:  # `parallel: auto`: the planner chooses
         raw["parallel"] = {"auto": True}
     _expand_backend(raw)
+    expand_path_keys(raw, env)
     cfg = build(Config, raw, prefix="")
     check_device(cfg.device)
     return cfg
@@ -228,6 +237,8 @@ def check_value(path: str, value: Any, hint: Any, meta: Mapping[str, Any]) -> An
     if meta.get("auto") and _is_word(value, {AUTO}):
         return AUTO
     base = _base_type(hint)
+    if meta.get("number_list") and isinstance(value, (list, tuple)):
+        value = _number_list_text(path, value)
     value = coerce(path, value, base, meta)
     choices = meta.get("choices")
     if choices is not None and value not in choices:
@@ -235,6 +246,16 @@ def check_value(path: str, value: Any, hint: Any, meta: Mapping[str, Any]) -> An
         raise ConfigError(path, f"{value!r} is not allowed", f"choose one of: {listed}")
     _check_range(path, value, meta)
     return value
+
+
+def _number_list_text(path: str, items: Sequence[Any]) -> str:
+    """A YAML list of numbers (``[32, 64]``) as the key's comma-separated text ``'32,64'``:
+    one stored form, whichever way it was written."""
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, (int, float)):
+            raise ConfigError(path, f"expected a list of numbers, got {list(items)!r}",
+                              "write e.g. [32, 64] or '32,64'")
+    return ",".join(str(item) for item in items)
 
 
 def _is_word(value: Any, words: set[str]) -> bool:

@@ -30,6 +30,8 @@ def _type_text(f: dataclasses.Field) -> str:
     meta = f.metadata
     if meta.get("choices"):
         return " \\| ".join(str(c) for c in meta["choices"])
+    if meta.get("number_list"):
+        return "list \\| str"
     return str(f.type).replace("|", "\\|")
 
 

@@ -17,10 +17,16 @@ AUTO = "auto"
 
 def spec(default: Any, doc: str, *, choices: tuple[Any, ...] | None = None,
          minimum: float | None = None, maximum: float | None = None,
-         exclusive_max: bool = False, nullable: bool = False, auto: bool = False) -> Any:
-    """Declare one config key: its default and the rules the loader enforces."""
+         exclusive_max: bool = False, nullable: bool = False, auto: bool = False,
+         number_list: bool = False) -> Any:
+    """Declare one config key: its default and the rules the loader enforces.
+
+    ``number_list``: a ``str`` key holding comma-separated numbers that may also be
+    written as a YAML list (``[32, 64]``), stored as the text ``'32,64'``.
+    """
     meta = {"doc": doc, "choices": choices, "minimum": minimum, "maximum": maximum,
-            "exclusive_max": exclusive_max, "nullable": nullable, "auto": auto}
+            "exclusive_max": exclusive_max, "nullable": nullable, "auto": auto,
+            "number_list": number_list}
     if isinstance(default, dict):  # a mapping of named sub-sections, empty by default
         return field(default_factory=dict, metadata=meta)
     return field(default=default, metadata=meta)
@@ -172,10 +178,12 @@ class ScheduleConfig:
                                 "optimizer.lr, per step (MLPerf CosmoFlow: 4)", minimum=0.0)
     warmup_start_lr: float = spec(0.0, "learning rate at the first step of the warm-up",
                                   minimum=0.0)
-    decay_epochs: str = spec("", "step schedule: comma-separated increasing epochs at which "
-                             "the rate drops, e.g. '32,64' (MLPerf CosmoFlow)")
-    decay_factors: str = spec("", "step schedule: comma-separated factors of optimizer.lr, one "
-                              "per decay epoch, not cumulative, e.g. '0.25,0.125' (MLPerf)")
+    decay_epochs: str = spec("", "step schedule: increasing epochs at which the rate drops, "
+                             "a list or comma-separated, e.g. [32, 64] or '32,64' (MLPerf "
+                             "CosmoFlow)", number_list=True)
+    decay_factors: str = spec("", "step schedule: factors of optimizer.lr, one per decay "
+                              "epoch, not cumulative, a list or comma-separated, e.g. "
+                              "[0.25, 0.125] (MLPerf)", number_list=True)
     min_lr: float = spec(0.0, "cosine schedule: the rate reached at the end of train.epochs",
                          minimum=0.0)
 
@@ -192,9 +200,33 @@ class OptimizerConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
 
+MLPERF_DIVISIONS = ("closed", "open")
+MLPERF_STATUSES = ("onprem", "cloud", "preview", "research")
+
+
+@dataclass
+class MLPerfConfig:
+    """The submission fields of ``<output.dir>/mlperf.log`` (docs/OBSERVABILITY.md)."""
+
+    org: str = spec("unknown", "MLPerf submission_org: the submitting organisation")
+    division: str = spec("closed", "MLPerf submission_division (closed: the reference "
+                         "model, cosmoflow-mlperf, and optimizer, sgd)",
+                         choices=MLPERF_DIVISIONS)
+    status: str = spec("onprem", "MLPerf submission_status", choices=MLPERF_STATUSES)
+    platform: str | None = spec(None, "MLPerf submission_platform: the system's name; null "
+                                "= '<nodes>x<host name of rank 0>'", nullable=True)
+
+
 @dataclass
 class OutputConfig:
     dir: str = spec("runs/default", "output directory (resolved config, metrics, checkpoints)")
+    tensorboard: bool = spec(False, "TensorBoard event files under output.dir/tensorboard "
+                             "(loss, lr, throughput, time breakdown, memory, validation; "
+                             "rank 0; needs the tensorboard extra)")
+    mlperf_log: bool = spec(False, "MLPerf HPC v3.0 CosmoFlow compliance log "
+                            "output.dir/mlperf.log (:::MLLOG lines, rank 0; cosmotrain "
+                            "preload adds its staging lines); needs the mlperf extra")
+    mlperf: MLPerfConfig = field(default_factory=MLPerfConfig)
 
 
 BACKENDS = (AUTO, "cpu", "gpu")

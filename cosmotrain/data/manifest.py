@@ -31,7 +31,7 @@ import numpy as np
 
 from cosmotrain.comm.collective import everyone, on_root, self_comm
 from cosmotrain.data import cache, formats, sample_table, scan
-from cosmotrain.errors import ConfigError, DataError, WriteError
+from cosmotrain.errors import ConfigError, DataError, UserError, WriteError
 
 MANIFEST_NAME = "manifest.json"
 SCAN_CACHE_NAME = "cosmotrain-manifest.json"
@@ -126,10 +126,22 @@ class Manifest:
 
     def _files(self, split: str) -> tuple[str, ...]:
         if split not in self.files:
-            raise ConfigError("data.path", f"dataset '{self.root}' has no split '{split}' "
-                              f"(it has {', '.join(self.files) or 'none'})",
-                              "add the split's files or train without it")
+            raise MissingSplit(self.root, split, self.splits)
         return self.files[split]
+
+
+class MissingSplit(UserError):
+    """A split asked for by name that the dataset does not have (every rank alike); the
+    caller that took the name from an option can say which (``predict --split``)."""
+
+    def __init__(self, root: Path, split: str, available: tuple[str, ...]) -> None:
+        self.root, self.split, self.available = root, split, available
+        super().__init__(f"dataset '{root}' has no split '{split}' (its splits: "
+                         f"{self.listing})")
+
+    @property
+    def listing(self) -> str:
+        return ", ".join(self.available) or "none"
 
 
 @functools.lru_cache(maxsize=16)

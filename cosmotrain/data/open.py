@@ -10,6 +10,7 @@ Everything here is collective over ``comm`` (every rank of the job calls it alik
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +27,7 @@ from cosmotrain.data.reader import Reader
 from cosmotrain.errors import ConfigError
 
 SYNTHETIC_SUBDIR = "data"
+LOG = logging.getLogger(__name__)
 
 
 def dataset_root(cfg: Config) -> Path:
@@ -62,6 +64,20 @@ def note_compression(manifest: Manifest, comm: Any) -> None:
               file=sys.stderr, flush=True)
 
 
+def describe_reader(reader: Reader, kind: str) -> str:
+    """One debug line: what this rank's reader of a split serves, and how many bytes."""
+    placement, manifest = reader.placement, reader.manifest
+    start, stop = placement.rows(reader.batch_size)
+    block = placement.block_size * (stop - start)
+    stored = (f"{reader.store_bytes / 2**20:.2f} MiB held here"
+              if isinstance(reader, PreloadReader) else "read from the files every step")
+    return (f"split {reader.split}: {reader.count} sample(s), {kind} reader ({stored}), "
+            f"{'shuffled' if reader.shuffle else 'in order'}; this rank's block "
+            f"{'x'.join(map(str, placement.block_shape))} of {stop - start} sample(s) a "
+            f"batch: {block * manifest.itemsize / 2**20:.2f} MiB stored, "
+            f"{block * 4 / 2**20:.2f} MiB as float32 per batch")
+
+
 def make_reader(cfg: Config, manifest: Manifest, split: str, comm: Any,
                 placement: BlockPlacement, *, shuffle: bool | None = None) -> Reader:
     """The reader ``data.reader`` names for one split, ready to serve (collective).
@@ -87,6 +103,7 @@ def make_readers(cfg: Config, manifest: Manifest, comm: Any, placement: BlockPla
         flag = shuffle.get(split, split == "train")
         kind = PreloadReader if cfg.data.reader == "preload" else DirectReader
         readers[split] = kind(cfg, manifest, split, comm, placement, shuffle=flag)
+        LOG.debug("%s", describe_reader(readers[split], cfg.data.reader))
     note_compression(manifest, comm)
     preload = [r for r in readers.values() if isinstance(r, PreloadReader)]
     if preload:

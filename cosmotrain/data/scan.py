@@ -42,7 +42,8 @@ def discover(root: Path, format: str = AUTO) -> tuple[str, dict[str, list[str]]]
     """
     root = Path(root)
     if not root.is_dir():
-        raise DataError(root, "is not a directory", "set data.path to a dataset directory")
+        problem = "is not a directory" if root.exists() else "does not exist"
+        raise DataError(root, problem, "point data.path (or --data) at a dataset directory")
     lists = _from_list_files(root)
     if lists:
         return "list files", lists

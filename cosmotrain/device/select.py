@@ -33,7 +33,7 @@ from cosmotrain.precision import storage_dtype
 from .probe import Probe, ml_dtypes_imports, node_position, probe_gpu
 from .xp import import_cupy
 
-INSTALL_GPU = "pip install 'cosmotrain[gpu]'"
+INSTALL_GPU = 'pip install -e ".[gpu]"'  # as README.md and docs/GPU.md say
 
 
 def bind(local_rank: int, gpus: int) -> int:

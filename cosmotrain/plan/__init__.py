@@ -2,7 +2,8 @@
 
 Owns the strategies (``strategy``), the busiest rank's workload of one step
 (``workload``), FLOP and memory arithmetic (``flops``, ``memory``), the cost model
-(``cost``), machine models and their presets (``machine``, ``presets``), the planner that
+(``cost``), machine models, their presets and the quick estimate's model of an
+uncalibrated machine (``machine``, ``presets``, ``estimate``), the planner that
 ranks strategies and picks one for ``parallel: auto`` (``planner``) and the ``cosmotrain
 plan`` tables and files (``report``).
 

@@ -125,6 +125,7 @@ class MachineModel:
     memory_per_node_gib: float = 0.0
     memory_per_device_gib: float = 0.0  # GPUs: a rank never has more than its device's
     notes: str = ""
+    source: str = "calibrated"  # calibrated | preset | estimate (what its numbers rest on)
 
     def slowdown(self, ranks_on_node: int) -> float:
         """``concurrency(k)``, interpolated in ``k``; past the last measurement the node's idle
@@ -154,6 +155,15 @@ class MachineModel:
         level = max((n for n in levels if n <= k), default=levels[0])
         seconds = self.layers[level][key](elements)
         return seconds if level == k else seconds * self.slowdown(k) / self.slowdown(level)
+
+    def describe(self) -> str:
+        """What the numbers rest on, for the line a command prints before it uses them."""
+        if self.source == "estimate":
+            return (f"{self.name} (a quick probe, not a calibration; run `cosmotrain "
+                    f"calibrate` for a measured one)")
+        if self.source == "preset":
+            return f"preset {self.name} (public specifications, not a measurement)"
+        return f"{self.name}, calibrated by `cosmotrain calibrate`"
 
     def link(self, ranks_on_node: int, group: int) -> LinkModel:
         """Intra-node costs when the communicator fits on one node."""
@@ -191,7 +201,7 @@ class MachineModel:
             overlap=float(data.get("overlap", 0.0)),
             memory_per_node_gib=float(data.get("memory_per_node_gib", 0.0)),
             memory_per_device_gib=float(data.get("memory_per_device_gib", 0.0)),
-            notes=str(data.get("notes", "")))
+            notes=str(data.get("notes", "")), source=str(data.get("source", "calibrated")))
 
     @classmethod
     def load(cls, path: str | Path) -> MachineModel:

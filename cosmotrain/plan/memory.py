@@ -1,11 +1,12 @@
 """Memory a training step needs, from the layer shapes (float32).
 
 ``saved``: what the layers keep from forward for backward (a convolution's input, an
-activation's output (computed in place, so it is the previous layer's output buffer), batch norm's normalised input, a linear layer's input, a dropout mask);
-``transient``: the largest gradients alive at once in backward: dy and dx of one layer,
-or dy alone where backward works in place (LeakyReLU) or computes no input gradient (the
-first layer); ``grads``: the parameter gradients.  The model input is not counted: it exists before the step.  The
-benchmark compares a measured step peak against ``step_bytes``.
+activation's output (computed in place, so it is the previous layer's output buffer),
+batch norm's normalised input, a linear layer's input, a dropout mask); ``transient``:
+the largest gradients alive at once in backward: dy and dx of one layer, or dy alone
+where backward works in place (LeakyReLU) or computes no input gradient (the first
+layer); ``grads``: the parameter gradients.  The model input is not counted: it exists
+before the step.  The benchmark compares a measured step peak against ``step_bytes``.
 """
 
 from __future__ import annotations
@@ -57,8 +58,27 @@ def _backward_arrays(cost: LayerCost, first: bool) -> int:
     return dy + FLOAT * math.prod(cost.in_shape)
 
 
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes the busiest rank holds at the peak of a step, by what holds them."""
+
+    state: float  # parameters, gradients and optimizer state of what it holds
+    activations: float  # saved for backward + the largest gradient pair of backward
+    inputs: float  # its block of the mini-batch
+
+    @property
+    def total(self) -> float:
+        return self.state + self.activations + self.inputs
+
+
 def workload_memory(work: Workload) -> float:
-    """Bytes the busiest rank of a :class:`~cosmotrain.plan.workload.Workload` holds at peak.
+    """Bytes the busiest rank of a :class:`~cosmotrain.plan.workload.Workload` holds at peak
+    (:func:`rank_memory`'s total)."""
+    return rank_memory(work).total
+
+
+def rank_memory(work: Workload) -> RankMemory:
+    """The peak of the busiest rank of ``work``, by part.
 
     Parameters, gradients and optimizer state of what it holds; the input block; what the
     layers save for backward on their local shapes (a convolution's saved input includes
@@ -75,4 +95,4 @@ def workload_memory(work: Workload) -> float:
     transient = max((FLOAT * (math.prod(layer.out_shape) +
                               (math.prod(layer.in_shape) if layer.input_grad else 0))
                      for layer in work.layers), default=0)
-    return held + saved + transient + FLOAT * work.input_elements
+    return RankMemory(held, saved + transient, FLOAT * work.input_elements)

@@ -78,6 +78,42 @@ def candidates(cfg: Config, ranks: int, algorithms: tuple[str, ...] = ("x", "y",
 MEMORY_RESERVE = 0.1  # the share of a node's memory left to the runtime, MPI, workspaces
 
 
+@dataclass(frozen=True)
+class NodeLayout:
+    """How a plan places its ranks: ``nodes`` x ``per_node`` (the last node may hold fewer),
+    and why that many per node."""
+
+    ranks: int
+    per_node: int
+    why: str
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.ranks // self.per_node)
+
+    def describe(self) -> str:
+        return (f"{self.nodes} node{'s' if self.nodes > 1 else ''} x {self.per_node} "
+                f"rank{'s' if self.per_node > 1 else ''} per node")
+
+
+def node_layout(ranks: int, given: int | None = None, allocation: int | None = None,
+                machine: MachineModel | None = None) -> NodeLayout:
+    """The ranks per node to plan with: ``given`` (``--ranks-per-node``); one rank per GPU
+    on a GPU ``machine`` model; the Slurm ``allocation``'s tasks per node; else every rank
+    on this one node, which is what ``mpiexec -n P`` does here.  Not the machine's cores:
+    planning 4 ranks of a 2-core machine as 2 nodes x 2 priced N4 at 279 ms, and the 4
+    ranks that mpiexec put on that one machine took 611 ms."""
+    if given:
+        return NodeLayout(ranks, min(ranks, given), "--ranks-per-node")
+    if machine is not None and machine.memory_per_device_gib > 0:
+        return NodeLayout(ranks, min(ranks, machine.cores_per_node),
+                          f"one rank per GPU, {machine.cores_per_node} per node")
+    if allocation:
+        return NodeLayout(ranks, min(ranks, allocation), "the Slurm allocation's tasks per node")
+    return NodeLayout(ranks, ranks, "all ranks on this node, as mpiexec runs them here; "
+                                    "--ranks-per-node K plans for a cluster")
+
+
 def default_memory_per_rank(machine: MachineModel, ranks: int,
                             ranks_per_node: int | None = None) -> float | None:
     """Bytes a rank may use, less the reserve: its device's memory (one rank per GPU),
@@ -118,30 +154,36 @@ def plan(cfg: Config, ranks: int, machine: MachineModel, ranks_per_node: int | N
     return sorted(planned, key=lambda p: p.prediction.step_s)
 
 
-def choose_parallel(cfg: Config, comm: Any, machine_path: Path | None = None
+def choose_parallel(cfg: Config, comm: Any, machine_path: Path | None = None,
+                    ranks: int | None = None, ranks_per_node: int | None = None
                     ) -> tuple[Config, str]:
     """``cfg`` with the planner's best strategy for this job when ``parallel.auto``.
 
     Collective: rank 0 plans (the machine file need only be readable there) and every
     rank gets the same choice, or the same error.  Returns the config (``auto`` cleared,
-    so the saved config and checkpoints record the layout that ran) and a line to print.
-    ``machine_path`` is the calibrated file used when ``parallel.machine`` is unset.
+    so the saved config and checkpoints record the layout that ran) and a line to print,
+    which says which machine model priced it.  ``machine_path`` is the machine file used
+    when ``parallel.machine`` is unset (the CLI's calibrated file, or its quick estimate).
+    ``ranks`` / ``ranks_per_node`` plan for another job than ``comm`` (``--dry-run
+    --ranks N``; default per node: all ``ranks`` on one).
     """
     if not cfg.parallel.auto:
         return cfg, ""
     from cosmotrain.comm import node_ranks
     from cosmotrain.comm.collective import on_root
 
-    per_node = node_ranks(comm)
+    size = ranks or comm.Get_size()
+    per_node = ranks_per_node or (size if ranks else node_ranks(comm))
 
     def best() -> tuple[Layout, float, str]:
         machine = load_machine(cfg.parallel.machine, machine_path)
-        top = plan(cfg, comm.Get_size(), machine, per_node)[0]
-        return top.strategy, top.prediction.step_s, machine.name
+        top = plan(cfg, size, machine, min(per_node, size))[0]
+        return top.strategy, top.prediction.step_s, machine.describe()
 
     strategy, step_s, machine = on_root(comm, best)
     layout = replace(strategy, layers=layers_of(cfg.parallel))  # the user's, not planned
     chosen = replace(layout.to_config(cfg.parallel), auto=False)
     return replace(cfg, parallel=chosen), (
-        f"parallel: auto chose {strategy.describe()} for {comm.Get_size()} rank(s) "
-        f"(predicted {step_s * 1e3:.1f} ms per step on machine {machine})")
+        f"parallel: auto chose {strategy.describe()} for {size} rank(s) "
+        f"({NodeLayout(size, min(per_node, size), '').describe()}; predicted "
+        f"{step_s * 1e3:.1f} ms per step; machine model: {machine})")

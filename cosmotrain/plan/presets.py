@@ -54,7 +54,7 @@ def gpu_cluster(name: str, gpus_per_node: int, dense_flops: float, efficiency: f
         concurrency={k: 1.0 for k in range(1, gpus_per_node + 1)},
         intra=ring_link(10e-6, nvlink), inter=ring_link(5e-6 + 10e-6, network),
         overlap=0.5, memory_per_node_gib=gib_per_gpu * gpus_per_node,
-        memory_per_device_gib=gib_per_gpu, notes=notes)
+        memory_per_device_gib=gib_per_gpu, notes=notes, source="preset")
 
 
 def v100_abci() -> MachineModel:

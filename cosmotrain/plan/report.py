@@ -13,14 +13,16 @@ from cosmotrain.config.load import config_to_dict
 from cosmotrain.config.schema import Config
 from cosmotrain.plan.cost import PHASES
 from cosmotrain.plan.machine import MachineModel
-from cosmotrain.plan.planner import Planned
+from cosmotrain.plan.planner import NodeLayout, Planned
 
 
-def plan_table(planned: list[Planned], cfg: Config, ranks: int, machine: MachineModel
+def plan_table(planned: list[Planned], cfg: Config, nodes: NodeLayout, machine: MachineModel
                ) -> None:
-    """The ranking: predicted step, samples/s, memory per rank, communication share."""
+    """The ranking: predicted step, samples/s, memory per rank, communication share; the
+    title says how the ranks sit on nodes (``nodes x ranks per node``) and why."""
     table = Table(title=f"{cfg.model.name} W={cfg.model.width} batch {cfg.train.batch_size} "
-                        f"on {ranks} rank(s), machine {machine.name}")
+                        f"on {nodes.ranks} rank(s) = {nodes.describe()} ({nodes.why}), "
+                        f"machine {machine.name}")
     for column in ("#", "strategy", "step ms", "samples/s", "GiB/rank", "comm", "stop",
                    "top comm"):
         table.add_column(column, justify="left" if column in ("strategy", "stop") else "right")
@@ -35,9 +37,13 @@ def plan_table(planned: list[Planned], cfg: Config, ranks: int, machine: Machine
     Console().print(table)
 
 
-def plan_json(planned: list[Planned], machine: MachineModel) -> dict[str, Any]:
-    """The ranking as data (``--json``)."""
-    return {"machine": machine.name, "strategies": [
+def plan_json(planned: list[Planned], machine: MachineModel, nodes: NodeLayout
+              ) -> dict[str, Any]:
+    """The ranking as data (``--json``), with the node layout and the machine model's
+    source (calibrated, preset or estimate) it was priced on."""
+    return {"machine": machine.name, "machine_source": machine.source,
+            "machine_model": machine.describe(), "ranks": nodes.ranks, "nodes": nodes.nodes,
+            "ranks_per_node": nodes.per_node, "ranks_per_node_from": nodes.why, "strategies": [
         {"strategy": item.strategy.describe(), "parallel": item.strategy.parallel_section(),
          "step_s": item.prediction.step_s, "samples_per_s": item.prediction.samples_per_s,
          "memory_bytes": item.memory_bytes, "comm_share": item.prediction.comm_share,

@@ -11,7 +11,8 @@ efficiency) and its ``baseline`` (the reference point's name) included.
 
 Lines connect the points of one *series*: a template (``data``, ``spatial``, ``plan``, ...)
 or the family of an explicit name (N2, N4 -> ``N``; D2H2 -> ``DH``).  A 1-rank baseline is
-every strategy at once, so it starts every series.
+every strategy at once, so it starts every series.  The legend names a family series by
+its strategies as the results table does (``C2F2:w``, ``N2, N4``), never by the family key.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from cosmotrain.train.metrics import TIME_KEYS
 PHASE_COLOURS = {"compute": "#4c72b0", "halo": "#dd8452", "channel": "#8172b3",
                  "redistribution": "#c44e52", "allreduce": "#55a868",
                  "io_wait": "#937860", "other": "#8c8c8c"}
+HEADROOM = 1.12  # the breakdown's y-limit over its tallest bar
 
 
 def write_plots(doc: Mapping[str, Any], out: Path) -> list[Path]:
@@ -77,6 +79,15 @@ def series(points: Sequence[Mapping[str, Any]], base: Mapping[str, Any]
     return grouped
 
 
+def series_label(key: str, members: Sequence[Mapping[str, Any]]) -> str:
+    """A series' legend text: a template's name (``data``, ``spatial``, ``plan``), else the
+    strategy names of its points as the results table writes them (``C2F2:w``, never the
+    family key ``CF:w`` that groups them; ``N2, N4`` for a family of several)."""
+    if key in TEMPLATES:
+        return key
+    return ", ".join(dict.fromkeys(p["strategy"] for p in members if key in series_keys(p)))
+
+
 def _style(index: int) -> dict[str, Any]:
     """Series that share points (data and plan often do) stay visible: each later series
     is drawn thinner, with a smaller marker of another shape, on top of the earlier ones."""
@@ -103,7 +114,8 @@ def throughput_figure(doc: Mapping[str, Any], ok: Sequence[Mapping[str, Any]],
     ax = fig.subplots()
     for i, (key, members) in enumerate(series(ok, base).items()):
         ax.plot([p["ranks"] for p in members],
-                [p["measured"]["samples_per_s"] for p in members], label=key, **_style(i))
+                [p["measured"]["samples_per_s"] for p in members],
+                label=series_label(key, members), **_style(i))
     ranks = sorted({p["ranks"] for p in ok})
     ax.plot(ranks, [base["measured"]["samples_per_s"] * r / base["ranks"] for r in ranks],
             "k--", lw=1, label="ideal")
@@ -120,8 +132,8 @@ def scaling_figure(doc: Mapping[str, Any], ok: Sequence[Mapping[str, Any]],
     fig = Figure(figsize=(6.4, 4.4), layout="constrained")
     ax = fig.subplots()
     for i, (key, members) in enumerate(series(ok, base).items()):
-        ax.plot([p["ranks"] for p in members], [p[what] for p in members], label=key,
-                **_style(i))
+        ax.plot([p["ranks"] for p in members], [p[what] for p in members],
+                label=series_label(key, members), **_style(i))
     ranks = sorted({p["ranks"] for p in ok})
     ideal = [r / base["ranks"] for r in ranks] if what == "speedup" else [1.0] * len(ranks)
     ax.plot(ranks, ideal, "k--", lw=1, label="ideal")
@@ -147,12 +159,20 @@ def breakdown_figure(ok: Sequence[Mapping[str, Any]]) -> Figure:
             _stack(ax, x + shift, width, point["predicted"]["time_s"], label=False,
                    hatch="//", alpha=0.55)
     ax.set_xticks(range(len(ok)), [p["name"] for p in ok], rotation=30, ha="right")
+    ax.set_ylim(0, HEADROOM * max(_tallest(ok), 1e-12))
     ax.set_ylabel("seconds per step")
     ax.set_title("Time per step by phase" +
                  (" (left: measured, right hatched: predicted)" if predicted else ""))
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(True, axis="y", alpha=0.3)
     return fig
+
+
+def _tallest(ok: Sequence[Mapping[str, Any]]) -> float:
+    """The tallest stacked bar, measured or predicted (its zero-height phases stacked on
+    top pin matplotlib's autoscale to it, so the limit is set by hand with headroom)."""
+    return max(sum(float(v) for v in p[kind]["time_s"].values())
+               for p in ok for kind in ("measured", "predicted") if p.get(kind))
 
 
 def _stack(ax: Any, x: float, width: float, seconds: Mapping[str, float], label: bool,

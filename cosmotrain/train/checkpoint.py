@@ -40,7 +40,9 @@ and returns the newest one that verifies, already loaded.
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,15 +65,17 @@ DAMAGED_FIX = ("move it aside to use the checkpoint before it (train --resume sk
                "damaged checkpoints by itself)")
 
 Scalar = Union[bool, int, float, str]
+LOG = logging.getLogger(__name__)
 
 
 class DamagedCheckpoint(DataError):
     """A checkpoint that cannot be trusted: unreadable, truncated, not a checkpoint at all,
-    or failing a checksum.  ``problem`` says what failed, without the path."""
+    or failing a checksum.  ``problem`` says what failed, without the path; ``fix`` what to
+    do, by default what training does (``predict`` gives its own)."""
 
-    def __init__(self, path: object, problem: str) -> None:
+    def __init__(self, path: object, problem: str, fix: str = DAMAGED_FIX) -> None:
         self.problem = problem
-        super().__init__(path, problem, DAMAGED_FIX)
+        super().__init__(path, problem, fix)
 
 
 @dataclass
@@ -171,8 +175,11 @@ def save_checkpoint(directory: str | Path, state: CheckpointState,
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise WriteError(folder, err) from None
-    final = write_bytes_atomically(folder / checkpoint_name(state.step),
-                                   checkpoint_image(state))
+    started = time.perf_counter()
+    image = checkpoint_image(state)
+    final = write_bytes_atomically(folder / checkpoint_name(state.step), image)
+    LOG.debug("checkpoint %s written: %.2f MiB in %.2f s", final, image.nbytes / 2**20,
+              time.perf_counter() - started)
     _prune(folder, final, keep_last)
     return final
 
@@ -363,6 +370,7 @@ def _prune(folder: Path, newest: Path, keep_last: int | None) -> None:
         found = [p for s, p in list_checkpoints(folder) if s <= step]
         for old in found[:-keep_last]:
             if old != newest:
+                LOG.debug("checkpoint %s removed (train.keep_checkpoints: %d)", old, keep_last)
                 _unlink(old)
     for leftover in folder.glob(f"ckpt_step*.h5{TMP_SUFFIX}"):
         _unlink(leftover)

@@ -9,13 +9,15 @@ per split placed on this rank's input block.  Collective: every rank builds the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.comm.threads import job_threads
-from cosmotrain.config.layout import resolve_parallel
+from cosmotrain.config.layout import AXES, resolve_parallel
 from cosmotrain.config.schema import Config
 from cosmotrain.data import datagen
 from cosmotrain.data.manifest import Manifest
@@ -24,6 +26,8 @@ from cosmotrain.data.placement import BlockPlacement
 from cosmotrain.data.reader import Reader
 from cosmotrain.device.select import select_device
 from cosmotrain.train.step import HybridStep, hybrid_step_from_config, job_runtime
+
+LOG = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,22 +41,32 @@ class Job:
     manifest: Manifest
     readers: dict[str, Reader]
     out_dir: Path
+    notes: list[str] = field(default_factory=list)  # what rank 0 says of the set-up
 
     @property
     def rank(self) -> int:
         return self.comm.Get_rank()
 
 
-def ensure_synthetic_data(cfg: Config, comm: Any) -> None:
-    """Generate the built-in synthetic dataset under ``output.dir/data`` once (collective)."""
+def ensure_synthetic_data(cfg: Config, comm: Any) -> str | None:
+    """Generate the built-in synthetic dataset under ``output.dir/data`` once (collective);
+    returns a line saying what was generated, where and how long it took (None when the
+    dataset was already there or ``data.source`` is files)."""
     if cfg.data.source != "synthetic":
-        return
+        return None
     root = dataset_root(cfg)
     if (root / datagen.MANIFEST_NAME).is_file():
-        return
+        LOG.debug("synthetic dataset already in %s: not generated again", root)
+        return None
     syn = cfg.data.synthetic
-    datagen.generate_dataset(root, syn.samples, cfg.model.width, syn.seed,
-                             val_fraction=syn.val_fraction, comm=comm)
+    started = time.perf_counter()
+    manifest = datagen.generate_dataset(root, syn.samples, cfg.model.width, syn.seed,
+                                        val_fraction=syn.val_fraction, comm=comm)
+    counts = ", ".join(f"{split['count']} {name}" for name, split in
+                       manifest["splits"].items())
+    return (f"cosmotrain: generated {syn.samples} synthetic samples ({counts}, "
+            f"{cfg.model.width}^3, seed {syn.seed}) in {root} in "
+            f"{time.perf_counter() - started:.1f} s")
 
 
 def build_job(cfg: Config, comm: Any, splits: tuple[str, ...] | None = None,
@@ -66,8 +80,12 @@ def build_job(cfg: Config, comm: Any, splits: tuple[str, ...] | None = None,
     layout = resolve_parallel(cfg, comm.Get_size())
     device = select_device(cfg.device, comm)
     grid = ProcessGrid(comm, layout)
+    LOG.debug("layout %s on %d rank(s): this rank at %s; %s; %d BLAS thread(s)",
+              layout.describe(), comm.Get_size(),
+              " ".join(f"{axis}={at}" for axis, at in zip(AXES, grid.coords)),
+              device.describe(), threads.blas)
     out_dir = Path(cfg.output.dir)
-    ensure_synthetic_data(cfg, comm)
+    generated = ensure_synthetic_data(cfg, comm)
     step = hybrid_step_from_config(cfg, grid, job_runtime(cfg, grid, device, threads))
     manifest = open_dataset(cfg, comm)
     width = cfg.model.width
@@ -78,4 +96,5 @@ def build_job(cfg: Config, comm: Any, splits: tuple[str, ...] | None = None,
     shuffle = None if training else {split: False for split in splits or manifest.splits}
     readers = make_readers(cfg, manifest, comm, BlockPlacement.from_distribution(dist, coord),
                            splits, shuffle=shuffle)
-    return Job(cfg, comm, grid, step, manifest, readers, out_dir)
+    return Job(cfg, comm, grid, step, manifest, readers, out_dir,
+               [generated] if generated else [])

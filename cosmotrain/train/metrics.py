@@ -7,8 +7,15 @@ the documented schema (``docs/TRAINING.md`` shows example lines):
 - ``train``: the ``steps`` optimizer steps ending at ``step`` (steps completed, 1-based):
   mean loss, rate, throughput, the mean seconds per step by phase and each rank's memory
   high-water mark;
-- ``validation``: MSE and MAE overall and per target after epoch ``epoch`` (0-based);
+- ``validation``: MSE and MAE overall and per target of the parameters after ``step``;
 - ``summary``: the whole run, written once at the end.
+
+Every record's ``epoch`` is the epoch, counted from 1, that its ``step`` belongs to:
+``ceil(step / steps_per_epoch)`` (:func:`epoch_of`).  So a train record carries the epoch
+in progress (its last step included), a validation record the epoch just finished (or the
+one a run stopped within, for the validation at the end of such a run), and the summary
+the epoch of the run's last step.  Checkpoints count differently: their ``epoch`` is the
+number of epochs completed, what a resumed run starts from.
 
 Floats that are not finite (a diverged loss) are written as ``null``: strict JSON has no NaN.
 A resumed run drops the records after its checkpoint, so the file reads as one uninterrupted
@@ -131,6 +138,12 @@ def _is_type(value: Any, name: str) -> bool:
         return (isinstance(value, (int, float)) and not isinstance(value, bool)
                 and math.isfinite(value))
     return isinstance(value, {"string": str, "array": list, "object": Mapping}[name])
+
+
+def epoch_of(step: int, steps_per_epoch: int) -> int:
+    """The ``epoch`` of a record at ``step``: the epoch (from 1) that step belongs to,
+    0 before the first step."""
+    return -(-int(step) // int(steps_per_epoch))
 
 
 def finite_or_none(value: Any) -> float | None:

@@ -6,7 +6,8 @@ class) about the run as it happens:
 - ``run_start(run)``: set-up done, the first step about to run (a :class:`RunStart`);
 - ``epoch_start(epoch)`` / ``epoch_stop(epoch)``: ``epoch`` counts from 1 (the epoch in
   progress, or just finished); a resumed run starts with the epoch it resumes into;
-- ``eval_start(epoch)`` / ``eval_stop(epoch)``: around a validation pass;
+- ``eval_start(epoch)`` / ``eval_stop(epoch)``: around a validation pass (``epoch`` as in
+  its record: the epoch just finished, or the one a run stopped within validates at its end);
 - ``record(record)``: every record written to ``metrics.jsonl`` (train, validation,
   summary: ``train/metrics.py``), as it is written;
 - ``run_stop(summary)``: the run ended (``summary["stop_reason"]``), then ``close()``.
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from cosmotrain.config.schema import Config
+from cosmotrain.device.select import Device
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class RunStart:
     total_steps: int
     first_step: int  # 0, or the step a resumed run continues from
     resumed: bool
+    device: Device | None = None  # rank 0's: CPU or GPU, ranks sharing its GPU
 
 
 class Observer:
@@ -109,10 +112,25 @@ class Observers(Observer):
             member.close()
 
 
-def make_observers(cfg: Config, out_dir: Path, rank: int) -> Observer:
+def make_observers(cfg: Config, out_dir: Path, rank: int,
+                   started: float | None = None) -> Observer:
     """The observers ``cfg`` asks for on rank 0 (``output`` section); a silent one on the
-    other ranks and when none is asked for."""
+    other ranks and when none is asked for.  ``started``: when the job began
+    (``time.time()``; the MLPerf log's ``init_start``)."""
     members: list[Observer] = []
+    if cfg.output.mlperf_log:
+        from cosmotrain.train.mlperf_file import require_mllog
+        from cosmotrain.train.mlperf_log import MLPerfLogObserver
+
+        require_mllog()  # on every rank: a missing package stops the whole job
+        if rank == 0:
+            members.append(MLPerfLogObserver(cfg, out_dir, started))
+    if cfg.output.tensorboard:
+        from cosmotrain.train.tensorboard_log import TensorBoardLog, require_tensorboardx
+
+        require_tensorboardx()  # on every rank: a missing package stops the whole job
+        if rank == 0:
+            members.append(TensorBoardLog(out_dir))
     if rank != 0:
         return Observer()
     return Observers(members)

@@ -34,16 +34,19 @@ from cosmotrain.atomic import check_writable, write_hdf5_atomically
 from cosmotrain.config.load import config_from_mapping, parse_assignment
 from cosmotrain.config.layout import sample_groups
 from cosmotrain.config.schema import AUTO, Config
-from cosmotrain.data.manifest import Manifest
+from cosmotrain.data.manifest import Manifest, MissingSplit
 from cosmotrain.data.reader import Reader
 from cosmotrain.errors import UserError, WriteError
-from cosmotrain.train.checkpoint import CheckpointState, load_checkpoint
+from cosmotrain.train.checkpoint import CheckpointState, DamagedCheckpoint, load_checkpoint
 from cosmotrain.train.evaluate import Errors, predictions
 from cosmotrain.train.job import Job, build_job
 from cosmotrain.train.snapshot import restore
 
 FORMAT = "cosmotrain-predictions"
 PREDICT_DATA = {"source": "files", "reader": "direct", "shuffle": "global", "drop_last": False}
+NOT_A_CHECKPOINT_FIX = ("pass --checkpoint a ckpt_step*.h5 file written by cosmotrain train "
+                        "(under output.dir/checkpoints/; an older one there if this one is "
+                        "damaged)")
 
 
 @dataclass
@@ -94,9 +97,14 @@ def run_prediction(checkpoint: Path, data: Path, out: Path, comm: Any,
     Returns the results on rank 0, None elsewhere.
     """
     check_out_collectively(out, comm)
-    state = load_checkpoint(checkpoint)
+    state = load_predict_checkpoint(checkpoint)
     cfg = predict_config(state.config_yaml, data, list(overrides or []), comm.Get_size())
-    job = build_job(cfg, comm, tuple(splits) if splits else None, training=False)
+    try:
+        job = build_job(cfg, comm, tuple(splits) if splits else None, training=False)
+    except MissingSplit as err:
+        raise UserError(f"--split {err.split}: dataset '{err.root}' has no such split (its "
+                        f"splits: {err.listing}); pass one of them, or leave --split out to "
+                        f"predict every split") from None
     try:
         restore(job.step, state.params, state.buffers, {}, str(checkpoint))
         results = {split: collect(job, split, reader) for split, reader in job.readers.items()}
@@ -109,6 +117,15 @@ def run_prediction(checkpoint: Path, data: Path, out: Path, comm: Any,
     final = {split: result for split, result in results.items() if result is not None}
     write_predictions(out, final, state, checkpoint, cfg)
     return final
+
+
+def load_predict_checkpoint(checkpoint: Path) -> CheckpointState:
+    """:func:`load_checkpoint`, with advice for ``--checkpoint`` when the file is not an
+    intact checkpoint (training's advice is about ``--resume``)."""
+    try:
+        return load_checkpoint(checkpoint)
+    except DamagedCheckpoint as err:
+        raise DamagedCheckpoint(err.path, err.problem, NOT_A_CHECKPOINT_FIX) from None
 
 
 def check_out(out: Path) -> Path:

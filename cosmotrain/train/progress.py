@@ -5,7 +5,9 @@ The trainer hands over the same records it writes to ``metrics.jsonl``
 record and ``progress.finish(summary)`` at the end.  In a terminal the train records drive a
 Rich progress bar; when stdout is a pipe (``mpiexec``, ``srun``, batch logs) they become
 plain lines, about twenty over the run, so logs stay short and greppable.  Every other rank
-gets a silent instance, so the trainer calls it unconditionally.
+gets a silent instance, so the trainer calls it unconditionally.  The epoch shown is the
+record's own, counted from 1 (the epoch in progress; for validation, the epoch just
+finished): ``metrics.py`` states the convention.
 """
 
 from __future__ import annotations

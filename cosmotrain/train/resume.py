@@ -51,8 +51,9 @@ def find_resume_point(out_dir: str | Path, cfg: Config, comm: Any) -> ResumePoin
     diff = compare_for_resume(yaml.safe_load(state.config_yaml) or {}, config_to_dict(cfg))
     diff.raise_if_refused(path)
     notes += diff.allowed_lines()
-    notes.append(f"cosmotrain: resuming from {path} at step {state.step} (epoch "
-                 f"{state.epoch}, {state.samples_seen} samples seen)")
+    notes.append(f"cosmotrain: resuming from {path} at step {state.step} ({state.epoch} "
+                 f"epoch{'' if state.epoch == 1 else 's'} complete, {state.samples_seen} "
+                 f"samples seen)")
     return ResumePoint(path, state, notes)
 
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from cosmotrain.config.expand import PATH_KEYS  # compared normalised: runs/x/ == ./runs/x
 from cosmotrain.config.load import config_to_dict
 from cosmotrain.config.schema import Config
 from cosmotrain.errors import UserError
@@ -177,6 +178,12 @@ RULES: dict[str, Rule] = {
     # output: the checkpoint was found in the current output.dir, so a different saved
     # dir means the run directory was moved or copied (its synthetic data moved with it)
     "output.dir": _allow("the run directory moved"),
+    "output.tensorboard": _allow("a log of the run, not its trajectory"),
+    "output.mlperf_log": _allow("a log of the run, not its trajectory"),
+    "output.mlperf.org": _allow("what the MLPerf log reports, not the trajectory"),
+    "output.mlperf.division": _allow("what the MLPerf log reports, not the trajectory"),
+    "output.mlperf.status": _allow("what the MLPerf log reports, not the trajectory"),
+    "output.mlperf.platform": _allow("what the MLPerf log reports, not the trajectory"),
     # device: where and in which precision the same function is computed
     "device.backend": _allow("the device"),
     "device.precision": _allow("the device's arithmetic"),
@@ -187,9 +194,6 @@ RULES: dict[str, Rule] = {
 
 #: Keys found in no rule (a key the schema no longer declares) are refused.
 UNKNOWN = _refuse("not a key this version of cosmotrain knows")
-
-#: Path-valued keys: compared after normalisation (``runs/x/`` equals ``./runs/x``).
-PATH_KEYS = frozenset({"data.path", "data.stage_dir", "data.cache_dir", "output.dir"})
 
 
 def rule_for(key: str) -> Rule:

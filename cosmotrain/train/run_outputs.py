@@ -17,10 +17,11 @@ from cosmotrain.atomic import fsync_path
 from cosmotrain.train.checkpoint import CHECKPOINT_DIR, list_checkpoints
 from cosmotrain.train.metrics import METRICS_FILE
 from cosmotrain.train.rundir import RunDirError
+from cosmotrain.train.tensorboard_log import TENSORBOARD_DIR
 
 CONFIG_FILE = "config.yaml"
 #: a previous run's outputs, moved aside together by ``overwrite`` (in this order)
-RUN_OUTPUTS = (CHECKPOINT_DIR, METRICS_FILE, CONFIG_FILE)
+RUN_OUTPUTS = (CHECKPOINT_DIR, METRICS_FILE, CONFIG_FILE, TENSORBOARD_DIR)
 MODES = ("fresh", "resume", "overwrite")
 
 
@@ -71,10 +72,11 @@ def check_fresh_directory(out_dir: str | Path, mode: str, *, now: float | None =
     """Make sure a new run does not mix with another run's outputs in ``out_dir``.
 
     ``mode``: ``resume`` accepts anything; ``fresh`` raises :class:`RunDirError` when
-    ``out_dir`` holds a run; ``overwrite`` moves that run's checkpoints/, metrics.jsonl and
-    config.yaml into ``out_dir/previous-<timestamp>/`` and returns what it moved (None when
-    there was no run).  Other files and directories (``data/``) stay.  Call it holding the
-    :class:`RunLock`, before the new run writes anything (its config.yaml included).
+    ``out_dir`` holds a run; ``overwrite`` moves that run's checkpoints/, metrics.jsonl,
+    config.yaml and tensorboard/ into ``out_dir/previous-<timestamp>/`` and returns what
+    it moved (None when there was no run).  Other files and directories (``data/``) stay.
+    Call it holding the :class:`RunLock`, before the new run writes anything (its
+    config.yaml included).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,10 @@ from cosmotrain.config.schema import Config
 from cosmotrain.device.select import select_device
 from cosmotrain.errors import UserError
 from cosmotrain.layers.channel_conv import ChannelConv3d
-from cosmotrain.plan.planner import choose_parallel
+from cosmotrain.plan.planner import NodeLayout, choose_parallel
+from cosmotrain.comm import node_ranks
+from cosmotrain.comm.collective import on_root
+from cosmotrain.train.dry_run import layout_plan, memory_check
 from cosmotrain.config.load import save_resolved
 from cosmotrain.train.claim import Claim, claim_output_dir, move_aside_outputs
 from cosmotrain.train.guard import StopSignals
@@ -36,24 +40,26 @@ def run_training(cfg: Config, comm: Any, resume: bool = False, overwrite: bool =
     ``resume`` or ``overwrite``), and config.yaml is written only once the job is built
     and a resumed checkpoint has been checked against the config.
     """
+    started = time.time()  # the job's start, for the MLPerf log's init_start
     cfg, chosen = choose_parallel(cfg, comm, machine_path)
     mode = "resume" if resume else "overwrite" if overwrite else "fresh"
     claim = claim_output_dir(cfg.output.dir, comm, mode, job_id)
     try:
-        return _train_claimed(cfg, comm, mode, claim, chosen, before_step)
+        return _train_claimed(cfg, comm, mode, claim, chosen, before_step, started)
     finally:
         claim.release()
 
 
 def _train_claimed(cfg: Config, comm: Any, mode: str, claim: Claim, chosen: str | None,
-                   before_step: StepHook | None) -> dict[str, Any] | None:
+                   before_step: StepHook | None, started: float) -> dict[str, Any] | None:
     rank0 = comm.Get_rank() == 0
-    _say(rank0, [*claim.notes, *([chosen] if chosen else [])])
+    _say(rank0, [*claim.notes, *([chosen] if chosen else []), outputs_line(claim.out_dir)])
     point = find_resume_point(claim.out_dir, cfg, comm) if mode == "resume" else None
     resumed = point is not None and point.state is not None
     if point is not None:
         _say(rank0, point.notes)
     job = build_job(cfg, comm)
+    _say(rank0, job.notes)  # e.g. the synthetic dataset generated now
     if mode == "overwrite" or (point is not None and not resumed):
         # only now: a config that fails its checks moves nothing
         _say(rank0, move_aside_outputs(claim, comm))
@@ -62,7 +68,7 @@ def _train_claimed(cfg: Config, comm: Any, mode: str, claim: Claim, chosen: str 
                          f"checkpoints: starting afresh"])
     if job.step.device.is_gpu:
         _say(rank0, [f"device (rank 0): {job.step.device.describe()}"])
-    observer = make_observers(cfg, job.out_dir, comm.Get_rank())
+    observer = make_observers(cfg, job.out_dir, comm.Get_rank(), started)
     with StopSignals() as signals, _watchdog(cfg, comm) as watchdog, \
             contextlib.closing(observer):
         trainer = Trainer(job, signals, watchdog, before_step, observer)
@@ -76,7 +82,8 @@ def _train_claimed(cfg: Config, comm: Any, mode: str, claim: Claim, chosen: str 
                 return None
         summary = trainer.run(resumed)
     if rank0:
-        print(baseline_line(trainer.outcome.best_mae, trainer.outcome.baseline_mae))
+        print(baseline_line(trainer.outcome.best_mae, trainer.outcome.baseline_mae,
+                            no_validation_reason(cfg, trainer.val_reader is not None)))
         if summary["stop_reason"] == "interrupted":
             print(interrupted_line(signals, summary, trainer.last_checkpoint), flush=True)
     job.grid.free()
@@ -97,8 +104,13 @@ def _say(rank0: bool, lines: list[str]) -> None:
 
 def finished_line(step: int, epoch: int) -> str:
     """What ``--resume`` says of a run that had already reached its end."""
-    return (f"cosmotrain: the run already finished at step {step} (epoch {epoch}): nothing "
-            f"to do; raise train.epochs or train.max_steps to train further")
+    return (f"cosmotrain: the run already finished at step {step} ({epochs_complete(epoch)})"
+            f": nothing to do; raise train.epochs or train.max_steps to train further")
+
+
+def epochs_complete(epochs: int) -> str:
+    """A checkpoint's ``epoch`` (epochs completed) in words: ``2 epochs complete``."""
+    return f"{epochs} epoch{'' if epochs == 1 else 's'} complete"
 
 
 def interrupted_line(signals: StopSignals, summary: dict[str, Any],
@@ -110,19 +122,45 @@ def interrupted_line(signals: StopSignals, summary: dict[str, Any],
             f"command and --resume")
 
 
-def baseline_line(best: float | None, baseline: float | None) -> str:
-    """How the best validation MAE compares with predicting the training labels' mean."""
-    if best is None or not baseline:
-        return "no validation MAE (no validation split, or train.validate_every: 0)"
+def outputs_line(out_dir: Path) -> str:
+    """Where a run's outputs go, said once at the start."""
+    return (f"cosmotrain: outputs in {out_dir}/: metrics.jsonl, checkpoints/, config.yaml "
+            f"(output.dir)")
+
+
+def no_validation_reason(cfg: Config, has_validation: bool) -> str:
+    """Why a run that ended has no validation MAE (every run with a validation split
+    validates at its end, so only these remain)."""
+    if not has_validation:
+        return "the dataset has no validation split (or it is empty)"
+    if not cfg.train.validate_every:
+        return "train.validate_every is 0"
+    return "the run stopped before its first validation"
+
+
+def baseline_line(best: float | None, baseline: float | None, missing: str = "") -> str:
+    """How the best validation MAE compares with predicting the training labels' mean;
+    ``missing`` says why there is none (:func:`no_validation_reason`)."""
+    if best is None:
+        return f"no validation MAE: {missing or 'no validation ran'}"
+    if not baseline:
+        return f"best validation MAE {best:.4f} (the predict-the-mean baseline is 0)"
     return (f"best validation MAE {best:.4f} = {best / baseline:.2f} x the predict-the-mean "
             f"baseline ({baseline:.4f})")
 
 
-def describe_plan(cfg: Config, comm: Any, machine_path: Path | None = None) -> str:
-    """The run's plan without data: layout, spatial stop, channel algorithms, weights."""
-    cfg, chosen = choose_parallel(cfg, comm, machine_path)
-    layout = resolve_parallel(cfg, comm.Get_size())
+def describe_plan(cfg: Config, comm: Any, machine_path: Path | None = None,
+                  nodes: NodeLayout | None = None) -> str:
+    """The run's plan without data: layout, spatial stop, channel algorithms, weights, and
+    whether a step fits in memory (a user error when not: train/dry_run.py).  ``nodes``
+    (``--ranks`` / ``--ranks-per-node``) checks that job size from the model instead."""
+    cfg, chosen = choose_parallel(cfg, comm, machine_path, *(
+        (nodes.ranks, nodes.per_node) if nodes else ()))
     device = select_device(cfg.device, comm)
+    if nodes is not None:
+        return "\n".join(([chosen] if chosen else []) +
+                         on_root(comm, lambda: layout_plan(cfg, nodes, device)))
+    layout = resolve_parallel(cfg, comm.Get_size())
     grid = ProcessGrid(comm, layout)
     try:
         step = hybrid_step_from_config(cfg, grid, job_runtime(cfg, grid, device))
@@ -143,4 +181,6 @@ def describe_plan(cfg: Config, comm: Any, machine_path: Path | None = None) -> s
     if algorithms:
         lines.append("channel/filter algorithms: " + ", ".join(algorithms))
     grid.free()
+    job = NodeLayout(comm.Get_size(), node_ranks(comm), "this job's")
+    lines += on_root(comm, lambda: memory_check(cfg, layout, job, device))
     return "\n".join(lines)

@@ -106,7 +106,8 @@ def build_schedule(cfg: Config) -> LRSchedule:
 
 
 def parse_numbers(key: str, text: str) -> tuple[float, ...]:
-    """``'32, 64'`` -> ``(32.0, 64.0)``; the config loader has no list type, hence text."""
+    """``'32, 64'`` -> ``(32.0, 64.0)``: the key's stored text (the loader stores a YAML
+    list ``[32, 64]`` as ``'32,64'`` too, so configs and checkpoints hold one form)."""
     body = text.strip().removeprefix("[").removesuffix("]")
     values = []
     for item in (part.strip() for part in body.split(",")):

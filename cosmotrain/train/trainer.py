@@ -35,7 +35,7 @@ StepHook = Callable[[int, int], None]  # (rank, step about to run): the tests' f
 
 @dataclass
 class Position:
-    """Where a run stands: optimizer steps taken, the epoch, samples seen so far."""
+    """Where a run stands: optimizer steps taken, epochs completed, samples seen so far."""
 
     step: int = 0
     epoch: int = 0
@@ -79,11 +79,17 @@ class Trainer:
         self.total = self._total_steps()
         self.position = Position()
         self.outcome = Outcome()
+        self.validated_at: int | None = None  # the step of the last validation
 
     def _total_steps(self) -> int:
         total = self.cfg.train.epochs * self.per_epoch
         limit = self.cfg.train.max_steps
         return min(total, limit) if limit is not None else total
+
+    def epoch_of(self, step: int) -> int:
+        """The epoch, counted from 1, that step ``step`` belongs to: the ``epoch`` of a
+        metrics record (``metrics.epoch_of``)."""
+        return metrics.epoch_of(step, self.per_epoch)
 
     @property
     def finished(self) -> bool:
@@ -124,7 +130,7 @@ class Trainer:
         val = self.val_reader.count if self.val_reader is not None else 0
         return RunStart(self.cfg, job.out_dir, job.comm.Get_size(), _nodes(job.comm),
                         self.train_reader.count, val, self.per_epoch, self.total,
-                        self.position.step, resumed)
+                        self.position.step, resumed, job.step.device)
 
     def _loop(self, log: Any, progress: TrainProgress) -> None:
         pos = self.position
@@ -150,7 +156,18 @@ class Trainer:
                 self._checkpoint()
         self.outcome.reason = "max_steps" if pos.step < self.cfg.train.epochs * \
             self.per_epoch else "completed"
+        self._validate_at_end(log, progress)
         self._checkpoint()
+
+    def _validate_at_end(self, log: Any, progress: TrainProgress) -> None:
+        """Validate the final parameters unless the last validation saw them: a run that
+        ``train.max_steps`` stops within an epoch, or whose last epoch ``validate_every``
+        skips, still reports its validation error (``validate_every: 0`` means never)."""
+        if self.val_reader is None or not self.cfg.train.validate_every \
+                or self.validated_at == self.position.step:
+            return
+        self._require_finite()
+        self._validate(log, progress)
 
     def _train_step(self, pos: Position, index: int, log: Any,
                     progress: TrainProgress) -> bool:
@@ -177,7 +194,8 @@ class Trainer:
         if pos.step % self.cfg.train.log_every == 0 or pos.step == self.total \
                 or out.stop_requests:
             record = metrics.train_record(
-                step=pos.step, epoch=pos.epoch, samples=pos.samples, loss=out.loss, lr=lr,
+                step=pos.step, epoch=self.epoch_of(pos.step), samples=pos.samples,
+                loss=out.loss, lr=lr,
                 samples_per_s=len(batch.indices) / wall, time_s=times,
                 memory_hwm_mib=self._memory(), io=self._io())
             self._emit(record, log, progress)
@@ -200,14 +218,16 @@ class Trainer:
 
     def _validate(self, log: Any, progress: TrainProgress) -> Errors:
         started = time.perf_counter()
-        self.observer.eval_start(self.position.epoch)
+        step = self.validated_at = self.position.step
+        epoch = self.epoch_of(step)  # the epoch just finished, or stopped within
+        self.observer.eval_start(epoch)
         errors = evaluate(self.job.step, self.val_reader, self.cfg.model.outputs,
                           on_batch=self._beat)
-        self.observer.eval_stop(self.position.epoch)
+        self.observer.eval_stop(epoch)
         if self.outcome.best_mae is None or errors.mean_mae < self.outcome.best_mae:
-            self.outcome.best_mae, self.outcome.best_epoch = errors.mean_mae, self.position.epoch
+            self.outcome.best_mae, self.outcome.best_epoch = errors.mean_mae, epoch
         record = metrics.validation_record(
-            step=self.position.step, epoch=self.position.epoch, samples=errors.count,
+            step=step, epoch=epoch, samples=errors.count,
             mse_per_param=errors.mse.tolist(), mae_per_param=errors.mae.tolist(),
             wall_s=time.perf_counter() - started)
         self._emit(record, log, progress)
@@ -294,7 +314,7 @@ class Trainer:
     def _summary(self, wall: float) -> dict[str, Any]:
         pos, out = self.position, self.outcome
         return metrics.summary_record(
-            step=pos.step, epoch=pos.epoch, samples=pos.samples,
+            step=pos.step, epoch=self.epoch_of(pos.step), samples=pos.samples,
             ranks=self.job.comm.Get_size(), wall_s=wall,
             samples_per_s=(pos.samples - self._first_samples) / wall if wall > 0 else 0.0,
             final_loss=out.final_loss, best_mae=out.best_mae, best_mae_epoch=out.best_epoch,
