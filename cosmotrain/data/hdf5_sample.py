@@ -20,10 +20,10 @@ import numpy as np
 
 from cosmotrain.atomic import write_hdf5_atomically
 from cosmotrain.data.volume import (CHANNELS_LAST, DEFAULT_DTYPE, DEFAULT_LAYOUT, DTYPES,
-                                    NUM_CHANNELS, NUM_LABELS, Box, VolumeInfo, check_expected,
-                                    check_finite, check_layout, checked_labels, copy_block,
-                                    detect_layout, encode_counts, region, spatial_extent,
-                                    to_layout, volume_problem)
+                                    NUM_CHANNELS, NUM_LABELS, Box, SampleNames, VolumeInfo,
+                                    check_expected, check_finite, check_layout,
+                                    checked_labels, copy_block, detect_layout, encode_counts,
+                                    region, spatial_extent, to_layout, volume_problem)
 from cosmotrain.errors import DataError
 
 VOLUME_DATASET = "full"
@@ -34,17 +34,9 @@ FORMAT_HINT = (f"expected datasets '{VOLUME_DATASET}' ([W, W, W, 4] or [4, W, W,
                f"{' or '.join(DTYPES)}) and '{LABELS_DATASET}' (4 float32)")
 
 
-def is_sample_name(name: str) -> bool:
-    return name.endswith(SUFFIXES)
-
-
-def sample_name(stem: str) -> str:
-    return stem + SUFFIXES[0]
-
-
-def sample_stem(name: str) -> str:
-    """The sample's name without the format's suffix (``a.hdf5`` -> ``a``)."""
-    return next((name[:-len(s)] for s in SUFFIXES if name.endswith(s)), name)
+NAMES = SampleNames(SUFFIXES)
+is_sample_name, sample_name, sample_stem = (NAMES.is_sample_name, NAMES.sample_name,
+                                            NAMES.sample_stem)
 
 
 def write_sample(path: Path, volume_cdhw: np.ndarray, labels: np.ndarray, *,

@@ -19,10 +19,9 @@ import numpy as np
 
 from cosmotrain.atomic import write_bytes_atomically
 from cosmotrain.data.volume import (DEFAULT_DTYPE, DEFAULT_LAYOUT, DTYPES, LABEL_NAMES, NPY,
-                                    NUM_CHANNELS, VOLUME_NAMES,
-                                    Box, VolumeInfo, check_expected, check_finite,
-                                    checked_labels, copy_block, detect_layout, encode_counts,
-                                    to_layout, volume_problem)
+                                    NUM_CHANNELS, VOLUME_NAMES, Box, SampleNames, VolumeInfo,
+                                    check_expected, check_finite, checked_labels, copy_block,
+                                    detect_layout, encode_counts, to_layout, volume_problem)
 from cosmotrain.errors import DataError
 
 DATA_SUFFIX = "_data.npy"
@@ -35,18 +34,9 @@ _HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0,
                    (2, 0): np.lib.format.read_array_header_2_0}
 
 
-def is_sample_name(name: str) -> bool:
-    """A volume file of this format (the label file is found from it)."""
-    return name.endswith(DATA_SUFFIX)
-
-
-def sample_name(stem: str) -> str:
-    return stem + DATA_SUFFIX
-
-
-def sample_stem(name: str) -> str:
-    """The sample's name without the format's suffix (``a_data.npy`` -> ``a``)."""
-    return name[:-len(DATA_SUFFIX)] if name.endswith(DATA_SUFFIX) else Path(name).stem
+NAMES = SampleNames((DATA_SUFFIX,))  # the volume names the sample; its labels follow it
+is_sample_name, sample_name, sample_stem = (NAMES.is_sample_name, NAMES.sample_name,
+                                            NAMES.sample_stem)
 
 
 def label_path(data_path: Path) -> Path:

@@ -30,9 +30,9 @@ from cosmotrain.atomic import write_bytes_atomically
 from cosmotrain.data.tfrecord_codec import (FeatureValue, Record, TFRecordError, bytes_value,
                                             encode_example, float_values, frame_record,
                                             parse_record)
-from cosmotrain.data.volume import (CHANNELS_LAST, NUM_CHANNELS, TFRECORD, Box, VolumeInfo,
-                                    check_expected, checked_labels, copy_block, encode_counts,
-                                    to_layout)
+from cosmotrain.data.volume import (CHANNELS_LAST, NUM_CHANNELS, TFRECORD, Box, SampleNames,
+                                    VolumeInfo, check_expected, checked_labels, copy_block,
+                                    encode_counts, to_layout)
 from cosmotrain.errors import DataError, UserError
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -45,17 +45,9 @@ FORMAT_HINT = ("expected one TFRecord Example per file (plain or gzip) with feat
 GZIP_LEVEL = 6
 
 
-def is_sample_name(name: str) -> bool:
-    return name.endswith(SUFFIXES)
-
-
-def sample_name(stem: str) -> str:
-    return stem + SUFFIXES[0]
-
-
-def sample_stem(name: str) -> str:
-    """The sample's name without the format's suffix (``a.tfrecord`` -> ``a``)."""
-    return next((name[:-len(s)] for s in SUFFIXES if name.endswith(s)), name)
+NAMES = SampleNames(SUFFIXES)
+is_sample_name, sample_name, sample_stem = (NAMES.is_sample_name, NAMES.sample_name,
+                                            NAMES.sample_stem)
 
 
 def is_gzip(path: Path) -> bool:

@@ -106,6 +106,25 @@ def detect_layout(shape: tuple[int, ...], stored: object = None, name: str = "'f
 
 
 @dataclass(frozen=True)
+class SampleNames:
+    """How a format names its sample files: by suffix (``.hdf5``, ``.tfrecord``, ...)."""
+
+    suffixes: tuple[str, ...]
+
+    def is_sample_name(self, name: str) -> bool:
+        """A sample file of this format."""
+        return name.endswith(self.suffixes)
+
+    def sample_name(self, stem: str) -> str:
+        """The file name of sample ``stem`` (the first suffix)."""
+        return stem + self.suffixes[0]
+
+    def sample_stem(self, name: str) -> str:
+        """The sample's name without the format's suffix (``a.hdf5`` -> ``a``)."""
+        return next((name[:-len(s)] for s in self.suffixes if name.endswith(s)), name)
+
+
+@dataclass(frozen=True)
 class VolumeInfo:
     """What a dataset's volumes look like on disk: every file must match it."""
 
