@@ -174,8 +174,20 @@ def run_collectives(comm: Any, transport: DeviceBuffers, wrap: Any) -> dict[str,
     batch.start()
     (got,) = batch.wait()
     out["exchange"] = np.asarray(got).astype(np.float32)
+    partial = rng.normal(size=8)  # in place: rank r's sums at the start of its buffer
+    summed, blocking = wrap(partial.copy()), wrap(np.zeros(counts[rank]))
+    transport.wait([transport.ireduce_scatter(comm, summed, counts)])
+    transport.reduce_scatter(comm, wrap(partial.copy()), blocking, counts)
+    out["ireduce_scatter"] = np.asarray(summed[:counts[rank]])
+    out["ireduce_scatter as blocking"] = np.asarray(blocking)
+    gathered = wrap(np.zeros(8))  # in place: rank r's piece at its displacement
+    start = displacements(counts)[rank]
+    gathered[start:start + counts[rank]] = rank + 1.0
+    transport.wait([transport.iallgatherv(comm, gathered, counts)])
+    out["iallgatherv"] = np.asarray(gathered)
     out["device"] = np.array([isinstance(a, FakeDevice) for a in (recv, mine, incoming,
-                                                                  bucket, sums, got)])
+                                                                  bucket, sums, got,
+                                                                  summed, gathered)])
     return out
 
 
@@ -211,6 +223,10 @@ def test_staging_and_cuda_aware_paths_give_the_numpy_results() -> None:
     expected = run_collectives(world, DeviceBuffers(), np.array)
     halo = halo_round_trip(world, DeviceBuffers(), np.array)
     failures = []
+    if not np.array_equal(expected["ireduce_scatter"], expected["ireduce_scatter as blocking"]):
+        failures.append("in-place ireduce_scatter differs from reduce_scatter")
+    if not np.array_equal(expected["iallgatherv"], [1, 1, 1, 2, 2, 2, 2, 2]):
+        failures.append(f"in-place iallgatherv gave {expected['iallgatherv']}")
     for mode in ("staging", "cuda-aware"):
         ops = FakeOps()
         transport = DeviceBuffers(mode, ops)

@@ -68,7 +68,7 @@ def test_plan_ranks_applies_and_auto_uses_it(machine_file: Path, tmp_path: Path)
     best = report["strategies"][0]
     applied = load_config(out)
     assert yaml.safe_load(out.read_text())["parallel"] == best["parallel"] | {
-        "bn_statistics": "global", "bucket_mb": 25.0}
+        "bn_statistics": "global", "bucket_mb": 25.0, "shard_optimizer": False}
     assert applied.model.name == "tiny"
     auto = run("train", *sets(*TINY, "parallel=auto", f"parallel.machine={machine_file}"),
                "--dry-run", ranks=4)

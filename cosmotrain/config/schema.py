@@ -130,6 +130,12 @@ class ParallelConfig:
                               "(local)", choices=("global", "local"))
     bucket_mb: float = spec(25.0, "size of the gradient allreduce buckets (MiB)",
                             minimum=0.0)
+    shard_optimizer: bool = spec(False, "ZeRO-style sharding: each rank keeps the optimizer "
+                                 "state (momentum, Adam moments) of only its 1/R of the "
+                                 "parameters its R replicas share, gradients are "
+                                 "reduce-scattered and the updated parameters all-gathered "
+                                 "(docs/PARALLELISM.md): the unsharded results, to float "
+                                 "rounding, with less memory per rank")
     auto: bool = spec(False, "let the planner choose sample, channel, filter, depth, height, "
                       "width and the channel algorithm at start-up (cosmotrain plan); "
                       "`parallel: auto` is short for `parallel: {auto: true}`")

@@ -146,6 +146,6 @@ def predict(work: Workload, machine: MachineModel, ranks_per_node: int | None = 
             cost *= 1.0 - machine.overlap
         seconds[phase] += cost
     seconds["other"] = slow * (
-        machine.element_time.get("optimizer", 0.0) * work.params_held +
+        machine.element_time.get("optimizer", 0.0) * work.state_held +
         machine.element_time.get("input", 0.0) * work.input_elements)
     return Prediction(work.strategy, work.batch, seconds)

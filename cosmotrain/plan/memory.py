@@ -80,12 +80,13 @@ def workload_memory(work: Workload) -> float:
 def rank_memory(work: Workload) -> RankMemory:
     """The peak of the busiest rank of ``work``, by part.
 
-    Parameters, gradients and optimizer state of what it holds; the input block; what the
+    Parameters, gradients and optimizer state of what it holds (the state of 1/R of each
+    group's parameters under ``parallel.shard_optimizer``); the input block; what the
     layers save for backward on their local shapes (a convolution's saved input includes
     its halo margins); the largest gradient pair alive in backward; the all-gathered input
     of a channel-split convolution is counted as its saved input.
     """
-    held = FLOAT * work.params_held * (2 + work.optimizer_slots)
+    held = FLOAT * (2 * work.params_held + work.optimizer_slots * work.state_held)
     saved = 0.0
     for layer in work.layers:
         margins = sum(t.elements for t in layer.transfers if t.kind == "halo") / \

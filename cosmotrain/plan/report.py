@@ -57,7 +57,7 @@ def write_applied(cfg: Config, strategy: Any, path: Path) -> Path:
 
     data = config_to_dict(cfg)
     kept = {k: v for k, v in data["parallel"].items()
-            if k in ("bn_statistics", "bucket_mb")}
+            if k in ("bn_statistics", "bucket_mb", "shard_optimizer")}
     data["parallel"] = {**strategy.parallel_section(), **kept}
     text = yaml.safe_dump(data, sort_keys=False)
     path = Path(path)

@@ -106,6 +106,7 @@ class Workload:
     params_held: int = 0
     params_total: int = 0
     optimizer_slots: int = 2
+    state_held: int = 0  # elements of each optimizer slot held (params_held unless sharded)
     input_elements: int = 0
 
     @property
@@ -150,7 +151,8 @@ def build_workload(cfg: Config, strategy: Layout, model: Sequential | None = Non
                     input_elements=_ceil_div(batch, strategy.sample) * _fine(
                         cfg.model.channels, strategy.group) * _block_volume(shape, strategy))
     work.redistribution = _to_samples(head_in, strategy) if stop else []
-    _add_parameters(work, model, stop, strategy, cfg.parallel.bucket_mb)
+    _add_parameters(work, model, stop, strategy, cfg.parallel.bucket_mb,
+                    cfg.parallel.shard_optimizer)
     return work
 
 
@@ -248,8 +250,12 @@ def _to_samples(shape: tuple[int, ...], s: Layout) -> list[Transfer]:
 
 
 def _add_parameters(work: Workload, model: Sequential, stop: int, s: Layout,
-                    bucket_mb: float) -> None:
-    """Parameters held per rank and the gradient allreduces (bucketed, per group)."""
+                    bucket_mb: float, shard: bool = False) -> None:
+    """Parameters held per rank and the gradient allreduces (bucketed, per group).
+
+    ``shard`` (``parallel.shard_optimizer``): each rank keeps the optimizer state of 1/R
+    of a group's parameters; its reduce-scatter and all-gather move what the allreduce
+    moves, so the transfers are priced as one allreduce."""
     block_params = sum(p.data.size for item in model.items[:stop]
                        for _, p in item.named_parameters())
     head_params = sum(p.data.size for item in model.items[stop:]
@@ -263,6 +269,8 @@ def _add_parameters(work: Workload, model: Sequential, stop: int, s: Layout,
     groups = [(s.size // s.group, held_blocks, block_params * (s.size // s.group)),
               (s.size, head_params, head_params * s.size)] if split else \
         [(s.size, block_params + head_params, (block_params + head_params) * s.size)]
+    work.state_held = sum(math.ceil(elements / ranks) if shard else elements
+                          for ranks, elements, _ in groups)
     for ranks, elements, total in groups:
         if ranks > 1 and elements:
             calls = max(1, math.ceil(elements / bucket))

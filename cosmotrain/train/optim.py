@@ -3,7 +3,9 @@
 State is kept per parameter *name*, so a checkpoint stores it under the same keys as the
 parameters and a distributed run can keep only the state of the blocks it owns.  Weight
 decay is L2 (added to the gradient), as in ``torch.optim.SGD`` / ``torch.optim.Adam``.
-Updates are in place and in the parameter's dtype (float32).
+Updates are in place and in the parameter's dtype (float32), and element-wise: applied
+to a contiguous piece of a parameter (:meth:`Optimizer.apply`, the sharded optimizer of
+``train/optim_shards.py``) they give that piece of the whole update, bit for bit.
 """
 
 from __future__ import annotations
@@ -30,14 +32,18 @@ class Optimizer:
         """Apply one update to every parameter that has a gradient."""
         rate = self.lr if lr is None else lr
         for name, param in params:
-            if param.grad is None:
-                continue
-            grad = param.grad
-            if self.weight_decay:
-                grad = grad + param.data * param.data.dtype.type(self.weight_decay)
-            self.update(name, param, grad, rate)
+            if param.grad is not None:
+                self.apply(name, param.data, param.grad, rate)
 
-    def update(self, name: str, param: Parameter, grad: Any, lr: float) -> None:
+    def apply(self, name: str, data: Any, grad: Any, lr: float) -> None:
+        """Update ``data`` (the parameter ``name``, or a piece of it, flat) in place from
+        its gradient ``grad``: weight decay, then the rule; the state slots take the shape
+        of ``data``."""
+        if self.weight_decay:
+            grad = grad + data * data.dtype.type(self.weight_decay)
+        self.update(name, data, grad, lr)
+
+    def update(self, name: str, data: Any, grad: Any, lr: float) -> None:
         raise NotImplementedError
 
     @staticmethod
@@ -50,7 +56,7 @@ class Optimizer:
 class SGD(Optimizer):
     momentum: float = 0.9
 
-    def update(self, name: str, param: Parameter, grad: Any, lr: float) -> None:
+    def update(self, name: str, data: Any, grad: Any, lr: float) -> None:
         if self.momentum:
             slot = self.state.setdefault(name, {})
             if "momentum_buffer" not in slot:
@@ -60,7 +66,7 @@ class SGD(Optimizer):
                 buf *= buf.dtype.type(self.momentum)
                 buf += grad
             grad = slot["momentum_buffer"]
-        param.data -= grad * param.data.dtype.type(lr)
+        data -= grad * data.dtype.type(lr)
 
 
 @dataclass
@@ -69,13 +75,13 @@ class Adam(Optimizer):
     beta2: float = 0.999
     eps: float = 1e-8
 
-    def update(self, name: str, param: Parameter, grad: Any, lr: float) -> None:
-        xp = array_module(param.data)
-        slot = self.state.setdefault(name, {"step": 0, "exp_avg": xp.zeros_like(param.data),
-                                            "exp_avg_sq": xp.zeros_like(param.data)})
+    def update(self, name: str, data: Any, grad: Any, lr: float) -> None:
+        xp = array_module(data)
+        slot = self.state.setdefault(name, {"step": 0, "exp_avg": xp.zeros_like(data),
+                                            "exp_avg_sq": xp.zeros_like(data)})
         slot["step"] += 1
         t = slot["step"]
-        dtype = param.data.dtype.type
+        dtype = data.dtype.type
         m, v = slot["exp_avg"], slot["exp_avg_sq"]
         # One scratch array of the parameter's size, the operations in torch's order.
         scratch = grad * dtype(1 - self.beta1)
@@ -91,7 +97,7 @@ class Adam(Optimizer):
         scratch += dtype(self.eps)
         xp.divide(m, scratch, out=scratch)
         scratch *= dtype(step_size)
-        param.data -= scratch
+        data -= scratch
 
 
 def build_optimizer(cfg: OptimizerConfig) -> Optimizer:

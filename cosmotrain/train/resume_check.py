@@ -147,6 +147,8 @@ RULES: dict[str, Rule] = {
     "parallel.bn_statistics": _refuse("changes what batch normalisation computes",
                                       _BATCHNORM, "model.batchnorm is off"),
     "parallel.bucket_mb": _allow(_LAYOUT),
+    "parallel.shard_optimizer": _allow("a checkpoint holds the full, unsharded optimizer "
+                                       "state: any sharding resumes from any other"),
     "parallel.auto": _allow(_LAYOUT),
     "parallel.machine": _allow(_LAYOUT),
     # train

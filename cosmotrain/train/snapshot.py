@@ -6,6 +6,11 @@ layout (collective over the channel/filter group, assembled on one rank only; th
 groups hold replicas and skip it), so a checkpoint does not depend on the layout it was written under;
 :func:`restore` cuts a checkpoint's arrays back into this rank's blocks under *any*
 layout, which is what lets ``--resume`` change the strategy or the rank count.
+
+A sharded optimizer (``parallel.shard_optimizer``) holds only a piece of each block's
+state per rank: :func:`optimizer_blocks` first reassembles the blocks (collective over
+every rank), and :func:`restore` cuts them to the pieces again, so the checkpoint is the
+unsharded run's and any sharding resumes from any other.
 """
 
 from __future__ import annotations
@@ -20,15 +25,33 @@ from cosmotrain.layers.shards import Shard, gather_full
 from cosmotrain.train.step import HybridStep
 
 
-def full_state(step: HybridStep, root: int = 0) -> tuple[dict, dict, dict] | None:
+def optimizer_blocks(step: HybridStep) -> dict[str, dict[str, Any]]:
+    """The optimizer state in this rank's parameter blocks: the state itself, or under a
+    sharded optimizer the blocks reassembled from the pieces (collective over every rank;
+    complete on the ranks :func:`full_state` needs, rank 0 of each replica group)."""
+    if step.shards is None:
+        return step.optimizer.state
+    return step.shards.gather(step.optimizer.state)
+
+
+def full_state(step: HybridStep, root: int = 0, optimizer: dict | None = None
+               ) -> tuple[dict, dict, dict] | None:
     """``(params, buffers, optimizer state)`` as full host arrays on the channel/filter
-    group's rank ``root`` (collective over the group; None on its other ranks)."""
+    group's rank ``root`` (collective over the group; None on its other ranks).
+
+    ``optimizer``: :func:`optimizer_blocks`, which a sharded optimizer needs gathered on
+    every rank first; None takes the step's (unsharded) state."""
+    if optimizer is None:
+        if step.shards is not None:
+            raise RuntimeError("a sharded optimizer's state must be gathered first: pass "
+                               "optimizer=optimizer_blocks(step), called on every rank")
+        optimizer = step.optimizer.state
     model, group = step.model, step.grid.group_comms["channel_filter"]
     params = model.full_parameters(root)
     buffers = model.full_buffers(root)
     shards = {name: p.shard for name, p in model.named_parameters()}
     items, scalars = [], {}
-    for name, slots in step.optimizer.state.items():
+    for name, slots in optimizer.items():
         for key, value in slots.items():
             if np.ndim(value):
                 items.append((f"{name}\0{key}", value, shards.get(name)))
@@ -61,11 +84,11 @@ def restore(step: HybridStep, params: dict, buffers: dict, optimizer: dict,
             if np.ndim(value) else type(current)(value)
     placed = {name: (p.shard, p.shard.global_shape if p.shard is not None else p.shape,
                      array_module(p.data)) for name, p in model.named_parameters()}
-    step.optimizer.state = {
-        name: {key: placed[name][2].asarray(_block(value, *placed[name][:2],
-                                                   f"{name}.{key}", source))
-               if np.ndim(value) else value for key, value in slots.items()}
-        for name, slots in optimizer.items() if name in placed}
+    state = {name: {key: placed[name][2].asarray(_block(value, *placed[name][:2],
+                                                        f"{name}.{key}", source))
+                    if np.ndim(value) else value for key, value in slots.items()}
+             for name, slots in optimizer.items() if name in placed}
+    step.optimizer.state = state if step.shards is None else step.shards.cut(state)
 
 
 def _need(arrays: dict, name: str, source: str) -> Any:

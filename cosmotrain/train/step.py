@@ -30,6 +30,7 @@ from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.train.grad_sync import GradientReducer
 from cosmotrain.train.optim import Optimizer, build_optimizer
+from cosmotrain.train.optim_shards import OptimizerShards
 
 
 @dataclass
@@ -54,7 +55,9 @@ class StepOutput:
 
 @dataclass
 class HybridStep:
-    """A distributed model with its optimizer and gradient reducer."""
+    """A distributed model with its optimizer and gradient reducer; ``shards`` when the
+    optimizer state is sharded over each parameter's replicas (``parallel.shard_optimizer``,
+    the reducer then reduce-scatters)."""
 
     model: HybridModel
     optimizer: Optimizer
@@ -62,6 +65,7 @@ class HybridStep:
     loss: str = "mse"
     device: Device = field(default_factory=Device)
     gradients_bad: bool = False  # this rank's last gradients held NaN/Inf (not yet agreed)
+    shards: OptimizerShards | None = None
 
     @property
     def grid(self) -> ProcessGrid:
@@ -83,7 +87,9 @@ class HybridStep:
 
     def gradients(self, x: DistTensor, targets: Any, ctx: Context, stop: bool = False
                   ) -> StepOutput:
-        """Forward and backward; afterwards every ``param.grad`` is the full gradient.
+        """Forward and backward; afterwards every ``param.grad`` is the full gradient
+        (with ``shards``: this rank holds its shard of each bucket's reduced gradient,
+        ``Bucket.shard``, and the gradients of unbucketed parameters).
 
         ``stop`` (this rank received a stop signal) and the verdict on the previous
         step's gradients ride in the loss allreduce.  When the loss or those gradients are
@@ -102,17 +108,20 @@ class HybridStep:
             return out
         self.model.backward(dpred, ctx)
         self.reducer.finish()
-        self.gradients_bad = not all_finite(
-            p.grad for _, p in self.model.named_parameters())
+        self.gradients_bad = not all_finite(self.reducer.reduced_gradients(
+            p for _, p in self.model.named_parameters()))
         return out
 
     def update(self, lr: float | None = None) -> None:
         """Apply the optimizer and clear the gradients.
 
-        A rank whose gradients are non-finite keeps its parameters: the next step's loss
-        allreduce tells every rank, and the run stops before anything is stored."""
+        A rank whose gradients are non-finite keeps its parameters (sharded: its shards
+        of them): the next step's loss allreduce tells every rank, and the run stops
+        before anything is stored."""
         params = list(self.model.named_parameters())
-        if not self.gradients_bad:
+        if self.shards is not None:
+            self.shards.step(self.optimizer, params, lr, skip=self.gradients_bad)
+        elif not self.gradients_bad:
             self.optimizer.step(params, lr)
         self.optimizer.zero_grad(params)
 
@@ -171,8 +180,11 @@ def hybrid_step_from_config(cfg: Config, grid: ProcessGrid,
     hybrid = build_hybrid(model, grid, shape, par.bn_statistics, par.spatial_until,
                           par.channel_algorithm, par.layers, runtime=runtime)
     place_model(hybrid, device)
-    reducer = GradientReducer(runtime.timers, par.bucket_mb, transport=runtime.transport)
-    return HybridStep(hybrid, build_optimizer(cfg.optimizer), reducer, device=device)
+    reducer = GradientReducer(runtime.timers, par.bucket_mb, transport=runtime.transport,
+                              shard=par.shard_optimizer)
+    shards = OptimizerShards(hybrid, reducer) if par.shard_optimizer else None
+    return HybridStep(hybrid, build_optimizer(cfg.optimizer), reducer, device=device,
+                      shards=shards)
 
 
 def _default_device(cfg: DeviceConfig, grid: ProcessGrid) -> Device:

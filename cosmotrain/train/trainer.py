@@ -28,7 +28,7 @@ from cosmotrain.train.job import Job
 from cosmotrain.train.observers import Observer, RunStart
 from cosmotrain.train.progress import TrainProgress
 from cosmotrain.train.schedule import build_schedule
-from cosmotrain.train.snapshot import full_state, restore
+from cosmotrain.train.snapshot import full_state, optimizer_blocks, restore
 
 StepHook = Callable[[int, int], None]  # (rank, step about to run): the tests' fault hook
 
@@ -264,9 +264,10 @@ class Trainer:
 
     def _write_checkpoint(self) -> None:
         job, pos = self.job, self.position
+        optimizer = optimizer_blocks(job.step)  # collective when the state is sharded
         if job.grid.group_comms["data"].Get_rank() != 0:  # not rank 0's group
             return
-        gathered = full_state(job.step, root=0)
+        gathered = full_state(job.step, root=0, optimizer=optimizer)
         if job.rank != 0:
             return
         params, buffers, optimizer = gathered

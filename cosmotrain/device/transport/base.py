@@ -1,7 +1,8 @@
 """What every transport shares: the numpy path, the interface, point-to-point batches.
 
 :class:`Transport` is the interface the engine calls (``allreduce``, ``iallreduce`` /
-``wait``, ``allgatherv``, ``reduce_scatter``, ``alltoallv``, ``exchange``, ``prepare``).
+``wait``, ``allgatherv``, ``reduce_scatter``, their in-place non-blocking forms
+``ireduce_scatter`` / ``iallgatherv``, ``alltoallv``, ``exchange``, ``prepare``).
 numpy arrays always take the plain mpi4py call on the arrays themselves (no copy, only a
 type check added), in every transport; device arrays go to the ``_device_*`` hooks that
 each transport module implements.  bfloat16 travels as its 16-bit patterns (MPI has no
@@ -241,6 +242,42 @@ class Transport:
                 self.ops.to_device(host, array)
                 hosts.append(host)
         self.retire(hosts)
+
+    def ireduce_scatter(self, comm: Any, array: Any, counts: Sequence[int]) -> Pending:
+        """Start an in-place sum of ``array`` (contiguous, ``sum(counts)`` elements) over
+        ``comm`` of which rank ``r`` keeps its ``counts[r]`` elements, at the *start* of
+        its ``array`` (MPI's in-place reduce-scatter; the rest is left undefined);
+        :meth:`wait`.  Device arrays are reduced before it returns (blocking)."""
+        reducible(array)
+        if not self.on_device(array):
+            MPI = mpi()
+            return comm.Ireduce_scatter(MPI.IN_PLACE, array, list(counts), op=MPI.SUM), \
+                None, None
+        mine = self.ops.empty((counts[comm.Get_rank()],), array.dtype)
+        self._device_reduce_scatter(comm, array, mine, counts)
+        self.ops.copy(mine, array[:mine.size])
+        return None, None, None
+
+    def iallgatherv(self, comm: Any, array: Any, counts: Sequence[int]) -> Pending:
+        """Start an in-place all-gather: rank ``r``'s ``counts[r]`` elements, at their place
+        in ``array`` (``displacements(counts)[r]``), reach every rank's ``array``;
+        :meth:`wait`.  Device arrays are gathered before it returns (blocking)."""
+        if not self.on_device(array):
+            MPI = mpi()
+            spec = [copyable(array), (list(counts), displacements(counts))]
+            return comm.Iallgatherv(MPI.IN_PLACE, spec), None, None
+        start = displacements(counts)[comm.Get_rank()]
+        mine = self.ops.empty((counts[comm.Get_rank()],), array.dtype)
+        self.ops.copy(array[start:start + mine.size], mine)
+        self._device_allgatherv(comm, mine, array, counts)
+        return None, None, None
+
+    @staticmethod
+    def test(pending: Pending) -> bool:
+        """Whether a pending operation has completed (lets MPI progress; :meth:`wait`
+        still has to finish it)."""
+        request = pending[0]
+        return request is None or request.Test()
 
     def allgatherv(self, comm: Any, send: Any, recv: Any, counts: Sequence[int]) -> None:
         """Rank ``r``'s ``counts[r]`` elements of ``send``, concatenated into ``recv``."""
