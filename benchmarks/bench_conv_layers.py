@@ -1,15 +1,25 @@
-"""Per-layer timings of the CPU conv3d and avg-pool kernels on the CosmoFlow network.
+"""Per-layer timings of the CPU kernels of CosmoFlow's networks against PyTorch.
 
-Times forward, data gradient (dgrad) and filter gradient (wgrad) of each convolution of
-the default ``cosmoflow`` model (k3 p1, no bias; W=128: 4->16 on 128^3, 16->32 on 64^3,
-32->64 on 32^3, 64->128 stride 2 on 16^3, 128->256 on 4^3) and its k3 s2 p1 average
-pools, for cosmotrain and, when installed, PyTorch in the same process with the same
-thread count.  Both allocate their outputs on every call.  Each figure is the best of
-``--repeat`` interleaved rounds.  On Linux each run starts at a quiet moment and is
-repeated when another process used the CPU meanwhile (``/proc/stat``; the reference box
-is shared); ``--any-load`` turns that off.
+``--model cosmoflow`` (default): forward, data gradient (dgrad) and filter gradient
+(wgrad) of each convolution of the paper network (k3 p1, no bias; W=128: 4->16 on 128^3,
+16->32 on 64^3, 32->64 on 32^3, 64->128 stride 2 on 16^3, 128->256 on 4^3) and its k3 s2
+p1 average pools.  ``--model cosmoflow-mlperf``: every layer of the MLPerf network's five
+blocks (conv k3 p1 with bias, 32..512 filters -> LeakyReLU(0.3) -> max-pool 2), each
+kernel as the training step calls it: conv forward with its bias add, dgrad, wgrad with
+the bias gradient, LeakyReLU (in place here, out of place in PyTorch, as in its
+``nn.LeakyReLU``) and max pooling with its argmax, forward and backward.  PyTorch, when
+installed, runs the same calls in the same process with the same thread count (its conv
+backward through ``aten.convolution_backward``, what autograd calls).  Both allocate
+their outputs on every call.
 
-    python benchmarks/bench_conv_layers.py [--width 128] [--batch 1] [--repeat 5]
+Rounds interleave every kernel of a layer, ours and PyTorch's; ``--stat best`` (default)
+shows the best round, ``--stat median`` the median.  On Linux each run starts at a quiet
+moment and is repeated when another process used the CPU meanwhile (``/proc/stat``; the
+reference box is shared); ``--any-load`` turns that off.  ``--reuse-freed-memory``: see
+``heap_reuse.py`` (the outputs allocated on every call then reuse mapped pages).
+
+    python benchmarks/bench_conv_layers.py [--model cosmoflow] [--width 128] [--batch 1]
+        [--repeat 5] [--stat best|median] [--any-load] [--reuse-freed-memory]
 """
 
 from __future__ import annotations
@@ -17,15 +27,21 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from heap_reuse import reuse_freed_memory
+
 from cosmotrain.kernels import _parallel
+from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
 from cosmotrain.kernels.conv3d import (conv3d_backward_data, conv3d_backward_filter,
                                        conv3d_forward)
-from cosmotrain.kernels.pool3d import avg_pool3d_backward, avg_pool3d_forward
+from cosmotrain.kernels.pool3d import (avg_pool3d_backward, avg_pool3d_forward,
+                                       max_pool3d_backward, max_pool3d_forward)
+from cosmotrain.nn.layers import channel_sums
 
 try:
     import torch
@@ -33,11 +49,17 @@ except ImportError:  # the torch columns are left out
     torch = None
 
 # name, in channels, out channels, input size as a fraction of W, stride
-CONVS = [("conv1", 4, 16, 1, 1), ("conv2", 16, 32, 2, 1), ("conv3", 32, 64, 4, 1),
-         ("conv4", 64, 128, 8, 2), ("conv5", 128, 256, 32, 1)]
+CONVS = {"cosmoflow": [("conv1", 4, 16, 1, 1), ("conv2", 16, 32, 2, 1), ("conv3", 32, 64, 4, 1),
+                       ("conv4", 64, 128, 8, 2), ("conv5", 128, 256, 32, 1)],
+         "cosmoflow-mlperf": [("conv1", 4, 32, 1, 1), ("conv2", 32, 64, 2, 1),
+                              ("conv3", 64, 128, 4, 1), ("conv4", 128, 256, 8, 1),
+                              ("conv5", 256, 512, 16, 1)]}
 # name, channels, input size as a fraction of W (the pool after each conv)
 POOLS = [("pool1", 16, 1), ("pool2", 32, 2), ("pool3", 64, 4), ("pool4", 128, 16),
          ("pool5", 256, 32)]
+MLPERF_SLOPE = 0.3
+
+Fns = Dict[str, Callable[[], object]]
 
 
 class _OtherLoad:
@@ -69,19 +91,19 @@ class _OtherLoad:
                 return
 
 
-def best_of(fns: Dict[str, Callable[[], object]], repeat: int,
-            exclusive: bool) -> Dict[str, float]:
-    """Best wall time of each function, the functions interleaved round by round.
+def timings(fns: Dict, repeat: int, exclusive: bool) -> Dict[object, List[float]]:
+    """Wall times of each function over ``repeat`` rounds, the functions interleaved.
 
     With ``exclusive`` a run during which other processes used the CPU is repeated after a
-    quiet moment (up to 3 times; the best run is kept either way).
+    quiet moment (up to 3 times; the fastest attempt is kept either way).
     """
     for fn in fns.values():
         fn()  # warm-up: thread pools, scratch buffers
-    best = {name: float("inf") for name in fns}
+    times: Dict[object, List[float]] = {name: [] for name in fns}
     ticks = os.sysconf("SC_CLK_TCK") if _OtherLoad.enabled else 0
     for _ in range(repeat):
         for name, fn in fns.items():
+            best = float("inf")
             for _attempt in range(4 if exclusive else 1):
                 if exclusive:
                     _OtherLoad.wait_quiet()
@@ -89,32 +111,47 @@ def best_of(fns: Dict[str, Callable[[], object]], repeat: int,
                 with _OtherLoad() as load:
                     t0 = time.perf_counter()
                     fn()
-                    elapsed = time.perf_counter() - t0
-                best[name] = min(best[name], elapsed)
-                if load.used <= 1 + 0.05 * elapsed * ticks:
+                    best = min(best, time.perf_counter() - t0)
+                if load.used <= 1 + 0.05 * best * ticks:
                     break
-    return best
+            times[name].append(best)
+    return times
 
 
-def conv_cases(c: int, f: int, size: int, stride: int, batch: int, rng):
+def conv_cases(c: int, f: int, size: int, stride: int, batch: int, bias: bool, rng):
     x = rng.standard_normal((batch, c, size, size, size), dtype=np.float32)
     w = rng.standard_normal((f, c, 3, 3, 3), dtype=np.float32) * 0.1
+    b = rng.standard_normal(f, dtype=np.float32) if bias else None
     y = conv3d_forward(x, w, stride, 1)
     dy = rng.standard_normal(y.shape, dtype=np.float32)
-    ours = {"fwd": lambda: conv3d_forward(x, w, stride, 1),
-            "dgrad": lambda: conv3d_backward_data(dy, w, x.shape, stride, 1),
-            "wgrad": lambda: conv3d_backward_filter(x, dy, w.shape, stride, 1)}
+
+    def fwd():
+        out = conv3d_forward(x, w, stride, 1)
+        if b is not None:
+            out += b.reshape(1, -1, 1, 1, 1)
+        return out
+
+    def wgrad():
+        return conv3d_backward_filter(x, dy, w.shape, stride, 1), b is None or channel_sums(dy)
+
+    ours = {"fwd": fwd, "dgrad": lambda: conv3d_backward_data(dy, w, x.shape, stride, 1),
+            "wgrad": wgrad}
     theirs = {}
     if torch is not None:
         xt, wt, dyt = (torch.from_numpy(a) for a in (x, w, dy))
-        theirs = {"fwd": lambda: torch.nn.functional.conv3d(xt, wt, stride=stride, padding=1),
-                  "dgrad": lambda: torch.nn.grad.conv3d_input(xt.shape, wt, dyt, stride, 1),
-                  "wgrad": lambda: torch.nn.grad.conv3d_weight(xt, wt.shape, dyt, stride, 1)}
+        bt = None if b is None else torch.from_numpy(b)
+        back = torch.ops.aten.convolution_backward
+        sizes, st = ([f] if bias else None), [stride] * 3
+        theirs = {"fwd": lambda: torch.nn.functional.conv3d(xt, wt, bt, stride=stride, padding=1),
+                  "dgrad": lambda: back(dyt, xt, wt, sizes, st, [1] * 3, [1] * 3, False,
+                                        [0] * 3, 1, [True, False, False]),
+                  "wgrad": lambda: back(dyt, xt, wt, sizes, st, [1] * 3, [1] * 3, False,
+                                        [0] * 3, 1, [False, True, bias])}
     flops = 2.0 * f * c * 27 * y[0, 0].size * batch
     return ours, theirs, flops
 
 
-def pool_cases(c: int, size: int, batch: int, rng):
+def avg_pool_cases(c: int, size: int, batch: int, rng):
     x = rng.standard_normal((batch, c, size, size, size), dtype=np.float32)
     y = avg_pool3d_forward(x, 3, 2, 1)
     dy = rng.standard_normal(y.shape, dtype=np.float32)
@@ -129,21 +166,29 @@ def pool_cases(c: int, size: int, batch: int, rng):
     return ours, theirs
 
 
-def row(name: str, ours: float, theirs: Optional[float], flops: Optional[float]) -> str:
-    text = f"{name:14} {ours * 1e3:9.1f}"
-    if flops:
-        text += f" {flops / ours / 1e9:7.0f}"
-    if theirs is not None:
-        text += f" {theirs * 1e3:9.1f}" + (f" {flops / theirs / 1e9:7.0f}" if flops else "")
-        text += f" {theirs / ours:7.2f}x"
-    return text
-
-
-def header(flops: bool) -> str:
-    cols = f"{'':14} {'ours ms':>9}" + (f" {'GF/s':>7}" if flops else "")
-    if torch is not None:
-        cols += f" {'torch ms':>9}" + (f" {'GF/s':>7}" if flops else "") + f" {'speedup':>8}"
-    return cols
+def act_pool_cases(c: int, size: int, batch: int, rng) -> Tuple[Fns, Fns, Fns, Fns]:
+    """LeakyReLU and 2x2x2 max pooling after an MLPerf convolution: (ours, theirs) twice."""
+    y = rng.standard_normal((batch, c, size, size, size), dtype=np.float32)
+    dy = rng.standard_normal(y.shape, dtype=np.float32)
+    _, arg = max_pool3d_forward(y, 2)
+    dyp = rng.standard_normal(arg.shape, dtype=np.float32)
+    # In place on fixed buffers (as the layers run): a few rounds shrink the negatives by
+    # 0.3 each, far from float32's subnormals.
+    act = {"fwd": lambda: leaky_relu_forward(y, MLPERF_SLOPE),
+           "bwd": lambda: leaky_relu_backward(dy, y, MLPERF_SLOPE)}
+    pool = {"fwd": lambda: max_pool3d_forward(y, 2),
+            "bwd": lambda: max_pool3d_backward(dyp, arg, y.shape, 2)}
+    if torch is None:
+        return act, {}, pool, {}
+    yt, dyt, dypt = torch.from_numpy(y), torch.from_numpy(dy), torch.from_numpy(dyp)
+    k, z, one = [2, 2, 2], [0, 0, 0], [1, 1, 1]
+    _, index = torch.ops.aten.max_pool3d_with_indices(yt, k, k, z, one, False)
+    act_t = {"fwd": lambda: torch.nn.functional.leaky_relu(yt, MLPERF_SLOPE),
+             "bwd": lambda: torch.ops.aten.leaky_relu_backward(dyt, yt, MLPERF_SLOPE, False)}
+    pool_t = {"fwd": lambda: torch.ops.aten.max_pool3d_with_indices(yt, k, k, z, one, False),
+              "bwd": lambda: torch.ops.aten.max_pool3d_with_indices_backward(
+                  dypt, yt, k, k, z, one, False, index)}
+    return act, act_t, pool, pool_t
 
 
 def describe_machine(threads: int) -> str:
@@ -170,53 +215,86 @@ def describe_machine(threads: int) -> str:
     return text
 
 
+class Table:
+    """Rows ``| layer kernel | ours ms | GF/s | torch ms | GF/s | torch / ours |`` + totals."""
+
+    def __init__(self, stat: str) -> None:
+        self.pick = min if stat == "best" else statistics.median
+        self.total = {"ours": 0.0, "torch": 0.0, "flops": 0.0}
+        cols = "| kernel | ours ms | GF/s |" + (" torch ms | GF/s | torch / ours |"
+                                                 if torch is not None else "")
+        print(cols)
+        print("|" + "---|" * (cols.count("|") - 1))
+
+    def add(self, name: str, ours: Fns, theirs: Fns, flops: Optional[float],
+            repeat: int, exclusive: bool) -> None:
+        fns = {("ours", k): fn for k, fn in ours.items()}
+        fns.update({("torch", k): fn for k, fn in theirs.items()})
+        times = timings(fns, repeat, exclusive)
+        for kind in ours:
+            mine = self.pick(times[("ours", kind)])
+            text = f"| {name} {kind} | {mine * 1e3:.1f} | " + self._rate(flops, mine)
+            self.total["ours"] += mine
+            self.total["flops"] += flops or 0.0
+            if ("torch", kind) in times:
+                other = self.pick(times[("torch", kind)])
+                self.total["torch"] += other
+                text += f" {other * 1e3:.1f} | {self._rate(flops, other)} {other / mine:.2f} |"
+            print(text, flush=True)
+
+    @staticmethod
+    def _rate(flops: Optional[float], seconds: float) -> str:
+        return f"{flops / seconds / 1e9:.0f} |" if flops else "|"
+
+    def finish(self) -> None:
+        t, f = self.total, self.total["flops"]
+        text = f"| all | {t['ours'] * 1e3:.0f} | {f / t['ours'] / 1e9:.0f} |"
+        if torch is not None:
+            text += (f" {t['torch'] * 1e3:.0f} | {f / t['torch'] / 1e9:.0f} |"
+                     f" {t['torch'] / t['ours']:.2f} |")
+        print(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(CONVS), default="cosmoflow")
     parser.add_argument("--width", type=int, default=128, help="input width W (default 128)")
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--repeat", type=int, default=5, help="timed rounds (best is shown)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed rounds")
+    parser.add_argument("--stat", choices=("best", "median"), default="best",
+                        help="which round to show (default: the best)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="torch threads (default: all CPUs)")
     parser.add_argument("--any-load", action="store_true",
                         help="keep rounds during which other processes used the CPU")
+    parser.add_argument("--reuse-freed-memory", action="store_true",
+                        help="keep freed memory in glibc's heap (heap_reuse.py)")
     args = parser.parse_args()
+    if args.reuse_freed_memory and not reuse_freed_memory():
+        print("glibc heap reuse not available")
     if torch is not None:
         torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
+    mlperf = args.model == "cosmoflow-mlperf"
     print(describe_machine(args.threads))
-    print(f"CosmoFlow W={args.width}, batch {args.batch}, best of {args.repeat}\n")
-    print(header(flops=True))
-    totals: Dict[str, List[float]] = {"ours": [], "torch": [], "flops": []}
-    for name, c, f, frac, stride in CONVS:
-        ours, theirs, flops = conv_cases(c, f, args.width // frac, stride, args.batch, rng)
-        fns = {("ours", k): fn for k, fn in ours.items()}
-        fns.update({("torch", k): fn for k, fn in theirs.items()})
-        best = best_of(fns, args.repeat, not args.any_load)
-        for kind in ours:
-            t_theirs = best.get(("torch", kind))
-            print(row(f"{name} {kind}", best[("ours", kind)], t_theirs, flops))
-            totals["ours"].append(best[("ours", kind)])
-            totals["flops"].append(flops)
-            if t_theirs is not None:
-                totals["torch"].append(t_theirs)
-    total_theirs = sum(totals["torch"]) if totals["torch"] else None
-    print(row("all convs", sum(totals["ours"]), total_theirs, sum(totals["flops"])))
-    print()
-    print(header(flops=False))
-    pool_ours: List[float] = []
-    pool_theirs: List[float] = []
-    for name, c, frac in POOLS:
-        ours, theirs = pool_cases(c, args.width // frac, args.batch, rng)
-        fns = {("ours", k): fn for k, fn in ours.items()}
-        fns.update({("torch", k): fn for k, fn in theirs.items()})
-        best = best_of(fns, args.repeat, not args.any_load)
-        for kind in ours:
-            t_theirs = best.get(("torch", kind))
-            print(row(f"{name} {kind}", best[("ours", kind)], t_theirs, None))
-            pool_ours.append(best[("ours", kind)])
-            if t_theirs is not None:
-                pool_theirs.append(t_theirs)
-    print(row("all pools", sum(pool_ours), sum(pool_theirs) if pool_theirs else None, None))
+    print(f"{args.model} W={args.width}, batch {args.batch}, {args.stat} of {args.repeat}, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}\n")
+    table, run = Table(args.stat), dict(repeat=args.repeat, exclusive=not args.any_load)
+    for name, c, f, frac, stride in CONVS[args.model]:
+        size = args.width // frac
+        ours, theirs, flops = conv_cases(c, f, size, stride, args.batch, mlperf, rng)
+        if mlperf and name == "conv1":  # the network's first layer needs no input gradient
+            ours.pop("dgrad")
+            theirs.pop("dgrad", None)
+        table.add(name, ours, theirs, flops, **run)
+        if mlperf:
+            act, act_t, pool, pool_t = act_pool_cases(f, size, args.batch, rng)
+            table.add(f"act{name[-1]}", act, act_t, None, **run)
+            table.add(f"pool{name[-1]}", pool, pool_t, None, **run)
+    if not mlperf:
+        for name, c, frac in POOLS:
+            table.add(name, *avg_pool_cases(c, args.width // frac, args.batch, rng), None, **run)
+    table.finish()
 
 
 if __name__ == "__main__":

@@ -2,24 +2,35 @@
 against PyTorch CPU eager (the same network, the same weights) in the same run.
 
     python benchmarks/bench_cosmoflow.py --width 128 --batch 1 4 [--repeats 3] [--no-torch]
+        [--model cosmoflow-mlperf] [--interleave] [--stat best|median] [--no-memory]
 
 Prints seconds per step and per sample, effective GFLOP/s, the ratio to PyTorch, a
 per-layer breakdown (forward / backward), and the peak memory of one cosmotrain step
 against the activations + gradients the network needs.  Results for docs/PERFORMANCE.md.
+By default all cosmotrain steps run, then all PyTorch steps, and the best is shown;
+``--interleave`` alternates them step by step (on a shared machine both sides then meet
+the same load) and ``--stat median`` shows the median step.  ``--reuse-freed-memory``
+keeps freed memory in glibc's heap for the whole process, PyTorch included (see
+``heap_reuse.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import sys
 import time
 import tracemalloc
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from heap_reuse import reuse_freed_memory  # noqa: E402
 
 from cosmotrain.config.schema import ModelConfig  # noqa: E402
 from cosmotrain.kernels.loss import mse_backward, mse_sum  # noqa: E402
@@ -47,20 +58,33 @@ def cosmotrain_step(model, opt: Adam, x: np.ndarray, y: np.ndarray) -> float:
     return loss
 
 
-def time_cosmotrain(model, x: np.ndarray, y: np.ndarray, repeats: int
-                    ) -> tuple[float, LayerTimer]:
+def cosmotrain_stepper(model, x: np.ndarray, y: np.ndarray
+                       ) -> tuple[Callable[[], float], LayerTimer]:
+    """A timed step of ``model`` (after a warm-up step) and its per-layer timer."""
     opt = Adam(lr=1e-4)
     cosmotrain_step(model, opt, x.copy(), y)  # warm-up: allocates the optimizer state
     timer = LayerTimer(model)
-    times = []
-    for _ in range(repeats):
+
+    def step() -> float:
+        batch = x.copy()
         start = time.perf_counter()
-        cosmotrain_step(model, opt, x.copy(), y)
-        times.append(time.perf_counter() - start)
-    timer.remove()
-    for key in timer.seconds:
-        timer.seconds[key] /= repeats
-    return min(times), timer
+        cosmotrain_step(model, opt, batch, y)
+        return time.perf_counter() - start
+
+    return step, timer
+
+
+def run_steps(steppers: dict, repeats: int, interleave: bool) -> dict:
+    """Step times of every stepper: all of one then the next, or alternating."""
+    times: dict = {name: [] for name in steppers}
+    if interleave:
+        for _ in range(repeats):
+            for name, step in steppers.items():
+                times[name].append(step())
+    else:
+        for name, step in steppers.items():
+            times[name] = [step() for _ in range(repeats)]
+    return times
 
 
 def peak_step_memory(model, x: np.ndarray, y: np.ndarray) -> int:
@@ -77,8 +101,9 @@ def peak_step_memory(model, x: np.ndarray, y: np.ndarray) -> int:
     return peak - base
 
 
-def time_torch(model, x: np.ndarray, y: np.ndarray, repeats: int
-               ) -> tuple[float, dict[tuple[str, str], float]] | None:
+def torch_stepper(model, x: np.ndarray, y: np.ndarray):
+    """``(timed step, per-layer seconds, hooks)`` of the ``torch.nn`` twin (after a
+    warm-up step), or None without torch."""
     try:
         import torch
     except ImportError:
@@ -91,22 +116,17 @@ def time_torch(model, x: np.ndarray, y: np.ndarray, repeats: int
     tx, ty = torch.from_numpy(x), torch.from_numpy(y)
     seconds, hooks = _torch_layer_hooks(twin)
 
-    def step() -> None:
+    def step() -> float:
+        start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = ((twin(tx) - ty) ** 2).mean()
         loss.backward()
         opt.step()
+        return time.perf_counter() - start
 
     step()
     seconds.clear()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    for hook in hooks:
-        hook.remove()
-    return min(times), {k: v / repeats for k, v in seconds.items()}
+    return step, seconds, hooks
 
 
 def _torch_layer_hooks(twin):
@@ -162,22 +182,50 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--model", default="cosmoflow")
+    parser.add_argument("--interleave", action="store_true",
+                        help="alternate cosmotrain and PyTorch steps")
+    parser.add_argument("--stat", choices=("best", "median"), default="best")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory step")
+    parser.add_argument("--reuse-freed-memory", action="store_true",
+                        help="keep freed memory in glibc's heap (see the module docstring)")
     args = parser.parse_args()
+    if args.reuse_freed_memory:
+        print(f"# glibc heap reuse: {'on' if reuse_freed_memory() else 'not available'}")
     print(f"# {args.model} W={args.width} on {platform.node()} ({platform.processor() or 'cpu'})"
-          f", numpy {np.__version__}, {time.strftime('%Y-%m-%d')}")
+          f", numpy {np.__version__}, {time.strftime('%Y-%m-%d %H:%M')}, {args.stat} of "
+          f"{args.repeats}{' interleaved' if args.interleave else ''}")
+    pick = min if args.stat == "best" else statistics.median
     for batch in args.batch:
         model = build_model(ModelConfig(name=args.model, width=args.width), seed=0)
         x, y = make_batch(batch, args.width)
         _, flops = training_flops(model, x.shape)
-        ours, timer = time_cosmotrain(model, x, y, args.repeats)
-        theirs = None if args.no_torch else time_torch(model, x, y, args.repeats)
-        line = (f"batch {batch}: cosmotrain {ours:.3f} s/step, {ours / batch:.3f} s/sample, "
-                f"{flops / ours / 1e9:.0f} GFLOP/s")
-        if theirs is not None:
-            line += (f"; torch {theirs[0]:.3f} s/step, {theirs[0] / batch:.3f} s/sample; "
-                     f"ratio torch/cosmotrain = {theirs[0] / ours:.2f}")
+        steppers = {"ours": cosmotrain_stepper(model, x, y)}
+        torch_side = None if args.no_torch else torch_stepper(model, x, y)
+        if torch_side is not None:
+            steppers["torch"] = torch_side
+        times = run_steps({k: v[0] for k, v in steppers.items()}, args.repeats,
+                          args.interleave)
+        timer = steppers["ours"][1]
+        timer.remove()
+        ours = pick(times["ours"])
+        line = (f"batch {batch}: cosmotrain {ours:.3f} s/step, {batch / ours:.3f} samples/s, "
+                f"{flops / ours / 1e9:.0f} GFLOP/s ({flops / batch / 1e9:.1f} GFLOP/sample)")
+        theirs = None
+        if torch_side is not None:
+            for hook in torch_side[2]:
+                hook.remove()
+            t = pick(times["torch"])
+            theirs = {k: v / args.repeats for k, v in torch_side[1].items()}
+            line += (f"; torch {t:.3f} s/step, {batch / t:.3f} samples/s; "
+                     f"ratio torch/cosmotrain = {t / ours:.2f}")
         print(line)
-        print("\n".join(layer_table(timer, theirs[1] if theirs else None)))
+        print("steps s: " + "; ".join(f"{k} " + " ".join(f"{v:.3f}" for v in vals)
+                                      for k, vals in times.items()))
+        for key in timer.seconds:
+            timer.seconds[key] /= args.repeats
+        print("\n".join(layer_table(timer, theirs)))
+        if args.no_memory:
+            continue
         peak = peak_step_memory(model, x, y)
         need = training_memory(model, x.shape)
         print(f"peak step memory {peak / 2**20:.0f} MiB; activations + gradients needed "

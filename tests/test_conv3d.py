@@ -4,9 +4,9 @@ Forward: a direct-loop numpy convolution (explicit loops over output positions a
 offsets, float64).  Gradients: central finite differences of ``sum(conv(x, w) * r)`` in
 float64 on random entries, and dot tests (``<conv(x), r> = <x, dgrad(r)>`` and the same in
 ``w``) on whole tensors.  Every case runs under several lowering / chunking / threading
-policies so that each code path (plain im2col, W-split, H-and-W split, strided slab,
-col2im scatter; one or many chunks; one or two workers) meets the references.  PyTorch,
-when installed, is a second oracle at moderate size.
+policies so that each code path (plain im2col, W-split, H-and-W split, depth windows,
+strided slab, col2im scatter; one or many chunks; one or two workers) meets the
+references.  PyTorch, when installed, is a second oracle at moderate size.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import itertools
 import numpy as np
 import pytest
 
-from cosmotrain.kernels import _parallel
+from cosmotrain.kernels import _parallel, depth_lowering
 from cosmotrain.kernels import conv3d as conv
 from cosmotrain.kernels.conv3d import (conv3d_backward_data, conv3d_backward_filter,
                                        conv3d_forward)
@@ -37,23 +37,31 @@ CASES = [
 ]
 IDS = [f"case{i}" for i in range(len(CASES))]
 
-# (split waste allowed, chunks per sample, GEMM buffer bytes, workers): plain or split
-# lowerings; one plane per chunk and per GEMM, or whole samples in one GEMM; 1 or 2 threads
+# (split waste allowed, chunks per sample, GEMM buffer bytes, workers, forward / filter
+# gradient algorithm): plain or split lowerings; one plane per chunk and per GEMM, or
+# whole samples in one GEMM; 1 or 2 threads; depth windows (one output row per GEMM and
+# one plane per chunk, or whole planes and samples) instead of the lowerings
 POLICIES = {
-    "plain-planes-2w": (0.0, 1 << 10, 1, 2),
-    "split-planes-2w": (10.0, 1 << 10, 1, 2),
-    "split-whole-1w": (10.0, 1, 1 << 30, 1),
-    "plain-whole-2w": (0.0, 1, 1 << 30, 2),
+    "plain-planes-2w": (0.0, 1 << 10, 1, 2, "lowering"),
+    "split-planes-2w": (10.0, 1 << 10, 1, 2, "lowering"),
+    "split-whole-1w": (10.0, 1, 1 << 30, 1, "lowering"),
+    "plain-whole-2w": (0.0, 1, 1 << 30, 2, "lowering"),
+    "windows-rows-2w": (0.0, 1 << 10, 1, 2, "windows"),
+    "windows-whole-1w": (0.0, 1, 1 << 30, 1, "windows"),
 }
 
 
 @pytest.fixture(params=list(POLICIES))
 def policy(request, monkeypatch):
-    waste, chunks, budget, workers = POLICIES[request.param]
+    waste, chunks, budget, workers, algorithm = POLICIES[request.param]
     monkeypatch.setattr(conv, "MAX_SPLIT_WASTE", waste)
     monkeypatch.setattr(conv, "CHUNKS_PER_SAMPLE", chunks)
     monkeypatch.setattr(conv, "MIN_COLUMNS", 1)
     monkeypatch.setattr(conv, "CHUNK_BYTES", budget)
+    monkeypatch.setattr(conv, "MIN_WINDOW_PLANE", 1 if algorithm == "windows" else 1 << 30)
+    monkeypatch.setattr(conv, "MAX_WINDOW_CHANNELS", 1 << 30)
+    monkeypatch.setattr(depth_lowering, "CHUNK_PLANES", 1 if chunks > 1 else 1 << 10)
+    monkeypatch.setattr(depth_lowering, "COLS_BYTES", budget)
     _parallel.set_num_workers(workers)
     yield request.param
     _parallel.set_num_workers(None)
@@ -244,3 +252,19 @@ def test_against_torch(stride, pad) -> None:
                          (conv3d_backward_data(r, w, x.shape, stride, pad), xt.grad.numpy()),
                          (conv3d_backward_filter(x, r, w.shape, stride, pad), wt.grad.numpy())]:
         np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5 * np.abs(theirs).max())
+
+
+@pytest.mark.parametrize("shape, thin", [((2, 3, 6, 5, 40), True), ((1, 20, 5, 6, 7), False)])
+def test_bias_is_the_same_add_as_afterwards(monkeypatch, shape, thin) -> None:
+    """The bias added in the kernel's chunks gives the bits of ``y += bias`` afterwards,
+    in the depth-window and the lowering paths; shape errors name the bias."""
+    monkeypatch.setattr(conv, "MIN_WINDOW_PLANE", 1 if thin else 1 << 30)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = rng.standard_normal((6, shape[1], 3, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(6).astype(np.float32)
+    expected = conv3d_forward(x, w, 1, 1)
+    expected += b.reshape(1, -1, 1, 1, 1)
+    np.testing.assert_array_equal(conv3d_forward(x, w, 1, 1, bias=b), expected)
+    with pytest.raises(ValueError, match="bias shape"):
+        conv3d_forward(x, w, 1, 1, bias=b[:5])

@@ -1,13 +1,16 @@
 """Element-wise kernels: activation, batch norm (split at its reductions), dropout,
-linear and losses, against direct formulas and finite differences."""
+linear, losses and per-channel (bias gradient) sums, against direct formulas and finite
+differences."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from cosmotrain.kernels import activation
+from cosmotrain.kernels import _parallel, activation
+from cosmotrain.kernels import channel_sums as channel_sums_module
 from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
+from cosmotrain.kernels.channel_sums import channel_sums
 from cosmotrain.kernels.batchnorm import (bn_backward_apply, bn_backward_local_sums,
                                           bn_local_sums, bn_normalize, bn_statistics)
 from cosmotrain.kernels.dropout import dropout_keep_mask, global_linear_index
@@ -131,3 +134,39 @@ def test_leaky_relu_backward_in_place_on_a_strided_gradient(
     outside = np.ones(buffer.shape, bool)
     outside[:, :, 1:6, 2:8, :] = False
     np.testing.assert_array_equal(buffer[outside], before[outside])  # margins untouched
+
+
+@pytest.mark.parametrize("shape, block", [((2, 32, 16, 16, 16), 1 << 20), ((3, 5, 7, 9, 11), 50),
+                                          ((2, 6, 4), 1)])
+def test_channel_sums_are_numpys_bit_for_bit(monkeypatch, shape, block) -> None:
+    """The worker-pool bias gradient keeps numpy's summation order (blocks of channels,
+    one or several per worker)."""
+    monkeypatch.setattr(channel_sums_module, "BLOCK_ELEMENTS", block)
+    _parallel.set_num_workers(2)
+    try:
+        for dtype in (np.float32, np.float64):
+            dy = np.random.default_rng(5).standard_normal(shape).astype(dtype)
+            sums = channel_sums(dy)
+            assert sums.dtype == dtype
+            assert np.array_equal(sums, dy.sum(axis=(0,) + tuple(range(2, dy.ndim)),
+                                               dtype=dtype))
+    finally:
+        _parallel.set_num_workers(None)
+    assert np.array_equal(channel_sums(np.zeros((0, 3, 2, 2, 2), np.float32)), np.zeros(3))
+
+
+def test_leaky_relu_on_the_workers_is_the_serial_result(monkeypatch) -> None:
+    """Large contiguous arrays are split into one run per worker: same values."""
+    monkeypatch.setattr(activation, "CHUNK", 64)
+    monkeypatch.setattr(activation, "PARALLEL_MIN", 1)
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(2, 3, 9, 10, 11)).astype(np.float32)
+    dy = rng.normal(size=x.shape).astype(np.float32)
+    _parallel.set_num_workers(2)
+    try:
+        y = leaky_relu_forward(x.copy(), 0.3)
+        dx = leaky_relu_backward(dy.copy(), y, 0.3)
+    finally:
+        _parallel.set_num_workers(None)
+    np.testing.assert_array_equal(y, np.where(x > 0, x, np.float32(0.3) * x))
+    np.testing.assert_array_equal(dx, np.where(x > 0, dy, np.float32(0.3) * dy))

@@ -14,7 +14,7 @@ from itertools import product
 import numpy as np
 import pytest
 
-from cosmotrain.kernels import _parallel
+from cosmotrain.kernels import _parallel, maxpool_tiled
 from cosmotrain.kernels import pool3d
 from cosmotrain.kernels.pool3d import (avg_pool3d_backward, avg_pool3d_forward,
                                        max_pool3d_backward, max_pool3d_forward)
@@ -33,10 +33,12 @@ IDS = [f"case{i}" for i in range(len(CASES))]
 
 @pytest.fixture(params=["whole", "planes-2w"])
 def blocks(request, monkeypatch):
-    """Whole small volumes in one block, or plane by plane, one channel per block, 2 workers."""
+    """Whole small volumes in one block, or plane by plane, one channel per block, 2 workers
+    (for tiled 2x2x2 max pooling: one channel and one output plane per block)."""
     if request.param == "planes-2w":
         monkeypatch.setattr(pool3d, "WHOLE_BYTES", 0)
         monkeypatch.setattr(pool3d, "BLOCK_BYTES", 1)
+        monkeypatch.setattr(maxpool_tiled, "BLOCK_BYTES", 1)
         _parallel.set_num_workers(2)
     yield request.param
     _parallel.set_num_workers(None)
@@ -164,3 +166,31 @@ def test_against_torch(kernel, stride, pad) -> None:
               else max_pool3d_backward(r, argmax, x.shape, kernel, stride, pad))
         np.testing.assert_allclose(y, yt.detach().numpy(), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(dx, xt.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 6, 6, 8), (1, 2, 7, 5, 9), (1, 1, 2, 2, 2)])
+@pytest.mark.parametrize("block", [1, 1 << 20])
+def test_tiled_max_pool_is_the_general_kernel_bit_for_bit(monkeypatch, shape, block) -> None:
+    """2x2x2 windows that tile the input take ``maxpool_tiled``: its maxima, offsets and
+    gradients are the general kernel's, ties, NaN windows and non-finite gradients
+    included (odd sizes leave a plane, row and column in no window)."""
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=shape).astype(np.float32)
+    x[:, :, ::2] = np.maximum(x[:, :, ::2], 0)  # ties at 0, like ReLU outputs
+    x[0, 0, 1, 1, 1] = np.nan
+    monkeypatch.setattr(maxpool_tiled, "BLOCK_BYTES", block)
+    _parallel.set_num_workers(2)
+    try:
+        y, argmax = max_pool3d_forward(x, 2, 2, 0)
+        dy = rng.normal(size=y.shape).astype(np.float32)
+        dy[0, -1, 0, 0, 0] = np.inf
+        dx = max_pool3d_backward(dy, argmax, x.shape, 2, 2, 0)
+        monkeypatch.setattr(maxpool_tiled, "applies", lambda *args: False)
+        y0, argmax0 = max_pool3d_forward(x, 2, 2, 0)
+        dx0 = max_pool3d_backward(dy, argmax0, x.shape, 2, 2, 0)
+    finally:
+        _parallel.set_num_workers(None)
+    np.testing.assert_array_equal(y, y0)
+    np.testing.assert_array_equal(argmax, argmax0)
+    np.testing.assert_array_equal(dx, dx0)
+    assert np.isnan(y).any() and np.isinf(dx).any()

@@ -16,13 +16,20 @@ a preallocated buffer and, for split lowerings, finishes with ``kW`` (or ``kH*kW
 shifted adds straight into the output.  Results do not depend on the scheduling: chunks
 own disjoint outputs and filter-gradient partials are summed in chunk order.
 
-* forward:  ``y = W @ cols``, W split (``kW`` shifted adds) when its stride is 1;
+* forward:  ``y = W @ cols``, W split (``kW`` shifted adds) when its stride is 1; thin
+  layers (few input channels, large planes: :func:`_thin`) lower (H, W) once per input
+  plane and the depth by views instead (:mod:`.depth_lowering`: no shifted adds);
 * wgrad:    ``dW = dy_shifted @ cols^T`` with the forward's lowering;
 * dgrad:    unit stride: dx is the convolution of dy (padded by ``k-1-lo``, ``k-1-hi``)
   with the flipped, transposed kernel, lowered with H and W split: a gather, with no
   column copies, zero fill or read-modify-write of dx (conv 4->16 at 128^3: 62 ms,
   against 137 ms for GEMM + col2im).  Other strides scatter with col2im
   (:mod:`.conv3d_dgrad`).
+
+Winograd convolution (F(2x2, 3x3) over (H, W) and F(2x2x2, 3x3x3)) was measured and not
+adopted: with numpy passes for its transforms it was 0.9-1.3x the lowerings on the MLPerf
+layers, the transforms costing about what the 2.25-3.4x fewer GEMM flops saved
+(``benchmarks/winograd_study.py``, docs/PERFORMANCE.md "cosmoflow-mlperf per layer").
 
 Layout decision ("NCDHW or channels-last: choose by measurement").  Measured with
 ``benchmarks/bench_conv_layout.py`` (forward, W=128 CosmoFlow layers, batch 1, 2-core
@@ -62,7 +69,7 @@ import numpy as np
 from cosmotrain.device.xp import array_module, is_device_array
 from cosmotrain.precision import is_bf16, narrow, widen
 
-from . import _parallel
+from . import _parallel, depth_lowering
 from .conv3d_dgrad import backward_data_scatter
 from .cuda import conv as cuda_conv
 from .cuda.settings import ConvSettings
@@ -79,6 +86,14 @@ SLAB_BYTES = 16 << 20
 MIN_COLUMNS = 4096
 # A split lowering extends the GEMM grid by k-1; allowed while that is <= 1/16 of it.
 MAX_SPLIT_WASTE = 1 / 16
+# The depth-window lowering (:mod:`.depth_lowering`) is for thin layers, whose time is
+# copies and shifted adds rather than GEMMs: at most this many input channels (conv 4->32
+# at 128^3: forward 1.5x, filter gradient 1.7x faster; with 32 or 64 channels it measured
+# even in the forward and up to 1.4x slower in the filter gradient, whose GEMMs then
+# reduce over one row block only) ...
+MAX_WINDOW_CHANNELS = 16
+# ... and at least this many outputs per plane (its GEMMs are a row block wide).
+MIN_WINDOW_PLANE = 1024
 
 
 def as_float_array(a: np.ndarray, name: str, dtype=None) -> np.ndarray:
@@ -132,6 +147,11 @@ def choose_lowering(geo: ConvGeometry, max_shift: int) -> Lowering:
     return Lowering(geo, 0)
 
 
+def _thin(geo: ConvGeometry) -> bool:
+    """Whether the forward and filter gradient take the depth-window lowering."""
+    return geo.channels <= MAX_WINDOW_CHANNELS and geo.plane >= MIN_WINDOW_PLANE
+
+
 def _chunks(low: Lowering, itemsize: int):
     """Chunks of output planes: about ``CHUNKS_PER_SAMPLE`` per sample, each with at least
     ``MIN_COLUMNS`` GEMM columns (smaller GEMMs do better as one BLAS-threaded call), and
@@ -158,17 +178,21 @@ def _columns(low: Lowering, src: np.ndarray, chunk):
         yield g0, g1, low.columns(slab, g0 - z0, g1 - g0)
 
 
-def _run_lowered(src: np.ndarray, wmat: np.ndarray, low: Lowering, y: np.ndarray) -> np.ndarray:
-    """``y = conv(src)`` for the lowering ``low`` and its weight matrix ``wmat``."""
+def _run_lowered(src: np.ndarray, wmat: np.ndarray, low: Lowering, y: np.ndarray,
+                 bias: Optional[np.ndarray] = None) -> np.ndarray:
+    """``y = conv(src) (+ bias)`` for the lowering ``low`` and its weight matrix ``wmat``."""
     def work(chunk):
         n = chunk[0]
         for g0, g1, cols in _columns(low, src, chunk):
             if low.shift == 0:
                 np.matmul(wmat, cols, out=planes_view(y[n], g0, g1))
-                continue
-            t = _parallel.scratch("gemm_out", (low.outputs, cols.shape[1]), src.dtype)
-            np.matmul(wmat, cols, out=t)
-            low.sum_shifts(t, y[n, :, g0:g1])
+            else:
+                t = _parallel.scratch("gemm_out", (low.outputs, cols.shape[1]), src.dtype)
+                np.matmul(wmat, cols, out=t)
+                low.sum_shifts(t, y[n, :, g0:g1])
+            if bias is not None:  # while the group's output is in cache
+                block = y[n, :, g0:g1]
+                np.add(block, bias.reshape(-1, 1, 1, 1), out=block)
 
     _parallel.map_chunks(work, _chunks(low, src.itemsize))
     return y
@@ -176,24 +200,40 @@ def _run_lowered(src: np.ndarray, wmat: np.ndarray, low: Lowering, y: np.ndarray
 
 def conv3d_forward(x: np.ndarray, w: np.ndarray, stride: "int | Sequence[int]" = 1,
                    padding: PaddingLike = 0, *, out: Optional[np.ndarray] = None,
-                   settings: Optional[ConvSettings] = None) -> np.ndarray:
-    """``y = conv3d(x, w)``: x (N,C,D,H,W), w (F,C,kD,kH,kW) -> y (N,F,Do,Ho,Wo).
+                   settings: Optional[ConvSettings] = None,
+                   bias: Optional[np.ndarray] = None) -> np.ndarray:
+    """``y = conv3d(x, w) + bias``: x (N,C,D,H,W), w (F,C,kD,kH,kW), bias (F,) or None
+    -> y (N,F,Do,Ho,Wo).
 
     ``out``: optional C-contiguous result buffer (reusing one saves the page faults of a
-    fresh allocation, about 5 ms per 128 MiB here).
+    fresh allocation, about 5 ms per 128 MiB here).  ``bias``: added by the CPU kernels
+    to each chunk's output while it is in cache (the same float adds as ``y += bias``
+    afterwards, which cost a pass over the output: 40 ms on the MLPerf conv1's 2 x 32 x
+    128^3); other devices and bf16 storage add it afterwards, in the output's dtype.
     """
     if x.shape[0] == 0:
         return _no_samples(x, ConvGeometry.create(x.shape, w.shape, stride, padding).y_shape,
                            out)
     if _elsewhere(out, x, w):
         if is_device_array(x):
-            return cuda_conv.conv3d_forward(x, w, stride, padding, settings=settings)
-        return narrow(conv3d_forward(widen(x), widen(w), stride, padding))
+            y = cuda_conv.conv3d_forward(x, w, stride, padding, settings=settings)
+        else:
+            y = narrow(conv3d_forward(widen(x), widen(w), stride, padding))
+        if bias is not None:
+            y += bias.astype(y.dtype, copy=False).reshape(1, -1, 1, 1, 1)
+        return y
     x = as_float_array(x, "x")
     w = as_float_array(w, "w", x.dtype)
     geo = ConvGeometry.create(x.shape, w.shape, stride, padding)
+    y = output_buffer(out, geo.y_shape, x.dtype)
+    if bias is not None:
+        bias = as_float_array(bias, "bias", x.dtype)
+        geo.check("bias", bias.shape, (geo.filters,))
+    if _thin(geo):
+        win = depth_lowering.DepthWindows(geo)
+        return depth_lowering.forward(x, win.weights(w), win, y, bias)
     low = choose_lowering(geo, max_shift=1)
-    return _run_lowered(x, low.weights(w), low, output_buffer(out, geo.y_shape, x.dtype))
+    return _run_lowered(x, low.weights(w), low, y, bias)
 
 
 def conv3d_backward_filter(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int],
@@ -216,6 +256,8 @@ def conv3d_backward_filter(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int]
     dy = as_float_array(dy, "dy", x.dtype)
     geo = ConvGeometry.create(x.shape, w_shape, stride, padding)
     geo.check("dy", dy.shape, geo.y_shape)
+    if _thin(geo):
+        return depth_lowering.filter_grad(x, dy, depth_lowering.DepthWindows(geo))
     low = choose_lowering(geo, max_shift=1)
 
     def work(chunk):

@@ -59,6 +59,18 @@ def fill_slab(slab: np.ndarray, src: np.ndarray, origin: Sequence[int]) -> np.nd
     return slab
 
 
+def depth_slab(geo: ConvGeometry, src_n: np.ndarray, z0: int, z1: int) -> np.ndarray:
+    """Zero-padded depth-major slab ``(depth, C, H', W')`` read by output planes z0:z1.
+
+    Filled once per chunk (each input plane copied once, not ``kD`` times).
+    """
+    (dl, _), (hl, _), (wl, _) = geo.padding
+    _, depth, hs, ws = geo.slab_shape(z1 - z0)
+    slab = _parallel.scratch("slab", (depth, geo.channels, hs, ws), src_n.dtype)
+    fill_slab(slab.transpose(1, 0, 2, 3), src_n, (z0 * geo.stride[0] - dl, -hl, -wl))
+    return slab
+
+
 def planes_view(a_n: np.ndarray, d0: int, d1: int) -> np.ndarray:
     """``(channels, (d1-d0)*plane)`` view of depth planes d0:d1 of one sample (no copy)."""
     plane = a_n.shape[2] * a_n.shape[3]
@@ -124,17 +136,9 @@ class Lowering:
         return g.reshape(f, kw, c, kd, kh).transpose(0, 2, 3, 4, 1)
 
     def slab(self, src_n: np.ndarray, z0: int, z1: int) -> np.ndarray:
-        """Zero-padded depth-major slab ``(depth, C, H', W')`` read by output planes z0:z1.
-
-        Filled once per chunk (each input plane copied once, not ``kD`` times); the column
-        matrix of H-and-W-split output plane ``i`` is then the contiguous block
-        ``slab[i:i + kD]``, rows ``(a, c)``.
-        """
-        (dl, _), (hl, _), (wl, _) = self.geo.padding
-        _, depth, hs, ws = self.geo.slab_shape(z1 - z0)
-        slab = _parallel.scratch("slab", (depth, self.geo.channels, hs, ws), src_n.dtype)
-        fill_slab(slab.transpose(1, 0, 2, 3), src_n, (z0 * self.geo.stride[0] - dl, -hl, -wl))
-        return slab
+        """:func:`depth_slab`: the column matrix of H-and-W-split output plane ``i`` is
+        then the contiguous block ``slab[i:i + kD]``, rows ``(a, c)``."""
+        return depth_slab(self.geo, src_n, z0, z1)
 
     def columns(self, slab: np.ndarray, first: int, planes: int) -> np.ndarray:
         """Column matrix (rows x planes*columns_per_plane) of ``planes`` output planes.
@@ -158,6 +162,9 @@ class Lowering:
     def sum_shifts(self, t: np.ndarray, dst: np.ndarray) -> None:
         """``dst[o, z, h, w] = sum_{b, e} t[(o, b, e), z, h + b, w + e]`` (dst: one chunk)."""
         (bh, bw), (f, planes, ho, wo) = self.shift_kernel, dst.shape
+        if self.shift == 2:
+            self._sum_flat_shifts(t, dst)
+            return
         t6 = t.reshape((f, bh, bw, planes) + self.grid)
         shifted = [t6[:, b, e, :, b:b + ho, e:e + wo] for b in range(bh) for e in range(bw)]
         if len(shifted) == 1:
@@ -166,6 +173,27 @@ class Lowering:
         np.add(shifted[0], shifted[1], out=dst)
         for view in shifted[2:]:
             np.add(dst, view, out=dst)
+
+    def _sum_flat_shifts(self, t: np.ndarray, dst: np.ndarray) -> None:
+        """:meth:`sum_shifts` on the flattened grid: offset (b, e) is a shift by
+        ``b*gw + e`` elements of each row of ``t``, so every add reads whole contiguous
+        rows (the sums at grid positions outside the output are computed, then dropped).
+
+        Why: the 9 shifted views of the H-and-W split have runs of only ``Wo`` floats,
+        which numpy adds 2-3x slower (data gradient 64->32 at 64^3: 1.7 ms a plane for
+        the 9-view sum, 0.6 ms flattened).  Same sums in the same order: same results.
+        """
+        (bh, bw), (f, planes, ho, wo), (gh, gw) = self.shift_kernel, dst.shape, self.grid
+        n = planes * gh * gw
+        rows = t.reshape(f, bh * bw, n)
+        offsets = [b * gw + e for b in range(bh) for e in range(bw)]
+        span = n - offsets[-1]
+        acc = _parallel.scratch("shift_sum", (f, n), t.dtype)
+        head = acc[:, :span]
+        np.add(rows[:, 0, :span], rows[:, 1, offsets[1]:offsets[1] + span], out=head)
+        for k, off in enumerate(offsets[2:], start=2):
+            np.add(head, rows[:, k, off:off + span], out=head)
+        np.copyto(dst, acc.reshape(f, planes, gh, gw)[:, :, :ho, :wo])
 
     def spread_shifts(self, dy_chunk: np.ndarray) -> np.ndarray:
         """Transpose of :meth:`sum_shifts` for ``shift == 1`` (the filter gradient).

@@ -18,7 +18,9 @@ intermediate arrays stay in L2.  The max-pool argmax is found afterwards by comp
 tap with the maximum (last match in reverse order = first offset).  Backward: average
 pooling runs the transposed operations (a gather over output planes, then spreads along H
 and W); max pooling sends each gradient to its input index with ``np.bincount`` (which
-also sums the overlaps of windows with stride < kernel).
+also sums the overlaps of windows with stride < kernel).  Max pooling with 2x2x2 windows
+that tile the input (MLPerf's) takes :mod:`.maxpool_tiled` instead: same results, 3-6x
+faster.
 
 Other devices and storage: cupy arrays take the whole-array implementation of
 :mod:`.pool3d_xp` (same geometry, conventions and results); bfloat16 arrays are pooled
@@ -34,7 +36,7 @@ import numpy as np
 from cosmotrain.device.xp import array_module, is_device_array
 from cosmotrain.precision import is_bf16, narrow, widen
 
-from . import _parallel, pool3d_xp
+from . import _parallel, maxpool_tiled, pool3d_xp
 from .geometry import (Padding, PaddingLike, Triple, check_batch_shape, normalize_padding,
                        normalize_triple, output_shape)
 
@@ -296,6 +298,10 @@ def max_pool3d_forward(x: np.ndarray, kernel, stride=None,
         return pool3d_xp.max_pool3d_forward(x, pool)
     x = np.ascontiguousarray(x)
     arg = np.zeros(pool.y_shape, dtype=pool.argmax_dtype)
+    if maxpool_tiled.applies(pool.kernel, pool.stride, pool.padding):
+        y = np.empty(pool.y_shape, dtype=x.dtype)
+        maxpool_tiled.forward(x, y, arg)
+        return y, arg
     whole = pool.whole(x.itemsize)
 
     def find_argmax(chunk, yb) -> None:
@@ -333,6 +339,10 @@ def max_pool3d_backward(dy: np.ndarray, argmax: np.ndarray, x_shape: Sequence[in
                                               padding))
         return pool3d_xp.max_pool3d_backward(dy, argmax, pool)
     dy = np.ascontiguousarray(dy)
+    if maxpool_tiled.applies(pool.kernel, pool.stride, pool.padding):
+        dx = np.empty(pool.x_shape, dtype=dy.dtype)
+        maxpool_tiled.backward(dy, np.ascontiguousarray(argmax), dx)
+        return dx
     dx = np.zeros(pool.x_shape, dtype=dy.dtype)
     (d, h, w), (kd, kh, kw) = pool.x_shape[2:], pool.kernel
     delta = ((np.arange(kd)[:, None, None] * h + np.arange(kh)[:, None]) * w

@@ -24,18 +24,13 @@ from cosmotrain.kernels.geometry import Padding, Triple, output_size
 from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
 from cosmotrain.kernels.batchnorm import (bn_backward_apply, bn_backward_local_sums,
                                           bn_local_sums, bn_normalize, bn_statistics)
+from cosmotrain.kernels.channel_sums import channel_sums  # also the layers' bias gradient
 from cosmotrain.kernels.cuda.settings import ConvSettings
 from cosmotrain.kernels.dropout import dropout_backward, dropout_forward, dropout_keep_mask
 from cosmotrain.kernels.linear import (linear_backward_data, linear_backward_weight,
                                        linear_forward)
 from cosmotrain.nn.module import Context, Layer
 from cosmotrain.precision import accumulator, widen
-
-
-def channel_sums(dy: Any) -> Any:
-    """Per-channel sums of an (N, C, ...) gradient (a bias gradient), accumulated in
-    float32 even for bf16 storage."""
-    return dy.sum(axis=(0,) + tuple(range(2, dy.ndim)), dtype=accumulator(dy.dtype))
 
 
 def window_output_shape(shape: tuple[int, ...], channels: int, kernel: Triple,
@@ -62,11 +57,9 @@ class Conv3d(Layer):
         self._x = x
         if x.shape[0] == 0:
             return array_module(x).zeros(self.output_shape(x.shape), x.dtype)
-        y = conv3d.conv3d_forward(x, self.params["weight"].like(x), self.stride, self.padding,
-                                  settings=self.conv_settings)
-        if self.bias:
-            y += self.params["bias"].like(y).reshape(1, -1, 1, 1, 1)
-        return y
+        bias = self.params["bias"].like(x) if self.bias else None
+        return conv3d.conv3d_forward(x, self.params["weight"].like(x), self.stride,
+                                     self.padding, settings=self.conv_settings, bias=bias)
 
     def backward(self, dy: Any, ctx: Context) -> Any:
         x, self._x = self._x, None

@@ -1,0 +1,204 @@
+"""Would Winograd convolution pay on this CPU?  Transform cost against the GEMM flops saved.
+
+For each stride-1 3x3x3 layer of cosmoflow-mlperf at W=128 (one sample, one core: one
+BLAS thread, process CPU time, so that other load on a shared box counts little) this
+times the forward convolution of the kernels in ``cosmotrain.kernels.conv3d`` against the
+three parts of two Winograd forms, each written with whole-array numpy passes over
+contiguous parity-split arrays (the fastest layout measured for numpy here):
+
+* ``F(2x2, 3x3)`` over (H, W), depth lowered as in the H-and-W split: 16 points, GEMMs
+  ``(F x 3C) @ (3C x tiles)`` per output plane, 2.25x fewer flops;
+* ``F(2x2x2, 3x3x3)``: 64 points, GEMMs ``(F x C) @ (C x tiles)``, 3.375x fewer flops.
+
+Each form is checked against ``conv3d_forward`` (float64, a small case) before timing.
+The "predicted" column is input transform + GEMMs + output transform; what a real kernel
+adds (chunking, thread hand-offs) only makes it slower.
+
+    python benchmarks/winograd_study.py [--width 128] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable, Dict, List
+
+import numpy as np
+
+from cosmotrain.kernels import _parallel
+from cosmotrain.kernels.conv3d import conv3d_forward
+
+LAYERS = [("conv2", 32, 64, 2), ("conv3", 64, 128, 4), ("conv4", 128, 256, 8),
+          ("conv5", 256, 512, 16)]  # name, C, F, input size as a fraction of W
+_G = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]])
+
+
+def _take(a: np.ndarray, axis: int, start: int, count: int) -> np.ndarray:
+    index = [slice(None)] * a.ndim
+    index[axis] = slice(start, start + count)
+    return a[tuple(index)]
+
+
+def split_parity(x: np.ndarray, axes: List[int]) -> np.ndarray:
+    """Pad x by one on both sides of ``axes`` (rounded up to even) and split each of them
+    into (parity, index): parities become leading axes, in the order of ``axes``."""
+    pad = [(0, 0)] * x.ndim
+    for ax in axes:
+        pad[ax] = (1, 1 + x.shape[ax] % 2)
+    xp = np.pad(x, pad)
+    parts = [xp]
+    for ax in axes:
+        parts = [p[(slice(None),) * ax + (slice(r, None, 2),)] for p in parts for r in (0, 1)]
+    out = np.empty((2,) * len(axes) + parts[0].shape, x.dtype)
+    for flat, part in enumerate(parts):
+        out[np.unravel_index(flat, (2,) * len(axes))] = part
+    return out
+
+
+def b_stage(s: np.ndarray, parity_axis: int, axis: int) -> np.ndarray:
+    """``B^T`` along one split axis: taps (parity, offset) (0,0) (1,0) (0,1) (1,1); the
+    parity axis is consumed and a points axis of 4 is put in front."""
+    t = s.shape[axis] - 1
+    taps = [_take(np.take(s, a % 2, axis=parity_axis), axis - 1, a // 2, t) for a in range(4)]
+    out = np.empty((4,) + taps[0].shape, s.dtype)
+    np.subtract(taps[0], taps[2], out=out[0])
+    np.add(taps[1], taps[2], out=out[1])
+    np.subtract(taps[2], taps[1], out=out[2])
+    np.subtract(taps[1], taps[3], out=out[3])
+    return out
+
+
+def a_stage(m: np.ndarray, axis: int) -> np.ndarray:
+    """``A^T`` along a points axis of 4 -> 2 outputs (put in front)."""
+    p = [np.take(m, i, axis=axis) for i in range(4)]
+    out = np.empty((2,) + p[0].shape, m.dtype)
+    np.add(p[1], p[2], out=out[0])
+    out[0] += p[0]
+    np.subtract(p[1], p[2], out=out[1])
+    out[1] -= p[3]
+    return out
+
+
+def interleave(parts: np.ndarray, dims: int, y: np.ndarray) -> None:
+    """``y[..., 2t + u, ...] = parts[u, ..., t, ...]`` for the last ``dims`` axes."""
+    for index in np.ndindex((2,) * dims):
+        view = y[(Ellipsis,) + tuple(slice(u, None, 2) for u in index)]
+        np.copyto(view, parts[index])
+
+
+def winograd_3d(x: np.ndarray, w: np.ndarray) -> Dict[str, Callable[[], object]]:
+    """The three timed parts of F(2x2x2, 3x3x3) for one sample ``x`` (C, D, H, W)."""
+    c, f = x.shape[0], w.shape[0]
+    k = np.kron(np.kron(_G, _G), _G)  # (64, 27)
+    u = (k @ w.reshape(f * c, 27).T.astype(np.float64)).reshape(64, f, c).astype(x.dtype)
+    state: dict = {}
+
+    def inputs():
+        s = split_parity(x, [1, 2, 3])  # (2, 2, 2, C, D', H', W')
+        s = b_stage(s, 2, 6)            # (4e, 2, 2, C, D', H', tw)
+        s = b_stage(s, 2, 5)            # (4b, 4e, 2, C, D', th, tw)
+        s = b_stage(s, 2, 4)            # (4a, 4b, 4e, C, td, th, tw)
+        state["v"] = s.reshape(64, c, -1)
+        state["tiles"] = s.shape[4:]
+
+    def gemms():
+        state["m"] = np.matmul(u, state["v"])
+
+    def outputs():
+        m = state["m"].reshape((4, 4, 4, f) + state["tiles"])
+        for _ in range(3):  # e, then b, then a: each stage puts its 2 outputs first
+            m = a_stage(m, 2)
+        y = np.empty((f,) + tuple(2 * t for t in state["tiles"]), x.dtype)
+        interleave(m, 3, y)
+        state["y"] = y[:, :x.shape[1], :x.shape[2], :x.shape[3]]
+
+    return {"input transform": inputs, "GEMMs": gemms, "output transform": outputs,
+            "_result": lambda: state["y"]}
+
+
+def winograd_2d(x: np.ndarray, w: np.ndarray) -> Dict[str, Callable[[], object]]:
+    """The three timed parts of F(2x2, 3x3) over (H, W), depth lowered by windows."""
+    c, f, d = x.shape[0], w.shape[0], x.shape[1]
+    u = np.einsum("ib,fcabe,je->ijfac", _G, w.astype(np.float64), _G)
+    u = np.ascontiguousarray(u.reshape(16, f, 3 * c).astype(x.dtype))
+    state: dict = {}
+
+    def inputs():
+        xd = np.pad(x, ((0, 0), (1, 1), (0, 0), (0, 0))).transpose(1, 0, 2, 3)  # (D', C, H, W)
+        s = split_parity(np.ascontiguousarray(xd), [2, 3])  # (2, 2, D', C, H', W')
+        s = b_stage(s, 1, 5)            # (4j, 2, D', C, H', tw)
+        s = b_stage(s, 1, 4)            # (4i, 4j, D', C, th, tw)
+        state["tiles"] = s.shape[4:]
+        state["v"] = np.ascontiguousarray(s.reshape(16, d + 2, c, -1))
+
+    def gemms():
+        v = state["v"]
+        m = np.empty((16, d, f, v.shape[-1]), x.dtype)
+        for z in range(d):
+            np.matmul(u, v[:, z:z + 3].reshape(16, 3 * c, -1), out=m[:, z])
+        state["m"] = m
+
+    def outputs():
+        m = state["m"].reshape((4, 4, d, f) + state["tiles"])
+        m = a_stage(a_stage(m, 1), 1)    # (2v, 2u, D, F, th, tw)
+        y = np.empty((f, d) + tuple(2 * t for t in state["tiles"]), x.dtype)
+        interleave(m.transpose(0, 1, 3, 2, 4, 5), 2, y)
+        state["y"] = y[:, :, :x.shape[2], :x.shape[3]]
+
+    return {"input transform": inputs, "GEMMs": gemms, "output transform": outputs,
+            "_result": lambda: state["y"]}
+
+
+def check(form: Callable, rng) -> float:
+    """Largest relative difference of the form against ``conv3d_forward`` (float64)."""
+    x = rng.standard_normal((3, 6, 7, 5))
+    w = rng.standard_normal((4, 3, 3, 3, 3))
+    parts = form(x, w)
+    for name in ("input transform", "GEMMs", "output transform"):
+        parts[name]()
+    ref = conv3d_forward(x[None], w, 1, 1)[0]
+    return float(np.abs(parts["_result"]() - ref).max() / np.abs(ref).max())
+
+
+def cpu_time(fn: Callable[[], object], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.process_time()
+        fn()
+        times.append(time.process_time() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    _parallel.set_blas_threads(1)
+    rng = np.random.default_rng(0)
+    for name, form in (("2D", winograd_2d), ("3D", winograd_3d)):
+        print(f"{name} check against conv3d_forward: max relative difference "
+              f"{check(form, rng):.1e}")
+    print(f"\ncosmoflow-mlperf W={args.width}, one sample, one core, CPU ms (median of "
+          f"{args.repeat}), {time.strftime('%Y-%m-%d %H:%M')}\n")
+    print("| layer | direct | form | input transform | GEMMs | output transform | "
+          "predicted | direct / predicted |")
+    print("|---|---|---|---|---|---|---|---|")
+    for layer, c, f, frac in LAYERS:
+        size = args.width // frac
+        x = rng.standard_normal((c, size, size, size), dtype=np.float32)
+        w = rng.standard_normal((f, c, 3, 3, 3), dtype=np.float32) * 0.1
+        direct = cpu_time(lambda: conv3d_forward(x[None], w, 1, 1), args.repeat)
+        for form_name, form in (("F(2x2,3x3)", winograd_2d), ("F(2x2x2,3x3x3)", winograd_3d)):
+            parts = form(x, w)
+            ms = [cpu_time(parts[p], args.repeat) * 1e3
+                  for p in ("input transform", "GEMMs", "output transform")]
+            total = sum(ms)
+            print(f"| {layer} {c}->{f} {size}^3 | {direct * 1e3:.0f} | {form_name} | "
+                  + " | ".join(f"{v:.0f}" for v in ms)
+                  + f" | {total:.0f} | {direct * 1e3 / total:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
