@@ -6,8 +6,8 @@
 p1 average pools.  ``--model cosmoflow-mlperf``: every layer of the MLPerf network's five
 blocks (conv k3 p1 with bias, 32..512 filters -> LeakyReLU(0.3) -> max-pool 2), each
 kernel as the training step calls it: conv forward with its bias add, dgrad, wgrad with
-the bias gradient, LeakyReLU (in place here, out of place in PyTorch, as in its
-``nn.LeakyReLU``) and max pooling with its argmax, forward and backward.  PyTorch, when
+the bias gradient, LeakyReLU (in place here and after the pool, out of place in PyTorch
+and before it, as in its ``nn.LeakyReLU`` and the reference's order) and max pooling with its argmax, forward and backward.  PyTorch, when
 installed, runs the same calls in the same process with the same thread count (its conv
 backward through ``aten.convolution_backward``, what autograd calls).  Both allocate
 their outputs on every call.
@@ -16,7 +16,7 @@ Rounds interleave every kernel of a layer, ours and PyTorch's; ``--stat best`` (
 shows the best round, ``--stat median`` the median.  On Linux each run starts at a quiet
 moment and is repeated when another process used the CPU meanwhile (``/proc/stat``; the
 reference box is shared); ``--any-load`` turns that off.  ``--reuse-freed-memory``: see
-``heap_reuse.py`` (the outputs allocated on every call then reuse mapped pages).
+``cosmotrain/device/heap.py`` (the outputs allocated on every call then reuse mapped pages).
 
     python benchmarks/bench_conv_layers.py [--model cosmoflow] [--width 128] [--batch 1]
         [--repeat 5] [--stat best|median] [--any-load] [--reuse-freed-memory]
@@ -33,8 +33,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from heap_reuse import reuse_freed_memory
-
+from cosmotrain.device.heap import reuse_freed_memory
 from cosmotrain.kernels import _parallel
 from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
 from cosmotrain.kernels.conv3d import (conv3d_backward_data, conv3d_backward_filter,
@@ -167,15 +166,22 @@ def avg_pool_cases(c: int, size: int, batch: int, rng):
 
 
 def act_pool_cases(c: int, size: int, batch: int, rng) -> Tuple[Fns, Fns, Fns, Fns]:
-    """LeakyReLU and 2x2x2 max pooling after an MLPerf convolution: (ours, theirs) twice."""
+    """LeakyReLU and 2x2x2 max pooling after an MLPerf convolution: (ours, theirs) twice.
+
+    Our LeakyReLU runs after the pool, on its output (1/8 of the elements), as
+    cosmotrain's network does (``models/mlperf.py``: the same function); PyTorch's runs
+    before it, on the convolution's output, as the MLPerf reference and its users write
+    the block.
+    """
     y = rng.standard_normal((batch, c, size, size, size), dtype=np.float32)
     dy = rng.standard_normal(y.shape, dtype=np.float32)
     _, arg = max_pool3d_forward(y, 2)
     dyp = rng.standard_normal(arg.shape, dtype=np.float32)
+    yp, dyp_act = (rng.standard_normal(arg.shape, dtype=np.float32) for _ in range(2))
     # In place on fixed buffers (as the layers run): a few rounds shrink the negatives by
     # 0.3 each, far from float32's subnormals.
-    act = {"fwd": lambda: leaky_relu_forward(y, MLPERF_SLOPE),
-           "bwd": lambda: leaky_relu_backward(dy, y, MLPERF_SLOPE)}
+    act = {"fwd": lambda: leaky_relu_forward(yp, MLPERF_SLOPE),
+           "bwd": lambda: leaky_relu_backward(dyp_act, yp, MLPERF_SLOPE)}
     pool = {"fwd": lambda: max_pool3d_forward(y, 2),
             "bwd": lambda: max_pool3d_backward(dyp, arg, y.shape, 2)}
     if torch is None:
@@ -268,7 +274,7 @@ def main() -> None:
     parser.add_argument("--any-load", action="store_true",
                         help="keep rounds during which other processes used the CPU")
     parser.add_argument("--reuse-freed-memory", action="store_true",
-                        help="keep freed memory in glibc's heap (heap_reuse.py)")
+                        help="keep freed memory in glibc's heap (cosmotrain/device/heap.py)")
     args = parser.parse_args()
     if args.reuse_freed_memory and not reuse_freed_memory():
         print("glibc heap reuse not available")
@@ -289,8 +295,8 @@ def main() -> None:
         table.add(name, ours, theirs, flops, **run)
         if mlperf:
             act, act_t, pool, pool_t = act_pool_cases(f, size, args.batch, rng)
-            table.add(f"act{name[-1]}", act, act_t, None, **run)
             table.add(f"pool{name[-1]}", pool, pool_t, None, **run)
+            table.add(f"act{name[-1]}", act, act_t, None, **run)
     if not mlperf:
         for name, c, frac in POOLS:
             table.add(name, *avg_pool_cases(c, args.width // frac, args.batch, rng), None, **run)

@@ -11,7 +11,7 @@ By default all cosmotrain steps run, then all PyTorch steps, and the best is sho
 ``--interleave`` alternates them step by step (on a shared machine both sides then meet
 the same load) and ``--stat median`` shows the median step.  ``--reuse-freed-memory``
 keeps freed memory in glibc's heap for the whole process, PyTorch included (see
-``heap_reuse.py``).
+``cosmotrain/device/heap.py``; the trainer does it by default).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from heap_reuse import reuse_freed_memory  # noqa: E402
+from cosmotrain.device.heap import reuse_freed_memory  # noqa: E402
 
 from cosmotrain.config.schema import ModelConfig  # noqa: E402
 from cosmotrain.kernels.loss import mse_backward, mse_sum  # noqa: E402
@@ -111,7 +111,7 @@ def torch_stepper(model, x: np.ndarray, y: np.ndarray):
     from torch_mirror import torch_twin
 
     torch.set_num_threads(2)
-    twin = torch_twin(model)
+    twin = torch_twin(model, activation_first=True)  # as the MLPerf reference writes it
     opt = torch.optim.Adam(twin.parameters(), lr=1e-4)
     tx, ty = torch.from_numpy(x), torch.from_numpy(y)
     seconds, hooks = _torch_layer_hooks(twin)

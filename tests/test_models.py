@@ -10,6 +10,7 @@ import pytest
 from cosmotrain.config.schema import ModelConfig
 from cosmotrain.kernels.loss import mse_backward, mse_sum
 from cosmotrain.models import build_model, parameter_count
+from cosmotrain.nn.layers import LeakyReLU, Pool3d
 from cosmotrain.nn.module import Context
 
 
@@ -139,3 +140,52 @@ def test_whole_network_gradient_finite_differences() -> None:
             down = loss_now()
             p.data[index] = old
             assert p.grad[index] == pytest.approx((up - down) / 2e-6, rel=1e-4, abs=1e-8), name
+
+
+def test_mlperf_pools_before_activating_bit_for_bit() -> None:
+    """conv -> max-pool -> LeakyReLU is the reference's conv -> LeakyReLU -> max-pool:
+    the same prediction and parameter gradients, bit for bit on random float32 data."""
+    model, reference = model_of("cosmoflow-mlperf", 32), model_of("cosmoflow-mlperf", 32)
+    names = [layer.name for layer in model.items]
+    assert names.index("pool1") < names.index("act1")
+    for i, layer in enumerate(list(reference.items[:-1])):  # back to the reference order
+        if isinstance(layer, Pool3d) and isinstance(reference.items[i + 1], LeakyReLU):
+            reference.items[i], reference.items[i + 1] = reference.items[i + 1], layer
+    assert [layer.name for layer in reference.items].index("act1") == names.index("pool1")
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(2, 4, 32, 32, 32)).astype(np.float32)
+    target = rng.uniform(-1, 1, size=(2, 4)).astype(np.float32)
+    loss, pred = run_step(model, x.copy(), target)
+    ref_loss, ref_pred = run_step(reference, x.copy(), target)
+    assert np.array_equal(pred, ref_pred) and loss == ref_loss
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert np.array_equal(p.grad, q.grad), name
+
+
+def test_mlperf_against_torch_in_the_reference_order() -> None:
+    """The PyTorch network in Keras's order (activation, then pooling), float64."""
+    torch = pytest.importorskip("torch")
+    from torch_mirror import torch_twin
+
+    model = model_of("cosmoflow-mlperf", 32)
+    for _, p in model.named_parameters():
+        p.data = p.data.astype(np.float64)
+    twin = torch_twin(model, activation_first=True).to(torch.float64)
+    assert twin.order.index("act1") < twin.order.index("pool1")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 4, 32, 32, 32))
+    target = rng.uniform(-1, 1, size=(2, 4))
+    loss, pred = run_step(model, x.copy(), target)
+    tloss = ((twin(torch.from_numpy(x)) - torch.from_numpy(target)) ** 2).mean()
+    tloss.backward()
+    assert loss == pytest.approx(tloss.item(), rel=1e-9)
+    grads = dict(twin.named_parameters())
+    for pname, param in model.named_parameters():
+        expected = grads[pname].grad.numpy()
+        assert np.abs(param.grad - expected).max() <= 1e-9 * np.abs(expected).max(), pname
+
+
+def test_mlperf_negative_slope_keeps_the_reference_order() -> None:
+    """max-pool and LeakyReLU commute only for a non-negative slope."""
+    names = [layer.name for layer in model_of("cosmoflow-mlperf", 32, leaky_slope=-0.1).items]
+    assert names.index("act1") < names.index("pool1")

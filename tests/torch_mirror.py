@@ -115,7 +115,22 @@ def state_dict_of(model: Layer) -> dict[str, torch.Tensor]:
     return state
 
 
-def torch_twin(model: Layer) -> nn.Module:
+def torch_twin(model: Layer, activation_first: bool = False) -> nn.Module:
+    """The ``torch.nn`` twin with the same weights; ``activation_first``: each max-pool
+    followed by a LeakyReLU runs after it instead, as the MLPerf reference (and a PyTorch
+    user) writes the block (cosmotrain builds it pooled first: the same function)."""
     twin = mirror(model)
     twin.load_state_dict(state_dict_of(model), strict=True)
+    if activation_first:
+        twin.order = activation_first_order(twin)
     return twin
+
+
+def activation_first_order(seq: TorchSequential) -> list[str]:
+    """``seq.order`` with every (MaxPool3d, LeakyReLU) pair swapped."""
+    order = list(seq.order)
+    for i in range(len(order) - 1):
+        first, second = getattr(seq, order[i]), getattr(seq, order[i + 1])
+        if isinstance(first, nn.MaxPool3d) and isinstance(second, nn.LeakyReLU):
+            order[i], order[i + 1] = order[i + 1], order[i]
+    return order

@@ -8,7 +8,9 @@ pure topology; the convolution and linear layers take the GPU kernel settings
 (``conv``) and pass them to every kernel call.  Nothing here is installed process-wide
 except the kernel threads (``threads``), which :func:`build_runtime` applies once
 through :func:`cosmotrain.kernels._parallel.configure_threads` because OpenBLAS's thread
-count is process-global state of the C library (see ``kernels/_parallel.py``).
+count is process-global state of the C library (see ``kernels/_parallel.py``), and, when
+asked, glibc's keeping of freed memory (:mod:`cosmotrain.device.heap`), for the same
+reason.
 
 The default ``Runtime()`` is the host's: the numpy pass-through transport, fresh
 timers, the default convolution settings, and ``threads=None`` (the process's threads
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cosmotrain.comm.timers import PhaseTimers
+from cosmotrain.device.heap import reuse_freed_memory
 from cosmotrain.device.select import Device
 from cosmotrain.device.transport import Transport, make_transport
 from cosmotrain.kernels._parallel import KernelThreads, configure_threads
@@ -39,17 +42,22 @@ class Runtime:
     threads: KernelThreads | None = None
 
 
-def build_runtime(device: Device, comm: Any, threads: KernelThreads | None = None) -> Runtime:
+def build_runtime(device: Device, comm: Any, threads: KernelThreads | None = None,
+                  reuse_memory: bool = False) -> Runtime:
     """The runtime of a job on ``device`` whose ranks are ``comm`` (the grid's ``cart``;
     collective on a GPU, where the transport follows ``device.communication`` and is
     prepared over ``comm``).
 
     ``threads`` (the job's :func:`~cosmotrain.comm.threads.job_threads`) are applied to
-    this process here, once; None leaves the process's threads as they are.  On a GPU
-    the convolution settings are the device's (:func:`settings_for`).
+    this process here, once; None leaves the process's threads as they are.
+    ``reuse_memory`` keeps freed host memory in the heap from now on
+    (:func:`~cosmotrain.device.heap.reuse_freed_memory`).  On a GPU the convolution
+    settings are the device's (:func:`settings_for`).
     """
     if threads is not None:
         configure_threads(threads)
+    if reuse_memory:
+        reuse_freed_memory()
     if not device.is_gpu:
         return Runtime(device, threads=threads)
     transport = make_transport(device.communication)

@@ -192,6 +192,7 @@ RULES: dict[str, Rule] = {
     "device.conv_algorithm": _allow("the device"),
     "device.communication": _allow("the device"),
     "device.gpus_per_node": _allow("the device"),
+    "device.reuse_freed_memory": _allow("the host allocator"),
 }
 
 #: Keys found in no rule (a key the schema no longer declares) are refused.

@@ -151,7 +151,8 @@ def job_runtime(cfg: Config, grid: ProcessGrid, device: Device | None = None,
     """The runtime of a job of ``cfg`` on ``grid`` (collective), on ``device`` (the job's
     :func:`~cosmotrain.device.select.select_device`), with the job's kernel ``threads``
     (:func:`~cosmotrain.comm.threads.job_threads`, applied here once; None leaves the
-    process's threads as they are).
+    process's threads as they are).  A job (``threads`` given) also applies
+    ``device.reuse_freed_memory``, process-wide like the threads.
 
     Without a device the config's ``device`` section decides, with ``auto`` meaning the
     CPU: library calls and tests stay on the host unless they ask for a GPU (``backend:
@@ -161,7 +162,8 @@ def job_runtime(cfg: Config, grid: ProcessGrid, device: Device | None = None,
     (:func:`~cosmotrain.comm.runtime.build_runtime`).
     """
     device = device if device is not None else _default_device(cfg.device, grid)
-    return build_runtime(device, grid.cart, threads)
+    return build_runtime(device, grid.cart, threads,
+                         reuse_memory=threads is not None and cfg.device.reuse_freed_memory)
 
 
 def hybrid_step_from_config(cfg: Config, grid: ProcessGrid,
