@@ -26,7 +26,7 @@ import argparse
 import json
 import time
 import tracemalloc
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -44,11 +44,18 @@ from cosmotrain.train.step import HybridStep, hybrid_step_from_config, job_runti
 
 def input_block(dist: Any, coord: tuple[int, ...]) -> DistTensor:
     """This rank's block of a smooth, deterministic mini-batch (no full array anywhere)."""
-    axes = np.ix_(*[np.arange(s.start, s.stop, dtype=np.float32) for s in dist.block(coord)])
+    return DistTensor(smooth_block(dist.block(coord)), dist, coord)
+
+
+def smooth_block(box: Sequence[slice]) -> np.ndarray:
+    """The mini-batch on the index box ``box`` (N, C, D, H, W slices of the global batch):
+    a smooth function of the global voxel index, so that any rank can build any part of
+    the same batch (``bench_ddp.py``'s PyTorch side builds its own parts with it)."""
+    axes = np.ix_(*[np.arange(s.start, s.stop, dtype=np.float32) for s in box])
     n, c, d, h, w = axes
     block = np.sin(0.37 * d + 0.11 * h * (c + 1) + 0.23 * w + 1.3 * n)
     block = block * np.cos(0.05 * (d - h) * w / 7.0 + c) + 0.1 * c
-    return DistTensor(block.astype(np.float32), dist, coord)
+    return block.astype(np.float32)
 
 
 def targets(batch: int, outputs: int) -> np.ndarray:

@@ -63,8 +63,6 @@ class SpatialConv3d(SpatialWindow, Conv3d):
         y = self._overlapped(buffer[geo.extended], x, geo,
                              lambda: geo.exchange.finish(buffer, pending, "replace"))
         self._saved = (x, save_margins(buffer, geo))
-        if self.bias and geo.has_output:
-            y += self.params["bias"].like(y).reshape(1, -1, 1, 1, 1)
         return DistTensor(y, geo.out_dist, x.coord)
 
     def backward(self, dy: DistTensor, ctx: Context) -> DistTensor | None:  # type: ignore[override]
@@ -109,8 +107,12 @@ class SpatialConv3d(SpatialWindow, Conv3d):
         return y
 
     def _conv(self, ext: Any, padding: Any) -> Any:
+        """The convolution of (part of) the extended block, with the bias: every output
+        element's final value comes from one call, so each call adds it (in the
+        kernel's output chunks, as the one-process layer does, not in a pass after)."""
+        bias = self.params["bias"].like(ext) if self.bias else None
         return conv3d.conv3d_forward(ext, self.params["weight"].like(ext), self.stride, padding,
-                                     settings=self.conv_settings)
+                                     settings=self.conv_settings, bias=bias)
 
     def _data_grad(self, dy: DistTensor, x: DistTensor, geo: WindowGeometry) -> Any:
         """The extended block's data gradient (None for a rank without output)."""
