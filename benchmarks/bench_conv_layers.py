@@ -270,7 +270,8 @@ def main() -> None:
     parser.add_argument("--stat", choices=("best", "median"), default="best",
                         help="which round to show (default: the best)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="torch threads (default: all CPUs)")
+                        help="threads of both sides: PyTorch's, and cosmotrain's BLAS "
+                        "threads and kernel workers (default: all CPUs)")
     parser.add_argument("--any-load", action="store_true",
                         help="keep rounds during which other processes used the CPU")
     parser.add_argument("--reuse-freed-memory", action="store_true",
@@ -278,6 +279,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.reuse_freed_memory and not reuse_freed_memory():
         print("glibc heap reuse not available")
+    _parallel.configure_threads(_parallel.KernelThreads(args.threads))
     if torch is not None:
         torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)

@@ -40,7 +40,9 @@ IDS = [f"case{i}" for i in range(len(CASES))]
 # (split waste allowed, chunks per sample, GEMM buffer bytes, workers, forward / filter
 # gradient algorithm): plain or split lowerings; one plane per chunk and per GEMM, or
 # whole samples in one GEMM; 1 or 2 threads; depth windows (one output row per GEMM and
-# one plane per chunk, or whole planes and samples) instead of the lowerings
+# one plane per chunk, or whole planes and samples) instead of the lowerings; the data
+# gradient of unsplit layers with F > C scatters (col2im, DGRAD_SCATTER) except under
+# "gather", whose GEMMs take several planes (MIN_GEMM_COLUMNS)
 POLICIES = {
     "plain-planes-2w": (0.0, 1 << 10, 1, 2, "lowering"),
     "split-planes-2w": (10.0, 1 << 10, 1, 2, "lowering"),
@@ -48,6 +50,7 @@ POLICIES = {
     "plain-whole-2w": (0.0, 1, 1 << 30, 2, "lowering"),
     "windows-rows-2w": (0.0, 1 << 10, 1, 2, "windows"),
     "windows-whole-1w": (0.0, 1, 1 << 30, 1, "windows"),
+    "plain-gather-2w": (0.0, 1 << 10, 1, 2, "gather"),
 }
 
 
@@ -58,6 +61,10 @@ def policy(request, monkeypatch):
     monkeypatch.setattr(conv, "CHUNKS_PER_SAMPLE", chunks)
     monkeypatch.setattr(conv, "MIN_COLUMNS", 1)
     monkeypatch.setattr(conv, "CHUNK_BYTES", budget)
+    # "gather": groups of several planes through MIN_GEMM_COLUMNS despite the 1-byte budget
+    monkeypatch.setattr(conv, "MIN_GEMM_COLUMNS", 100 if algorithm == "gather" else 1)
+    monkeypatch.setattr(conv, "SCATTER_BYTES", budget)
+    monkeypatch.setattr(conv, "DGRAD_SCATTER", algorithm != "gather")
     monkeypatch.setattr(conv, "MIN_WINDOW_PLANE", 1 if algorithm == "windows" else 1 << 30)
     monkeypatch.setattr(conv, "MAX_WINDOW_CHANNELS", 1 << 30)
     monkeypatch.setattr(depth_lowering, "CHUNK_PLANES", 1 if chunks > 1 else 1 << 10)

@@ -24,7 +24,8 @@ own disjoint outputs and filter-gradient partials are summed in chunk order.
   with the flipped, transposed kernel, lowered with H and W split: a gather, with no
   column copies, zero fill or read-modify-write of dx (conv 4->16 at 128^3: 62 ms,
   against 137 ms for GEMM + col2im).  Other strides scatter with col2im
-  (:mod:`.conv3d_dgrad`).
+  (:mod:`.conv3d_dgrad`); so may, with :data:`DGRAD_SCATTER`, unit-stride layers too
+  small to split whose F exceeds C.
 
 Winograd convolution (F(2x2, 3x3) over (H, W) and F(2x2x2, 3x3x3)) was measured and not
 adopted: with numpy passes for its transforms it was 0.9-1.3x the lowerings on the MLPerf
@@ -84,6 +85,24 @@ CHUNK_BYTES = 4 << 20
 SLAB_BYTES = 16 << 20
 # Fewest GEMM columns per chunk; below this one BLAS-threaded GEMM beats parallel chunks.
 MIN_COLUMNS = 4096
+# Dimensions the data gradient's gather may split (H and W: no column copies).
+DGRAD_MAX_SHIFT = 2
+# Unit-stride data gradients that no split fits (small planes) may scatter (col2im) when
+# F > C: the gather's column matrix has F*27 rows, col2im's C*27, and the gather needs
+# the flipped kernel transposed first.  Off: on MLPerf conv4 / conv5 (F = 2C, 16^3 and
+# 8^3) the two measured within the box's noise, either ahead by up to 20% from run to run
+# (docs/PERFORMANCE.md, "cosmoflow-mlperf per layer against PyTorch", 2026-11-23).
+DGRAD_SCATTER = False
+# Column matrix of one col2im chunk of the data gradient (bytes): 4 MiB cut conv5's
+# sample into 2-plane GEMMs (128 columns); 16 MiB was the best of 4 / 16 / 64 MiB in
+# two (noisy) runs.
+SCATTER_BYTES = 16 << 20
+# Fewest GEMM columns per GEMM (a group of planes), even past ``CHUNK_BYTES``: plain
+# im2col on 16^3 and 8^3 planes got 256 or 64-128 columns within 4 MiB, where OpenBLAS
+# packs the weights for little work (1 thread: 512x6912 @ N=128 81, N=1024 93 GFLOP/s;
+# 256x13824 @ N=64 74, N=1024 90).  MLPerf batch 2, old and new interleaved (medians,
+# 2026-11-23): conv5 forward 55 -> 45 ms, conv4 forward 110 -> 98 ms (512: 98 ms too).
+MIN_GEMM_COLUMNS = 1024
 # A split lowering extends the GEMM grid by k-1; allowed while that is <= 1/16 of it.
 MAX_SPLIT_WASTE = 1 / 16
 # The depth-window lowering (:mod:`.depth_lowering`) is for thin layers, whose time is
@@ -172,7 +191,8 @@ def _columns(low: Lowering, src: np.ndarray, chunk):
     n, z0, z1 = chunk
     slab = low.slab(src[n], z0, z1)
     per_plane = (low.rows + (low.outputs if low.shift else 0)) * low.columns_per_plane
-    size = 1 if low.shift == 2 else max(1, CHUNK_BYTES // (per_plane * src.itemsize))
+    size = 1 if low.shift == 2 else max(CHUNK_BYTES // (per_plane * src.itemsize),
+                                        -(-MIN_GEMM_COLUMNS // low.columns_per_plane), 1)
     for g0 in range(z0, z1, size):
         g1 = min(z1, g0 + size)
         yield g0, g1, low.columns(slab, g0 - z0, g1 - g0)
@@ -302,5 +322,7 @@ def conv3d_backward_data(dy: np.ndarray, w: np.ndarray, x_shape: Sequence[int],
     flipped = w[:, :, ::-1, ::-1, ::-1].transpose(1, 0, 2, 3, 4)
     pad_t = tuple((k - 1 - lo, k - 1 - hi) for (lo, hi), k in zip(geo.padding, geo.kernel))
     tgeo = ConvGeometry.create(dy.shape, flipped.shape, 1, pad_t)
-    low = choose_lowering(tgeo, max_shift=2)
+    low = choose_lowering(tgeo, max_shift=DGRAD_MAX_SHIFT)
+    if DGRAD_SCATTER and low.shift == 0 and geo.filters > geo.channels:
+        return backward_data_scatter(dy, w, geo, SCATTER_BYTES, dx)
     return _run_lowered(dy, low.weights(flipped), low, dx)
