@@ -27,10 +27,13 @@ own disjoint outputs and filter-gradient partials are summed in chunk order.
   (:mod:`.conv3d_dgrad`); so may, with :data:`DGRAD_SCATTER`, unit-stride layers too
   small to split whose F exceeds C.
 
-Winograd convolution (F(2x2, 3x3) over (H, W) and F(2x2x2, 3x3x3)) was measured and not
-adopted: with numpy passes for its transforms it was 0.9-1.3x the lowerings on the MLPerf
-layers, the transforms costing about what the 2.25-3.4x fewer GEMM flops saved
-(``benchmarks/winograd_study.py``, docs/PERFORMANCE.md "cosmoflow-mlperf per layer").
+Winograd convolution is not used yet.  Measured forward, one sample, one thread, with
+numpy passes for the transforms and these kernels for the GEMMs
+(``benchmarks/winograd_study.py``, docs/PERFORMANCE.md "cosmoflow-mlperf per layer",
+2026-11-23): F(2,3) along W 0.9-1.0x the lowerings on conv2 (its transforms cost what
+the fewer flops save) and 1.2-1.4x on conv3-conv5; F(2x2x2, 3x3x3) up to 1.7x on
+conv5.  A path for the wide stride-1 layers (forward and data gradient, the form chosen
+per layer) is the next step past the sgemm rate.
 
 Layout decision ("NCDHW or channels-last: choose by measurement").  Measured with
 ``benchmarks/bench_conv_layout.py`` (forward, W=128 CosmoFlow layers, batch 1, 2-core
