@@ -129,9 +129,10 @@ def run_on_slab(module: nn.Module, slab: torch.Tensor) -> torch.Tensor:
     below, above = pad, kernel - pad - stride
     if slab.shape[2] % stride or max(below, above, 0) > slab.shape[2] or above < 0:
         raise ValueError(f"a {slab.shape[2]}-plane slab cannot run {module} on its own")
-    if isinstance(module, nn.MaxPool3d):
-        if pad:
-            raise NotImplementedError("max-pooling with depth padding (halo would be -inf)")
+    if isinstance(module, nn.MaxPool3d):  # local only when its windows tile the slab
+        if pad or kernel != stride:
+            raise ValueError(f"the depth-split peer runs max-pooling only with depth windows "
+                             f"that tile the volume (kernel = stride, no padding), not {module}")
         return module(slab)
     if below or above:
         slab = HaloExchange.apply(slab, below, above)
