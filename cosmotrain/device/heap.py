@@ -30,22 +30,13 @@ M_MMAP_MAX = -4
 # glibc caps the trim threshold at what fits in an int
 NEVER_TRIM = 2**31 - 1
 
-_applied = False
-
 
 def reuse_freed_memory() -> bool:
     """Keep freed memory for reuse (glibc); False where there is no glibc ``mallopt``."""
-    global _applied
     mallopt = _mallopt()
     if mallopt is None:
         return False
-    _applied = bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, NEVER_TRIM))
-    return _applied
-
-
-def reusing_freed_memory() -> bool:
-    """Whether :func:`reuse_freed_memory` was applied in this process."""
-    return _applied
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, NEVER_TRIM))
 
 
 def _mallopt():
