@@ -184,11 +184,12 @@ def torch_row(args: argparse.Namespace, model: Any, batch: int, precision: str
 
 
 def measure(world: Any, args: argparse.Namespace) -> List[Dict[str, Any]]:
-    """Every row: cosmotrain per algorithm, then PyTorch, per (batch, precision)."""
-    from cosmotrain.models import build_model
+    """Every row: cosmotrain per algorithm, then PyTorch, per (batch, precision).
 
+    The model PyTorch's twin copies is built only for PyTorch's rows: built before them,
+    its parameters would count in every cosmotrain row's peak resident set."""
     rows = []
-    model = build_model(load_config(None, [f"model.width={args.width}"]).model, 0)
+    model = None
     algorithms = args.algorithms if args.backend == "gpu" else ["numpy"]
     for batch in args.batch:
         for precision in args.precisions:
@@ -198,11 +199,19 @@ def measure(world: Any, args: argparse.Namespace) -> List[Dict[str, Any]]:
                 rows.append(cosmotrain_row(world, args, batch, precision, algorithm))
                 report(world, rows[-1])
             if not args.no_torch and world.Get_size() == 1:
+                model = model if model is not None else torch_model(args.width)
                 row = torch_row(args, model, batch, precision)
                 if row is not None:
                     rows.append(row)
                     report(world, row)
     return rows
+
+
+def torch_model(width: int) -> Any:
+    """The default network at ``width``, whose weights PyTorch's twin copies."""
+    from cosmotrain.models import build_model
+
+    return build_model(load_config(None, [f"model.width={width}"]).model, 0)
 
 
 def report(world: Any, row: Dict[str, Any]) -> None:

@@ -2,7 +2,9 @@
 
 For several grids and convolution shapes (stride 2, even kernels, asymmetric padding,
 uneven blocks): each rank's output block, input-gradient block, and the weight gradient
-summed over the ranks equal the serial layer's.  Verdict allreduced over all ranks.
+summed over the ranks equal the serial layer's; the input gradient is contiguous (moved
+to the front of its halo buffer).  Pooling a large block in slabs of planes, without a
+halo buffer, gives one call's results bit for bit.  Verdict allreduced over all ranks.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ from conv_reference import serial_conv_run, spatial_twin
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.layout import Layout as ParallelLayout
-from cosmotrain.layers.pool import spatial_pool
+from cosmotrain.kernels import pool3d
 from cosmotrain.kernels.geometry import normalize_padding
+from cosmotrain.layers import pool as pool_layer
+from cosmotrain.layers.pool import spatial_pool
+from cosmotrain.layers.window import halo_buffer
 from cosmotrain.nn import factory
 from cosmotrain.nn.layers import Pool3d
 from cosmotrain.nn.module import Context
@@ -48,6 +53,7 @@ def one_case(world, layout: ParallelLayout, spec) -> bool:
     ok = np.allclose(y_block.data, y[y_block.dist.block(coord)], atol=1e-12)
     dx_block = dist_conv.backward(DistTensor.scatter(dy, y_block.dist, coord), Context())
     ok &= np.allclose(dx_block.data, dx[dist.block(coord)], atol=1e-12)
+    ok &= dx_block.data.flags.c_contiguous
     ok &= np.allclose(world.allreduce(dist_conv.params["weight"].grad), dw, atol=1e-10)
     if bias:
         ok &= np.allclose(world.allreduce(dist_conv.params["bias"].grad),
@@ -81,6 +87,34 @@ def one_pool_case(world, layout: ParallelLayout, spec) -> bool:
     ok = np.allclose(y_block.data, y[y_block.dist.block(coord)], atol=1e-12)
     dx_block = pool.backward(DistTensor.scatter(dy, y_block.dist, coord), Context())
     ok &= np.allclose(dx_block.data, dx[dist.block(coord)], atol=1e-12)
+    ok &= dx_block.data.flags.c_contiguous
+    grid.free()
+    return bool(ok)
+
+
+def one_slab_case(world, layout: ParallelLayout, spec) -> bool:
+    """The layer's forward against one kernel call on the filled halo buffer (the way the
+    layer pooled before it pooled in slabs), bit for bit, argmax included."""
+    mode, k, s, p, spatial = spec
+    grid = ProcessGrid(world, layout)
+    x = np.random.default_rng(6).normal(size=(2, 3) + spatial)
+    dist = Distribution(x.shape, (layout.sample, 1, *layout.spatial))
+    coord = (grid.coord("sample"), 0, *grid.spatial_coords)
+    block = DistTensor.scatter(x, dist, coord)
+    pool = spatial_pool(Pool3d(name="p", mode=mode, kernel=(k,) * 3, stride=(s,) * 3,
+                               padding=normalize_padding(p)), grid)
+    y = pool.forward(block, Context())
+    geo = pool.geometry(block)
+    buffer = halo_buffer(block, geo)
+    geo.exchange.exchange(buffer, "replace")
+    ok = True
+    if geo.has_output:
+        args = (buffer[geo.extended], pool.kernel, pool.stride, geo.padding)
+        if mode == "avg":
+            ok = np.array_equal(y.data, pool3d.avg_pool3d_forward(*args))
+        else:
+            y0, argmax0 = pool3d.max_pool3d_forward(*args)
+            ok = np.array_equal(y.data, y0) and np.array_equal(pool._argmax, argmax0)
     grid.free()
     return bool(ok)
 
@@ -95,5 +129,23 @@ def test_spatial_conv_and_pool_match_serial() -> None:
                for layout in LAYOUTS for i, spec in enumerate(CONVS)}
     results.update({(layout.describe(), "pool", i): one_pool_case(world, layout, spec)
                     for layout in LAYOUTS for i, spec in enumerate(POOLS)})
+    failed = [key for key, ok in results.items() if not ok]
+    assert world.allreduce(not failed, op=MPI.LAND), f"rank {world.rank} failed: {failed}"
+
+
+@pytest.mark.parallel(nprocs=4)
+@abort_on_error
+def test_spatial_pool_in_slabs_is_one_call_bit_for_bit(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """Every block counts as large here (the kernels pool it plane by plane) and slabs are
+    as thin as they go, so the layer receives its margins without a halo buffer and pools
+    one output plane's window at a time."""
+    from mpi4py import MPI
+
+    monkeypatch.setattr(pool3d, "WHOLE_BYTES", 0)
+    monkeypatch.setattr(pool_layer, "SLAB_BYTES", 1)
+    world = MPI.COMM_WORLD
+    results = {(layout.describe(), i): one_slab_case(world, layout, spec)
+               for layout in LAYOUTS for i, spec in enumerate(POOLS)}
     failed = [key for key, ok in results.items() if not ok]
     assert world.allreduce(not failed, op=MPI.LAND), f"rank {world.rank} failed: {failed}"

@@ -1,5 +1,6 @@
 """One rank's halo buffer layout (pure, no MPI): its parts tile the buffer and sit where the
-window halos say, in global planes."""
+window halos say, in global planes; a gradient buffer's owned block is moved to the front
+of the buffer's memory (``compact_owned``), not copied."""
 
 from __future__ import annotations
 
@@ -49,3 +50,21 @@ def test_layout_parts_tile_the_buffer_and_match_the_halos() -> None:
             outputs = [block_range(output_size(n, k, s, *p), g, c) for n, k, s, p, g, c in
                        zip(shape[2:], kernel, stride, padding, grid[2:], coord[2:])]
             assert lay.has_output == all(b > a for a, b in outputs)
+
+
+def test_compact_owned_moves_the_owned_block_to_the_front_of_the_buffer() -> None:
+    """The input gradient of a window layer is its buffer's owned block, made contiguous
+    in the buffer's own memory (so the kernels before it need no block-sized copy)."""
+    from cosmotrain.layers.window import compact_owned
+
+    rng = np.random.default_rng(2)
+    boxes = [((1, 6), (1, 5), (0, 5)), ((0, 6), (1, 6), (0, 5)), ((1, 7), (0, 6), (2, 5)),
+             ((0, 3), (0, 2), (0, 1)), ((0, 7), (0, 6), (0, 5))]
+    for box in boxes:
+        buffer = rng.normal(size=(2, 3, 7, 6, 5)).astype(np.float32)
+        owned = buffer[box_slices(box)].copy()
+        moved = compact_owned(buffer, box)
+        np.testing.assert_array_equal(moved, owned)
+        assert moved.flags.c_contiguous and np.shares_memory(moved, buffer)
+    whole = rng.normal(size=(1, 2, 4, 3, 3))
+    assert compact_owned(whole, ((0, 4), (0, 3), (0, 3))).base is whole  # a view, untouched

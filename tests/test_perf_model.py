@@ -88,7 +88,7 @@ def test_costs_add_up_and_follow_the_machine() -> None:
                   (sum(layer.forward_calls) / math.prod(layer.out_shape) - 1) +
                   layer.copied * 1e-10 for layer in split)
     pools = [layer for layer in work.layers if layer.kind == "Pool3d"]
-    assert pools and all(layer.copied == math.prod(layer.in_shape[:2]) *  # into the buffer
+    assert pools and all(layer.copied == math.prod(layer.in_shape[:2]) *  # rebuilt
                          (layer.in_shape[2] + 1) * math.prod(layer.in_shape[3:])
                          for layer in pools[:1])  # pool1: its block and one received plane
     overlap += sum(layer.copied * 1e-10 for layer in pools)

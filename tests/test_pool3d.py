@@ -194,3 +194,35 @@ def test_tiled_max_pool_is_the_general_kernel_bit_for_bit(monkeypatch, shape, bl
     np.testing.assert_array_equal(argmax, argmax0)
     np.testing.assert_array_equal(dx, dx0)
     assert np.isnan(y).any() and np.isinf(dx).any()
+
+
+@pytest.mark.parametrize("kernel, stride, padding, shape", CASES, ids=IDS)
+@pytest.mark.parametrize("max_planes", [1, 2, 5])
+def test_pooling_in_slabs_of_planes_is_one_call_bit_for_bit(monkeypatch, kernel, stride,
+                                                            padding, shape, max_planes) -> None:
+    """A volume the kernels pool plane by plane (``pools_by_planes``) pooled in slabs of
+    input planes with ``by_planes`` gives exactly the one call's outputs and argmax: the
+    spatial layer pools its extended block so, without a copy of the whole block."""
+    from cosmotrain.tensor.windows import plane_runs
+
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(2, 3) + shape)
+    # the whole volume just over the threshold: without by_planes, every slab would be
+    # reduced whole, in another order of the taps (different bits in some cases)
+    monkeypatch.setattr(pool3d, "WHOLE_BYTES", x[0, 0].nbytes - 1)
+    assert pool3d.pools_by_planes(x.shape, x)
+    assert not pool3d.pools_by_planes(x[:, :, 1:].shape, x)
+    for mode in ("avg", "max"):
+        def pool(block, pads, **flags):
+            if mode == "avg":
+                return avg_pool3d_forward(block, kernel, stride, pads, **flags), None
+            return max_pool3d_forward(block, kernel, stride, pads, **flags)
+
+        y0, arg0 = pool(x, padding)
+        runs = plane_runs(y0.shape[2], shape[0], kernel[0], stride[0], padding[0][0],
+                          max_planes)
+        parts = [pool(x[:, :, lo:hi], (pads,) + padding[1:], by_planes=True)
+                 for _, (lo, hi), pads in runs]
+        np.testing.assert_array_equal(np.concatenate([y for y, _ in parts], axis=2), y0)
+        if mode == "max":
+            np.testing.assert_array_equal(np.concatenate([a for _, a in parts], axis=2), arg0)

@@ -8,7 +8,7 @@
   the unsharded run's (1e-6 / 1e-12: only the order of the reduction's additions
   differs), and so does its optimizer state, gathered.  Each
   rank holds exactly its ranges' state (1/R of every bucket), and after backward only
-  its shard of each reduced gradient.
+  its shard of each reduced gradient, in the same array every step.
 * The non-finite guard: a NaN entering one rank's gradient reaches the shard's owner,
   every rank learns it at the next step, no collective is left unmatched, and no
   parameter becomes non-finite.
@@ -59,20 +59,24 @@ def train_steps(cfg, comm, dtype) -> dict:
     as_dtype(step.model.named_parameters(), dtype)
     x, targets = batch_data(cfg, dtype)
     dist, coord = step.model.input_distribution(x.shape)
-    losses, dropped = [], True
+    losses, dropped, shards, same = [], True, None, True
     for it in range(STEPS):
         out = step.gradients(DistTensor.scatter(x, dist, coord), targets,
                              Context(step=it, seed=cfg.train.seed))
-        if step.reducer.shard:  # only the shard of each reduced gradient is left
+        if step.reducer.shard:  # only the shard of each reduced gradient is left, ...
             dropped &= all(b.buffer is None and b.shard.size == b.span[1] - b.span[0]
                            for b in step.reducer.buckets)
+            # ... in the same array every step (no allocation at a timing-set moment)
+            kept = [b.shard for b in step.reducer.buckets]
+            same &= shards is None or all(a is b for a, b in zip(kept, shards))
+            shards = kept
         losses.append(out.loss)
         step.update()
     blocks = optimizer_blocks(step)
     state = full_state(step, 0, blocks) if grid.group_comms["data"].Get_rank() == 0 else None
     run = {"losses": losses, "params": step.model.full_parameters(),
            "optimizer": state[2] if comm.Get_rank() == 0 else None,
-           "held": held_elements(step), "dropped": dropped}
+           "held": held_elements(step), "dropped": dropped, "same_shards": same}
     grid.free()
     return run
 
@@ -137,6 +141,8 @@ def test_sharded_optimizer_trains_like_one_process() -> None:
                                 f"its ranges {expected}, unsharded {plain['held'][0]}")
             if not sharded["dropped"]:
                 failures.append(f"{what}: a full gradient bucket outlived its reduction")
+            if not sharded["same_shards"]:
+                failures.append(f"{what}: a bucket's shard moved to a new array")
             if world.rank != 0:
                 continue
             errors = {f"vs one process {k}": (v, rtol)

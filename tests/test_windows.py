@@ -18,7 +18,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from cosmotrain.kernels.geometry import output_size
 from cosmotrain.tensor.distribution import Distribution
 from cosmotrain.tensor.windows import (HaloPlan, WindowHalo, check_halos, extended_range,
-                                       halo_plans, spatial_halos, window_halos)
+                                       halo_plans, plane_runs, spatial_halos, window_halos)
 
 SIZES = range(1, 15)
 STRIDES = (1, 2, 3)
@@ -352,3 +352,22 @@ def test_empty_output_block_needs_nothing() -> None:
 def test_window_halos_rejects_bad_windows(args, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         window_halos(*args)
+
+
+@pytest.mark.parametrize("size, kernel, stride, pad", [(17, 3, 2, (1, 1)), (16, 3, 2, (0, 1)),
+                                                       (9, 3, 1, (1, 1)), (10, 4, 3, (2, 0)),
+                                                       (5, 2, 2, (0, 0))])
+@pytest.mark.parametrize("max_planes", [1, 3, 7, 100])
+def test_plane_runs_tile_the_outputs_each_with_its_window(size, kernel, stride, pad,
+                                                          max_planes) -> None:
+    """Runs cover the outputs in order; each reads the planes and padding that give
+    exactly its outputs, at most ``max_planes`` planes unless a single output needs more."""
+    out_len = output_size(size, kernel, stride, *pad)
+    runs = plane_runs(out_len, size, kernel, stride, pad[0], max_planes)
+    assert [o for o, _, _ in runs][0][0] == 0 and runs[-1][0][1] == out_len
+    assert all(a[0][1] == b[0][0] for a, b in zip(runs, runs[1:]))
+    for (o0, o1), (lo, hi), pads in runs:
+        assert 0 <= lo < hi <= size
+        assert output_size(hi - lo, kernel, stride, *pads) == o1 - o0
+        assert hi - lo <= max_planes or o1 - o0 == 1
+        assert lo == max(0, o0 * stride - pad[0])

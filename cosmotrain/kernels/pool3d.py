@@ -14,13 +14,14 @@ Algorithm: separable window reductions (sum or maximum along D, then H, then W: 
 slice operations instead of k^3), on chunks that own whole channels of one sample, so
 chunks never conflict and run on the kernel worker pool (numpy releases the GIL).  Small
 volumes are reduced whole; large ones one output depth plane at a time, so that the
-intermediate arrays stay in L2.  The max-pool argmax is found afterwards by comparing each
-tap with the maximum (last match in reverse order = first offset).  Backward: average
-pooling runs the transposed operations (a gather over output planes, then spreads along H
-and W); max pooling sends each gradient to its input index with ``np.bincount`` (which
-also sums the overlaps of windows with stride < kernel).  Max pooling with 2x2x2 windows
-that tile the input (MLPerf's) takes :mod:`.maxpool_tiled` instead: same results, 3-6x
-faster.
+intermediate arrays stay in L2 (each output plane then sums its taps in the same order
+whatever part of the input a call covers: :func:`pools_by_planes`).  The max-pool argmax
+is found afterwards by comparing each tap with the maximum (last match in reverse order
+= first offset).  Backward: average pooling runs the transposed operations (a gather
+over output planes, then spreads along H and W); max pooling sends each gradient to its
+input index with ``np.bincount`` (which also sums the overlaps of windows with stride <
+kernel).  Max pooling with 2x2x2 windows that tile the input (MLPerf's) takes
+:mod:`.maxpool_tiled` instead: same results, 3-6x faster.
 
 Other devices and storage: cupy arrays take the whole-array implementation of
 :mod:`.pool3d_xp` (same geometry, conventions and results); bfloat16 arrays are pooled
@@ -47,14 +48,34 @@ BLOCK_BYTES = 512 << 10
 MIN_CHUNK_BYTES = 1 << 20
 
 
+def pools_by_planes(x_shape: Sequence[int], like) -> bool:
+    """Whether the CPU kernels pool an input of ``x_shape`` with the device and dtype of
+    the array ``like`` one output plane at a time (a channel's volume over
+    ``WHOLE_BYTES``; bfloat16 is pooled in float32).
+
+    Why a caller asks: plane by plane, every output plane sums its taps in the same
+    order whichever of the input's planes a call gets, so the input may be pooled in
+    slabs of planes (``by_planes=True``) with exactly the results of one call, and no
+    whole copy of it need exist (the spatial layer's extended block, ``layers/pool.py``).
+    Whole volumes are summed along D in an order that depends on which taps reach the
+    call's padding.  False for device arrays (:mod:`.pool3d_xp`: one call).
+    """
+    if is_device_array(like):
+        return False
+    itemsize = 4 if is_bf16(like) else like.dtype.itemsize
+    return int(np.prod(tuple(x_shape)[2:])) * itemsize > WHOLE_BYTES
+
+
 class _Pool:
-    """Validated pooling geometry."""
+    """Validated pooling geometry; ``by_planes`` reduces one output plane at a time
+    whatever the volume (see :func:`pools_by_planes`)."""
 
     def __init__(self, x_shape: Sequence[int], kernel, stride, padding,
-                 max_pool: bool = False) -> None:
+                 max_pool: bool = False, by_planes: bool = False) -> None:
         x_shape = tuple(int(v) for v in x_shape)
         check_batch_shape(x_shape)
         self.x_shape = x_shape
+        self.by_planes = by_planes
         self.kernel: Triple = normalize_triple(kernel, "kernel")
         self.stride: Triple = normalize_triple(self.kernel if stride is None else stride, "stride")
         self.padding: Padding = normalize_padding(padding)
@@ -88,7 +109,7 @@ class _Pool:
 
     def whole(self, itemsize: int) -> bool:
         """Reduce chunks whole (small volumes) rather than plane by plane."""
-        return int(np.prod(self.x_shape[2:])) * itemsize <= WHOLE_BYTES
+        return not self.by_planes and int(np.prod(self.x_shape[2:])) * itemsize <= WHOLE_BYTES
 
     def chunks(self, itemsize: int) -> List[Tuple[int, int, int]]:
         """(sample, first channel, end channel) blocks of whole channels.
@@ -225,14 +246,19 @@ def _elsewhere(array) -> bool:
     return is_device_array(array) or is_bf16(array)
 
 
-def avg_pool3d_forward(x: np.ndarray, kernel, stride=None, padding: PaddingLike = 0) -> np.ndarray:
-    """Average pooling, zero padding counted: divisor ``kD*kH*kW`` everywhere."""
-    pool = _Pool(x.shape, kernel, stride, padding)
+def avg_pool3d_forward(x: np.ndarray, kernel, stride=None, padding: PaddingLike = 0, *,
+                       by_planes: bool = False) -> np.ndarray:
+    """Average pooling, zero padding counted: divisor ``kD*kH*kW`` everywhere.
+
+    ``by_planes``: reduce one output plane at a time whatever the volume, for a caller
+    pooling a slab of planes of a larger input (:func:`pools_by_planes`)."""
+    pool = _Pool(x.shape, kernel, stride, padding, by_planes=by_planes)
     if pool.empty:
         return array_module(x).zeros(pool.y_shape, dtype=x.dtype)
     if _elsewhere(x):
         if is_bf16(x):
-            return narrow(avg_pool3d_forward(widen(x), kernel, stride, padding))
+            return narrow(avg_pool3d_forward(widen(x), kernel, stride, padding,
+                                             by_planes=by_planes))
         return pool3d_xp.avg_pool3d_forward(x, pool)
     x = np.ascontiguousarray(x)
     scale = 1.0 / int(np.prod(pool.kernel))
@@ -283,17 +309,20 @@ def avg_pool3d_backward(dy: np.ndarray, x_shape: Sequence[int], kernel, stride=N
     return dx
 
 
-def max_pool3d_forward(x: np.ndarray, kernel, stride=None,
-                       padding: PaddingLike = 0) -> Tuple[np.ndarray, np.ndarray]:
-    """Max pooling with ``-inf`` padding; returns ``(y, argmax)`` (see module doc)."""
-    pool = _Pool(x.shape, kernel, stride, padding, max_pool=True)
+def max_pool3d_forward(x: np.ndarray, kernel, stride=None, padding: PaddingLike = 0, *,
+                       by_planes: bool = False) -> Tuple[np.ndarray, np.ndarray]:
+    """Max pooling with ``-inf`` padding; returns ``(y, argmax)`` (see module doc).
+
+    ``by_planes`` as for :func:`avg_pool3d_forward` (maxima and argmax are exact either
+    way; it keeps a slab on the large volume's path)."""
+    pool = _Pool(x.shape, kernel, stride, padding, max_pool=True, by_planes=by_planes)
     if pool.empty:
         xp = array_module(x)
         return (xp.zeros(pool.y_shape, dtype=x.dtype),
                 xp.zeros(pool.y_shape, dtype=pool.argmax_dtype))
     if _elsewhere(x):
         if is_bf16(x):
-            y, arg = max_pool3d_forward(widen(x), kernel, stride, padding)
+            y, arg = max_pool3d_forward(widen(x), kernel, stride, padding, by_planes=by_planes)
             return narrow(y), arg
         return pool3d_xp.max_pool3d_forward(x, pool)
     x = np.ascontiguousarray(x)

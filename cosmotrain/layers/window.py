@@ -3,14 +3,16 @@
 For an input distribution a rank computes, once, the layout of its halo buffer (halo
 widths, exchange plan, extended block, zero padding on the global boundary: pure geometry
 in ``tensor/halo_buffers.py``), the exchange and the output distribution.
-``gather_halos`` returns the filled buffer the local kernel reads (``halo_buffer`` the
-same before the exchange, for callers that overlap it); ``scatter_halo_grads`` completes
-an input gradient computed on the extended block.
+``halo_buffer`` is the buffer the convolution's exchange fills while its interior is
+computed; ``scatter_halo_grads`` completes an input gradient computed on the extended
+block.
 
 Memory: a layer that needs its input again in backward keeps the input block (alive
 anyway: the previous layer holds it) and only the received margins (``save_margins``),
 not the buffer, which would be a second copy of the block; ``restore_extended`` rebuilds
-the extended block from the two without communication.
+the extended block, or a slab of its planes, from the two without communication.  A
+layer that reads the margins once (pooling) receives them without any buffer
+(``receive_margins``).
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.comm.runtime import Runtime
-from cosmotrain.device.xp import array_module
-from cosmotrain.tensor.boxes import Box, box_empty, box_slices, to_local
+from cosmotrain.device.xp import array_module, is_device_array
+from cosmotrain.tensor.boxes import (Box, Range, box_empty, box_shape, box_slices, intersect,
+                                     to_local)
 from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.tensor.distribution import Distribution
 from cosmotrain.tensor.halo import HaloExchange
@@ -63,11 +68,11 @@ def halo_buffer(x: DistTensor, geo: WindowGeometry) -> Any:
     return buffer
 
 
-def gather_halos(x: DistTensor, geo: WindowGeometry) -> Any:
-    """The owned block in a buffer whose margins hold the neighbours' planes."""
-    buffer = halo_buffer(x, geo)
-    geo.exchange.exchange(buffer, "replace")
-    return buffer
+def receive_margins(x: DistTensor, geo: WindowGeometry) -> list[tuple[Box, Any]]:
+    """The neighbours' planes of the buffer, each with its box (buffer coordinates),
+    exchanged without a buffer: what ``restore_extended`` needs besides the block."""
+    return [(tuple((r.start, r.stop) for r in region), planes)
+            for region, planes in geo.exchange.gather_margins(x.data)]
 
 
 def save_margins(buffer: Any, geo: WindowGeometry) -> list[tuple[Box, Any]]:
@@ -79,21 +84,29 @@ def save_margins(buffer: Any, geo: WindowGeometry) -> list[tuple[Box, Any]]:
     return [(slab, buffer[box_slices(slab)].copy()) for slab in geo.received()]
 
 
-def restore_extended(x: DistTensor, margins: list[tuple[Box, Any]], geo: WindowGeometry
-                     ) -> Any:
-    """The extended block rebuilt from the owned block and ``save_margins`` (no messages).
+def restore_extended(x: DistTensor, margins: list[tuple[Box, Any]], geo: WindowGeometry,
+                     planes: Range | None = None, out: Any = None) -> Any:
+    """The extended block, or its ``planes`` along D (extended-block indices), rebuilt
+    from the owned block and received margins (``save_margins``, ``receive_margins``;
+    no messages).
 
-    Without margins it is a view of ``x.data`` (cropped by negative halos: the kernel
-    makes the one copy it needs); otherwise one contiguous array the kernel reads as is.
+    When it holds owned planes only, it is a view of ``x.data`` (cropped by negative
+    halos: the kernel makes the one copy it needs); otherwise one contiguous array the
+    kernel reads as is: ``out`` when given (contiguous, of that shape), else a new one.
     """
-    owned = x.data[box_slices(geo.owned_in_block)]
-    if not margins:
-        return owned
-    block = array_module(x.data).empty(geo.extended_shape(x.data.shape[:2]),
-                                       dtype=x.data.dtype)
-    for box, data in [(geo.owned_part, owned)] + margins:
-        if not box_empty(box):
-            block[box_slices(to_local(box, geo.extended_box))] = data
+    target = geo.extended_box
+    if planes is not None:
+        start = target[0][0]
+        target = ((start + planes[0], start + planes[1]),) + target[1:]
+    owned = intersect(target, geo.own_box)
+    if owned == target:
+        return x.data[box_slices(to_local(owned, geo.own_box))]
+    block = out if out is not None else array_module(x.data).empty(
+        x.data.shape[:2] + box_shape(target), dtype=x.data.dtype)
+    for box, data in [(geo.own_box, x.data)] + margins:
+        common = intersect(box, target)
+        if not box_empty(common):
+            block[box_slices(to_local(common, target))] = data[box_slices(to_local(common, box))]
     return block
 
 
@@ -119,12 +132,34 @@ def finish_halo_grads(grad: Any, pending: list, x: DistTensor, geo: WindowGeomet
                       ) -> DistTensor:
     """Add the neighbours' margin gradients into the owned planes; the input gradient.
 
-    The gradient is a *view* of the owned planes of ``grad``: a copy would hold a second
-    block-sized array at the backward peak.  The layers before a window layer accept
-    strided gradients (activations work on them in place; kernels copy what they need).
+    The gradient lives in ``grad``'s memory: a copy would hold a second block-sized
+    array at the backward peak.  On the host its planes are moved to the front of the
+    buffer (:func:`compact_owned`), so it is contiguous: the convolution kernels copy a
+    strided gradient to a contiguous one, block-sized again, in the data and in the
+    weight gradient of the layer before (on 3 of the 4 ranks of a W=256 D2H2 step, the
+    step's peak).  On a GPU it stays a view (see :func:`compact_owned`).
     """
     geo.exchange.finish(grad, pending, "add")
-    return DistTensor(grad[box_slices(geo.own_box)], x.dist, x.coord)
+    return DistTensor(compact_owned(grad, geo.own_box), x.dist, x.coord)
+
+
+def compact_owned(buffer: Any, box: Box) -> Any:
+    """``buffer[box]`` as a C-contiguous array in the first elements of ``buffer``'s own
+    memory (whose other contents are lost); a view of ``buffer`` where that cannot be.
+
+    One (H, W) plane after another in C order: plane ``i`` goes to elements ``[i*P,
+    (i+1)*P)`` (``P`` its size) and comes from elements at ``i*P`` or beyond, so a
+    plane never overwrites one still to be moved; a plane overlapping its own target is
+    copied through a temporary by numpy.  Device arrays keep the view: cupy copies
+    overlapping memory with no defined order.
+    """
+    view = buffer[box_slices(box)]
+    if view.flags.c_contiguous or is_device_array(buffer) or not buffer.flags.c_contiguous:
+        return view
+    out = buffer.reshape(-1)[:view.size].reshape(view.shape)
+    for index in np.ndindex(*view.shape[:-2]):
+        out[index] = view[index]
+    return out
 
 
 class SpatialWindow:

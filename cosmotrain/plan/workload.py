@@ -334,11 +334,14 @@ def _spatial_conv_calls(per_dim: list[list[WindowHalo]], layer: Conv3d, lead_in:
 
 
 def _spatial_pool_copies(per_dim: list[list[WindowHalo]], lead_in: int) -> float:
-    """Input elements a spatially split pooling copies on its busiest rank: its block into
-    the halo buffer (forward, ``gather_halos``); backward writes the extended gradient
-    straight into the buffer it sends from."""
-    return float(lead_in * max(math.prod(h.recv_lo + h.owned + h.recv_hi for h in halos)
-                               for halos in itertools.product(*per_dim)))
+    """Input elements a spatially split pooling copies on its busiest rank: its extended
+    block, rebuilt from the block and the received planes (forward, ``restore_extended``,
+    slab by slab when large), unless it receives and crops nothing (the kernel reads the
+    block itself); backward writes the extended gradient into the buffer it sends from."""
+    rebuilt = [math.prod(h.in_range[1] - h.in_range[0] for h in halos)
+               for halos in itertools.product(*per_dim)
+               if any(h.halo_lo or h.halo_hi for h in halos)]
+    return float(lead_in * max(rebuilt, default=0))
 
 
 def _rank_halo_counts(coord: tuple[int, ...], per_dim: list[list[WindowHalo]]

@@ -127,6 +127,34 @@ class HaloExchange:
         """Blocking form: :meth:`start` then :meth:`finish`."""
         self.finish(buffer, self.start(buffer, mode), mode)
 
+    def gather_margins(self, block: Any) -> list[tuple[Region, Any]]:
+        """The forward (replace) exchange without a buffer, blocking: the neighbours'
+        planes, each in an array of its own, with the region of the buffer it fills.
+
+        The owned planes the neighbours need are sent straight from ``block`` (the owned
+        block).  For a layer that reads the margins once (pooling): a buffer would be a
+        block-sized copy, the largest array of its forward.
+        """
+        with self.runtime.timers.phase("halo"):
+            batch = self.runtime.transport.exchange(self.grid.cart, block)
+            lead, regions = block.shape[:2], []
+            for msg in self.messages:
+                shape = lead + _region_shape(msg.recv_region)
+                if math.prod(shape):
+                    batch.recv(shape, block.dtype, msg.peer, msg.recv_tag)
+                    regions.append(msg.recv_region)
+                    self.received += math.prod(shape)
+                region = block[(...,) + self._in_block(msg.send_region)]
+                if region.size:
+                    batch.send(region, msg.peer, msg.send_tag)
+            batch.start()
+            return list(zip(regions, batch.wait()))
+
+    def _in_block(self, region: Region) -> Region:
+        """An owned region of the buffer in the owned block's own indices."""
+        return tuple(slice(s.start - p.recv_lo, s.stop - p.recv_lo)  # type: ignore[return-value]
+                     for s, p in zip(region, self.plans))
+
 
 def _region_shape(region: Region) -> tuple[int, int, int]:
     return tuple(_extent(s) for s in region)  # type: ignore[return-value]

@@ -92,6 +92,24 @@ def window_span(out: tuple[int, int], size: int, kernel: int, stride: int, pad_l
     return (lo, max(lo, hi)), pads
 
 
+def plane_runs(out_len: int, size: int, kernel: int, stride: int, pad_lo: int,
+               max_planes: int) -> list[tuple[tuple[int, int], tuple[int, int],
+                                              tuple[int, int]]]:
+    """Outputs ``[0, out_len)`` cut in runs whose windows read at most ``max_planes`` of
+    the ``size`` input planes (at least one output a run): ``(outputs, input planes,
+    padding)`` of each run, as :func:`window_span` gives them.
+
+    Why: a window layer may compute its output a run of planes at a time, each from its
+    own small slab of the input, instead of from one input-sized copy.
+    """
+    per_run = max(1, (max_planes - kernel) // stride + 1)
+    runs = []
+    for start in range(0, out_len, per_run):
+        out = (start, min(out_len, start + per_run))
+        runs.append((out, *window_span(out, size, kernel, stride, pad_lo)))
+    return runs
+
+
 def _rank_halo(size: int, own: tuple[int, int], out: tuple[int, int], kernel: int,
                stride: int, pad_lo: int) -> WindowHalo:
     """One rank's halo: clip the window range to ``[0, G)``; empty needs crop everything."""
