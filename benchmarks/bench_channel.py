@@ -24,6 +24,7 @@ import argparse
 import json
 from typing import Any
 
+__import__("cosmotrain")  # before numpy: sets OpenBLAS's idle spin (cosmotrain/__init__.py)
 import numpy as np
 from bench_hybrid import run_steps, setup, targets
 from mpi4py import MPI

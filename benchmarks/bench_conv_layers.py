@@ -31,6 +31,7 @@ import statistics
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
+__import__("cosmotrain")  # before numpy: sets OpenBLAS's idle spin (cosmotrain/__init__.py)
 import numpy as np
 
 from cosmotrain.device.heap import reuse_freed_memory

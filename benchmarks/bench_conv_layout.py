@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 
+__import__("cosmotrain")  # before numpy: sets OpenBLAS's idle spin (cosmotrain/__init__.py)
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 

@@ -25,6 +25,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Callable
 
+__import__("cosmotrain")  # before numpy: sets OpenBLAS's idle spin (cosmotrain/__init__.py)
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

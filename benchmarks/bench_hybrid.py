@@ -28,6 +28,7 @@ import time
 import tracemalloc
 from typing import Any, Sequence
 
+__import__("cosmotrain")  # before numpy: sets OpenBLAS's idle spin (cosmotrain/__init__.py)
 import numpy as np
 from mpi4py import MPI
 

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+__import__("cosmotrain")  # before numpy: sets OpenBLAS's idle spin (cosmotrain/__init__.py)
 import numpy as np
 from mpi4py import MPI
 

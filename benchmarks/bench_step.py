@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
+__import__("cosmotrain")  # before numpy: sets OpenBLAS's idle spin (cosmotrain/__init__.py)
 import numpy as np
 from mpi4py import MPI
 

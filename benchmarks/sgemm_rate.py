@@ -14,6 +14,7 @@ import argparse
 import statistics
 import time
 
+__import__("cosmotrain")  # before numpy: sets OpenBLAS's idle spin (cosmotrain/__init__.py)
 import numpy as np
 
 from cosmotrain.kernels import _parallel

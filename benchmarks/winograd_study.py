@@ -32,6 +32,7 @@ import statistics
 import time
 from typing import Callable, Dict, List
 
+__import__("cosmotrain")  # before numpy: sets OpenBLAS's idle spin (cosmotrain/__init__.py)
 import numpy as np
 
 from cosmotrain.kernels import _parallel

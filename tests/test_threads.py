@@ -78,3 +78,33 @@ def test_kernel_threads_are_applied_through_one_entry_point(monkeypatch) -> None
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="positive int"):
             KernelThreads(bad)
+
+
+def _spin_seen_by_a_fresh_process(env_value: str | None, numpy_first: bool) -> str:
+    """``blas_thread_timeout()`` in a new interpreter importing numpy and cosmotrain."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    if env_value is not None:
+        env["OPENBLAS_THREAD_TIMEOUT"] = env_value
+    imports = "import numpy, cosmotrain" if numpy_first else "import cosmotrain, numpy"
+    code = (f"{imports}\nfrom cosmotrain.kernels._parallel import blas_thread_timeout\n"
+            "print(blas_thread_timeout())")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, check=True).stdout.strip()
+
+
+def test_importing_cosmotrain_first_shortens_the_idle_blas_spin() -> None:
+    """OpenBLAS's idle threads spin 2**28 cycles by default, on the cores the kernel
+    workers need; cosmotrain sets 2**4 before numpy loads OpenBLAS, keeps a user's value,
+    and cannot change it once numpy has loaded it (0: OpenBLAS's default)."""
+    import cosmotrain
+
+    if _parallel.blas_thread_timeout() is None:
+        pytest.skip("no controllable OpenBLAS in this process")
+    assert _spin_seen_by_a_fresh_process(None, numpy_first=False) == \
+        cosmotrain.BLAS_THREAD_TIMEOUT
+    assert _spin_seen_by_a_fresh_process("20", numpy_first=False) == "20"
+    assert _spin_seen_by_a_fresh_process(None, numpy_first=True) == "0"

@@ -48,9 +48,11 @@ R = TypeVar("R")
 class _OpenBLAS:
     """get/set of the OpenBLAS thread count of one loaded library."""
 
-    def __init__(self, get: Callable[[], int], set_: Callable[[int], None]) -> None:
+    def __init__(self, get: Callable[[], int], set_: Callable[[int], None],
+                 thread_timeout: Optional[Callable[[], int]] = None) -> None:
         self.get = get
         self.set = set_
+        self.thread_timeout = thread_timeout
 
 
 def _find_openblas() -> Optional[_OpenBLAS]:
@@ -72,7 +74,10 @@ def _find_openblas() -> Optional[_OpenBLAS]:
                 get.restype = ctypes.c_int
                 set_.argtypes = [ctypes.c_int]
                 set_.restype = None
-                return _OpenBLAS(get, set_)
+                timeout = getattr(lib, "openblas_thread_timeout", None)
+                if timeout is not None:
+                    timeout.restype = ctypes.c_int
+                return _OpenBLAS(get, set_, timeout)
     return None
 
 
@@ -110,6 +115,17 @@ def _blas() -> Optional[_OpenBLAS]:
             _state.probed = True
             _state.blas = _find_openblas()
         return _state.blas
+
+
+def blas_thread_timeout() -> Optional[int]:
+    """How long OpenBLAS's idle threads spin: ``n`` for 2**n cycles, 0 for OpenBLAS's
+    default (2**28), None without a controllable OpenBLAS.  ``cosmotrain/__init__.py``
+    sets it low before numpy loads OpenBLAS: long spins steal this module's workers'
+    cores."""
+    blas = _blas()
+    if blas is None or blas.thread_timeout is None:
+        return None
+    return int(blas.thread_timeout())
 
 
 def num_workers() -> int:
