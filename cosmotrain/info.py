@@ -17,6 +17,7 @@ from typing import Any
 import cosmotrain
 from cosmotrain.device.probe import nccl_loads
 from cosmotrain.device.xp import import_cupy
+from cosmotrain.kernels import direct
 
 
 def package_versions() -> dict[str, str]:
@@ -128,4 +129,4 @@ def gather_info(comm: Any) -> dict[str, Any] | None:
         return None
     return {"versions": package_versions(), "mpi_library": mpi_library(),
             "world_size": comm.Get_size(), "ranks": records, "gpus": records[0]["gpus"],
-            "gpu_libraries": gpu_libraries()}
+            "cpu_kernels": direct.describe(), "gpu_libraries": gpu_libraries()}

@@ -50,6 +50,7 @@ def test_info_json_one_rank(cli) -> None:
     assert code == 0 and report["world_size"] == 1
     assert set(report["versions"]) >= {"cosmotrain", "python", "numpy", "mpi4py", "h5py"}
     assert "MPI" in report["mpi_library"] or "mpi" in report["mpi_library"].lower()
+    assert "GEMM lowerings" in report["cpu_kernels"]
 
 
 def test_info_under_two_ranks() -> None:

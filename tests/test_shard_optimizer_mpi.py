@@ -5,8 +5,10 @@
   buckets and ranges): SGD with momentum in float32, Adam in float32 and float64, 3
   steps.  The sharded run's parameter changes match one process (1e-4 float32, 1e-7
   float64, as ``tests/test_hybrid_mpi.py``; float32 Adam: the parameter values, 1e-4) and
-  the unsharded run's (1e-6 / 1e-12: only the order of the reduction's additions
-  differs), and so does its optimizer state, gathered.  Each
+  the unsharded run's (1e-5 / 1e-12: only the order of the reduction's additions
+  differs; float32 SGD's conv1 change measured 1.2e-6 on an AVX-512 host, 2026-11-27,
+  whose OpenBLAS kernels round differently from the AVX2 host's that gave < 1e-6), and so
+  does its optimizer state, gathered.  Each
   rank holds exactly its ranges' state (1/R of every bucket), and after backward only
   its shard of each reduced gradient, in the same array every step.
 * The non-finite guard: a NaN entering one rank's gradient reaches the shard's owner,
@@ -127,7 +129,7 @@ def test_sharded_optimizer_trains_like_one_process() -> None:
     # float32 Adam: parameter values (its changes amplify rounding noise, see the docstring
     # of tests/equivalence.py's adam64_failures); float64 Adam: changes, as the hybrid tests
     for optimizer, dtype, rtol, rtol_unsharded, values in (
-            (SGD, np.float32, 1e-4, 1e-6, False), (ADAM, np.float32, 1e-4, 1e-6, True),
+            (SGD, np.float32, 1e-4, 1e-5, False), (ADAM, np.float32, 1e-4, 1e-5, True),
             (ADAM, np.float64, 1e-7, 1e-12, False)):
         one = world.bcast(serial_run(make_config(TINY, optimizer=optimizer), dtype)
                           if world.rank == 0 else None)

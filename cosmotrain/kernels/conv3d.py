@@ -7,7 +7,13 @@ already carries halos is called with 0 on those sides, see :mod:`.geometry`).  O
 ``Do = (D + lo + hi - kD) // sD + 1``.  A batch of no sample (``N = 0``, a sample group
 left empty by a short batch) gives empty results and a zero weight gradient on any device.
 
-Algorithm: chunked GEMM lowering (:mod:`.lowering`).  Each sample's output depth planes
+Algorithms.  float32 unit-stride layers whose output rows fill the compiled loops'
+register runs (:func:`_direct`) take the direct convolution of :mod:`.direct` (forward,
+filter gradient, and the data gradient as the forward of the flipped kernel): on the
+AVX-512 box of 2026-11-27 it ran the thin CosmoFlow layers 1.4-2.8x faster than the
+lowerings below, whose GEMMs of 16-64 rows OpenBLAS runs at a third to a half of its
+sgemm rate.  Everything else (float64, strides, planes of 16 or less, installs without
+the compiled library) takes the chunked GEMM lowering (:mod:`.lowering`).  Each sample's output depth planes
 are cut into chunks (about 8 per sample, see :func:`_chunks`) that run on a pool of
 workers with one single-threaded BLAS each (:mod:`._parallel`).  A chunk copies its input
 planes with their zero padding into a per-thread slab, then for each group of planes
@@ -73,7 +79,7 @@ import numpy as np
 from cosmotrain.device.xp import array_module, is_device_array
 from cosmotrain.precision import is_bf16, narrow, widen
 
-from . import _parallel, depth_lowering
+from . import _parallel, depth_lowering, direct
 from .conv3d_dgrad import backward_data_scatter
 from .cuda import conv as cuda_conv
 from .cuda.settings import ConvSettings
@@ -108,6 +114,13 @@ SCATTER_BYTES = 16 << 20
 MIN_GEMM_COLUMNS = 1024
 # A split lowering extends the GEMM grid by k-1; allowed while that is <= 1/16 of it.
 MAX_SPLIT_WASTE = 1 / 16
+# Compiled direct convolution loops (:mod:`.direct`) for unit-stride float32 layers whose
+# output rows fill whole register runs: 1.2-2.8x the lowerings on the thin layers, level
+# on 32-64 channels, behind on planes of 16 or less (docs/PERFORMANCE.md, "Direct
+# convolution loops").  False: the lowerings only (A/B runs in benchmarks/).
+USE_DIRECT = True
+# Largest share of a row that rounding the output width up to whole runs may waste.
+MAX_DIRECT_WASTE = 1 / 8
 # The depth-window lowering (:mod:`.depth_lowering`) is for thin layers, whose time is
 # copies and shifted adds rather than GEMMs: at most this many input channels (conv 4->32
 # at 128^3: forward 1.5x, filter gradient 1.7x faster; with 32 or 64 channels it measured
@@ -167,6 +180,15 @@ def choose_lowering(geo: ConvGeometry, max_shift: int) -> Lowering:
                for d in dims):
             return Lowering(geo, shift)
     return Lowering(geo, 0)
+
+
+def _direct(geo: ConvGeometry, dtype) -> bool:
+    """Whether the compiled direct loops run this convolution (forward / filter gradient;
+    the data gradient asks about its transposed convolution)."""
+    if not (USE_DIRECT and direct.supports(geo, dtype)):
+        return False
+    wo, run = geo.out[2], direct.register_run()
+    return wo >= run and (-(-wo // run) * run - wo) <= wo * MAX_DIRECT_WASTE
 
 
 def _thin(geo: ConvGeometry) -> bool:
@@ -252,6 +274,8 @@ def conv3d_forward(x: np.ndarray, w: np.ndarray, stride: "int | Sequence[int]" =
     if bias is not None:
         bias = as_float_array(bias, "bias", x.dtype)
         geo.check("bias", bias.shape, (geo.filters,))
+    if _direct(geo, x.dtype):
+        return direct.forward(x, w, geo, y, bias)
     if _thin(geo):
         win = depth_lowering.DepthWindows(geo)
         return depth_lowering.forward(x, win.weights(w), win, y, bias)
@@ -279,6 +303,8 @@ def conv3d_backward_filter(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int]
     dy = as_float_array(dy, "dy", x.dtype)
     geo = ConvGeometry.create(x.shape, w_shape, stride, padding)
     geo.check("dy", dy.shape, geo.y_shape)
+    if _direct(geo, x.dtype):
+        return direct.filter_grad(x, dy, geo)
     if _thin(geo):
         return depth_lowering.filter_grad(x, dy, depth_lowering.DepthWindows(geo))
     low = choose_lowering(geo, max_shift=1)
@@ -325,6 +351,8 @@ def conv3d_backward_data(dy: np.ndarray, w: np.ndarray, x_shape: Sequence[int],
     flipped = w[:, :, ::-1, ::-1, ::-1].transpose(1, 0, 2, 3, 4)
     pad_t = tuple((k - 1 - lo, k - 1 - hi) for (lo, hi), k in zip(geo.padding, geo.kernel))
     tgeo = ConvGeometry.create(dy.shape, flipped.shape, 1, pad_t)
+    if _direct(tgeo, dy.dtype) and geo.channels >= direct.filter_block():
+        return direct.forward(dy, flipped, tgeo, dx)
     low = choose_lowering(tgeo, max_shift=DGRAD_MAX_SHIFT)
     if DGRAD_SCATTER and low.shift == 0 and geo.filters > geo.channels:
         return backward_data_scatter(dy, w, geo, SCATTER_BYTES, dx)

@@ -1,0 +1,215 @@
+"""Direct convolution on the CPU through the compiled loops of ``native/direct.c``.
+
+Why: the GEMM lowering (:mod:`.lowering`, :mod:`.depth_lowering`) spends the thin
+layers' time in OpenBLAS GEMMs of 16-64 rows, which run at 50-90 GFLOP/s on one AVX-512
+core against 152 for large sgemm, and in the copies of the lowering itself; oneDNN runs
+the same layers as direct convolutions near the core's peak.  The compiled loops read a
+zero-padded slab of input planes row by row and keep a block of filters x output vectors
+in registers: no column matrix, no shifted adds.  Measured per layer against the
+lowering and PyTorch: docs/PERFORMANCE.md, "Direct convolution loops".
+
+The library is an optional extension built by ``pip install`` (setup.py) with the
+system's C compiler; without it, on a CPU without AVX2 + FMA, or for float64 (the tests'
+precision), :func:`available` is False and the numpy kernels run instead.  Calls go
+through ``ctypes``, which releases the GIL, so the kernel workers of :mod:`._parallel`
+run chunks on all cores.
+
+Conventions are :mod:`.conv3d`'s (NCDHW, weights ``(F, C, kD, kH, kW)``, asymmetric
+padding); these loops need unit stride.  Summation order per output is fixed (channels,
+then kernel offsets), so the forward's results do not depend on the chunking or on how
+the ranks split the volume.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from . import _parallel
+from .geometry import ConvGeometry, plan_chunks
+from .lowering import fill_slab
+
+# Output planes per chunk of work (the slab holds planes + kD - 1 input planes).
+CHUNK_PLANES = 4
+
+_c_long, _c_int, _ptr = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
+_FORWARD_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int, _c_int,
+                 _ptr, _c_int, _ptr, _ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int]
+_FILTER_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int, _c_int,
+                _ptr, _c_long, _c_long, _c_long, _c_int, _ptr, _c_int, _c_int, _c_int]
+
+
+@dataclass(frozen=True)
+class _Loops:
+    """The loops for the running CPU and their register blocking."""
+
+    forward: ctypes._CFuncPtr  # type: ignore[name-defined]
+    filter_grad: ctypes._CFuncPtr  # type: ignore[name-defined]
+    lanes: int        # floats per vector (VL)
+    filter_block: int  # filters per register block (FB)
+    run: int          # outputs per register block along W (VL * WV)
+    isa: str
+
+
+_ISAS = {"avx512": (2, 16, 8, 2), "avx2": (1, 8, 4, 3)}  # level, VL, FB, WV
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> Optional[ctypes.CDLL]:
+    """The compiled library, loaded once; None when the install did not build it."""
+    spec = importlib.util.find_spec("cosmotrain.kernels._directconv")
+    if spec is None or not spec.origin:
+        return None
+    try:
+        return ctypes.CDLL(spec.origin)
+    except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def loops_for(isa: str) -> Optional[_Loops]:
+    """The loops compiled for ``isa`` ("avx512" or "avx2"), None when this CPU cannot run
+    them (the tests run the AVX2 loops on AVX-512 machines too)."""
+    lib = _library()
+    level, lanes, block, vectors = _ISAS[isa]
+    if lib is None or lib.cosmotrain_direct_level() < level:
+        return None
+    forward = getattr(lib, f"cosmotrain_direct_forward_{isa}")
+    filter_grad = getattr(lib, f"cosmotrain_direct_filter_grad_{isa}")
+    forward.argtypes, forward.restype = _FORWARD_ARGS, None
+    filter_grad.argtypes, filter_grad.restype = _FILTER_ARGS, None
+    return _Loops(forward, filter_grad, lanes, block, lanes * vectors, isa)
+
+
+def _loops() -> Optional[_Loops]:
+    """The widest loops this CPU runs."""
+    return loops_for("avx512") or loops_for("avx2")
+
+
+def available() -> bool:
+    """Whether the compiled loops were built and run on this CPU."""
+    return _loops() is not None
+
+
+def instruction_set() -> Optional[str]:
+    """``"avx512"``, ``"avx2"`` or None (what ``cosmotrain info`` may report)."""
+    loops = _loops()
+    return loops.isa if loops else None
+
+
+def register_run() -> int:
+    """Outputs along W that one register block computes (32 with AVX-512, 24 with AVX2)."""
+    loops = _loops()
+    assert loops is not None
+    return loops.run
+
+
+def filter_block() -> int:
+    """Filters per register block (8 with AVX-512, 4 with AVX2)."""
+    loops = _loops()
+    assert loops is not None
+    return loops.filter_block
+
+
+def describe() -> str:
+    """One line for ``cosmotrain info``: which CPU convolution kernels this install runs."""
+    loops = _loops()
+    if loops is not None:
+        return f"direct loops ({loops.isa}) + GEMM lowerings"
+    if _library() is None:
+        return "GEMM lowerings only (direct loops not built: reinstall with a C compiler)"
+    return "GEMM lowerings only (this CPU lacks AVX2 + FMA)"
+
+
+def supports(geo: ConvGeometry, dtype) -> bool:
+    """Whether these loops can run the convolution: float32, unit stride, compiled."""
+    return np.dtype(dtype) == np.float32 and geo.stride == (1, 1, 1) and available()
+
+
+def pack_weights(w: np.ndarray) -> np.ndarray:
+    """``(ceil(F/FB), C, kD, kH, kW, FB)`` float32: the FB weights a register block
+    broadcasts for one input tap are adjacent; missing filters of the last block are 0."""
+    loops = _loops()
+    assert loops is not None
+    fb = loops.filter_block
+    f = w.shape[0]
+    blocks = -(-f // fb)
+    packed = np.zeros((blocks * fb,) + w.shape[1:], np.float32)
+    packed[:f] = w
+    return np.ascontiguousarray(
+        packed.reshape((blocks, fb) + w.shape[1:]).transpose(0, 2, 3, 4, 5, 1))
+
+
+def _slab(geo: ConvGeometry, src_n: np.ndarray, z0: int, z1: int, run: int) -> np.ndarray:
+    """Zero-padded ``(C, depth, Hp, Wp)`` input of output planes z0:z1; rows are readable
+    up to the output width rounded up to ``run``, plus the kernel."""
+    (dl, _), (hl, _), (wl, _) = geo.padding
+    _, depth, hp, _ = geo.slab_shape(z1 - z0)
+    wp = -(-geo.out[2] // run) * run + geo.kernel[2] - 1
+    slab = _parallel.scratch("direct_slab", (geo.channels, depth, hp, wp), np.float32)
+    return fill_slab(slab, src_n, (z0 - dl, -hl, -wl))
+
+
+def _address(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def forward(x: np.ndarray, w: np.ndarray, geo: ConvGeometry, y: np.ndarray,
+            bias: Optional[np.ndarray] = None) -> np.ndarray:
+    """``y = conv(x, w) + bias`` (float32, unit stride) into the C-contiguous ``y``."""
+    loops = _loops()
+    assert loops is not None and supports(geo, x.dtype)
+    packed = pack_weights(w)
+    kd, kh, kw = geo.kernel
+    _, ho, wo = geo.out
+    bias_ptr = _address(bias) if bias is not None else None
+    fs, ds, hs = (s // 4 for s in y.strides[1:4])
+
+    def work(chunk) -> None:
+        n, z0, z1 = chunk
+        slab = _slab(geo, x[n], z0, z1, loops.run)
+        sc, sd, sh = (s // 4 for s in slab.strides[:3])
+        loops.forward(_address(slab), sc, sd, sh, geo.channels, kd, kh, kw,
+                      _address(packed), geo.filters, bias_ptr,
+                      _address(y[n, :, z0]), fs, ds, hs, z1 - z0, ho, wo)
+
+    _parallel.map_chunks(work, plan_chunks(geo.batch, geo.out[0], CHUNK_PLANES))
+    return y
+
+
+def filter_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry) -> np.ndarray:
+    """``dL/dw`` ``(F, C, kD, kH, kW)`` float32 (unit stride); chunk partials are summed
+    in chunk order."""
+    loops = _loops()
+    assert loops is not None and supports(geo, x.dtype)
+    kd, kh, kw = geo.kernel
+    _, ho, wo = geo.out
+    padded_w = -(-wo // loops.lanes) * loops.lanes
+
+    def work(chunk) -> np.ndarray:
+        n, z0, z1 = chunk
+        slab = _slab(geo, x[n], z0, z1, loops.run)
+        grad = dy[n, :, z0:z1]
+        if padded_w != wo:  # the loops read whole vectors: zeros past the row's end
+            rows = _parallel.scratch("direct_dy", grad.shape[:3] + (padded_w,), np.float32)
+            rows[..., wo:] = 0
+            rows[..., :wo] = grad
+            grad = rows
+        sc, sd, sh = (s // 4 for s in slab.strides[:3])
+        fs, ds, hs = (s // 4 for s in grad.strides[:3])
+        part = np.zeros(geo.w_shape, np.float32)
+        loops.filter_grad(_address(slab), sc, sd, sh, geo.channels, kd, kh, kw,
+                          _address(grad), fs, ds, hs, geo.filters,
+                          _address(part), z1 - z0, ho, wo)
+        return part
+
+    partials = _parallel.map_chunks(work, plan_chunks(geo.batch, geo.out[0], CHUNK_PLANES))
+    total = partials[0]
+    for part in partials[1:]:
+        total += part
+    return total

@@ -1,0 +1,180 @@
+/* Direct 3D convolution loops, included once per instruction set by direct.c with
+ * VL (floats per vector), FB (filters per register block), WV (vectors per output run)
+ * and SUFFIX defined, inside a "#pragma GCC target" region.  Plain C with GCC vector
+ * extensions: the compiler keeps the FB x WV accumulators in registers and turns
+ * "scalar * vector" into broadcast FMAs.  See direct.c for the conventions. */
+
+#include <stdlib.h>
+
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+#define VEC CAT(vec, SUFFIX)
+typedef float VEC __attribute__((vector_size(VL * 4)));
+
+static inline VEC CAT(load, SUFFIX)(const float *p) {
+    VEC v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Output runs of RUN = VL * WV positions along W; the slab's rows are readable up to
+ * roundup(Wo, RUN) + kw - 1. */
+#define RUN (VL * WV)
+
+static void CAT(store_run, SUFFIX)(float *out, const VEC *acc, int valid) {
+    if (valid >= RUN) {
+        __builtin_memcpy(out, acc, sizeof(VEC) * WV);
+    } else {
+        float tmp[RUN];
+        __builtin_memcpy(tmp, acc, sizeof tmp);
+        for (int i = 0; i < valid; i++) out[i] = tmp[i];
+    }
+}
+
+/* One register block: acc[f][v] = sum_{c,a,b,e} wq[...][f] * row(c,a,b)[e + v*VL], for
+ * one output row and RUN positions.  KW is a constant at each call, so the taps along W
+ * unroll fully. */
+static inline __attribute__((always_inline)) void CAT(forward_block, SUFFIX)(
+        VEC acc[FB][WV], const float *wq, const float *s, long s_c, long s_d, long s_h,
+        int c_in, int kd, int kh, const int kw) {
+    for (int f = 0; f < FB; f++)
+        for (int v = 0; v < WV; v++) acc[f][v] = (VEC){0};
+    for (int c = 0; c < c_in; c++)
+    for (int a = 0; a < kd; a++)
+    for (int b = 0; b < kh; b++, wq += kw * FB) {
+        const float *row = s + c * s_c + a * s_d + b * s_h;
+#pragma GCC unroll 8
+        for (int e = 0; e < kw; e++) {
+            VEC xv[WV];
+#pragma GCC unroll 4
+            for (int v = 0; v < WV; v++) xv[v] = CAT(load, SUFFIX)(row + e + v * VL);
+#pragma GCC unroll 16
+            for (int f = 0; f < FB; f++) {
+                const float wf = wq[e * FB + f];
+#pragma GCC unroll 4
+                for (int v = 0; v < WV; v++) acc[f][v] += wf * xv[v];
+            }
+        }
+    }
+}
+
+/* y[f][z][h][w] = sum_{c,a,b,e} wp[f/FB][c][a][b][e][f%FB] * s[c][z+a][h+b][w+e] + bias[f]
+ * for z < nz, h < ho, w < wo (unit stride).  Summation order: c, a, b, e ascending, the
+ * same for every output, whatever the chunking. */
+void CAT(cosmotrain_direct_forward, SUFFIX)(
+        const float *s, long s_c, long s_d, long s_h,
+        int c_in, int kd, int kh, int kw,
+        const float *wp, int filters, const float *bias,
+        float *y, long y_f, long y_d, long y_h,
+        int nz, int ho, int wo) {
+    const int blocks = (filters + FB - 1) / FB;
+    const long block_size = (long)c_in * kd * kh * kw * FB;
+    for (int z = 0; z < nz; z++)
+    for (int h = 0; h < ho; h++)
+    for (int fb = 0; fb < blocks; fb++) {
+        const float *wb = wp + fb * block_size;
+        const int nf = filters - fb * FB < FB ? filters - fb * FB : FB;
+        for (int w0 = 0; w0 < wo; w0 += RUN) {
+            VEC acc[FB][WV];
+            const float *origin = s + z * s_d + h * s_h + w0;
+            if (kw == 3)
+                CAT(forward_block, SUFFIX)(acc, wb, origin, s_c, s_d, s_h, c_in, kd, kh, 3);
+            else
+                CAT(forward_block, SUFFIX)(acc, wb, origin, s_c, s_d, s_h, c_in, kd, kh, kw);
+            for (int f = 0; f < nf; f++) {
+                const int o = fb * FB + f;
+                if (bias)
+                    for (int v = 0; v < WV; v++) acc[f][v] += bias[o];
+                CAT(store_run, SUFFIX)(y + o * y_f + z * y_d + h * y_h + w0, acc[f], wo - w0);
+            }
+        }
+    }
+}
+
+/* Filter gradient: g[f][c][a][b][e] += sum dy[f][z][h][w] * s[c][z+a][h+b][w+e] over
+ * z < nz, h < ho, w < wo.  dy rows are read as whole vectors, up to roundup(wo, VL): the
+ * caller pads them with zeros from wo on.  Rows are taken in tiles of about TILE output
+ * positions; per tile and tap, a block of GF filters x 3 taps along W is accumulated in
+ * registers and summed over its lanes into g (accumulated into: partials add up). */
+#ifndef TILE
+#define TILE 1024
+#endif
+static inline float CAT(lane_sum, SUFFIX)(VEC v) {
+    float t[VL], total = 0.0f;
+    __builtin_memcpy(t, &v, sizeof t);
+    for (int i = 0; i < VL; i++) total += t[i];
+    return total;
+}
+
+/* One tap block: GF filters x NE taps along W accumulated over a tile of rows whose dy
+ * is packed as pack[row][vector][f][lane]; NE is a constant at each call (no branches in
+ * the loop).  The empty asm keeps each dy vector in a register for its NE FMAs. */
+static inline __attribute__((always_inline)) void CAT(tap_block, SUFFIX)(
+        VEC acc[FB][3], const float *pack, const float *row0, long s_h,
+        int nrows, int vectors, const int ne) {
+    for (int f = 0; f < FB; f++)
+        for (int e = 0; e < 3; e++) acc[f][e] = (VEC){0};
+    const float *pp = pack;
+    for (int r = 0; r < nrows; r++) {
+        const float *row = row0 + r * s_h;
+        for (int v = 0; v < vectors; v++, pp += FB * VL) {
+            VEC xv[3];
+            for (int e = 0; e < ne; e++) xv[e] = CAT(load, SUFFIX)(row + v * VL + e);
+#pragma GCC unroll 16
+            for (int f = 0; f < FB; f++) {
+                VEC d = CAT(load, SUFFIX)(pp + f * VL);
+                __asm__("" : "+v"(d));
+                for (int e = 0; e < ne; e++) acc[f][e] += d * xv[e];
+            }
+        }
+    }
+}
+
+void CAT(cosmotrain_direct_filter_grad, SUFFIX)(
+        const float *s, long s_c, long s_d, long s_h,
+        int c_in, int kd, int kh, int kw,
+        const float *dy, long dy_f, long dy_d, long dy_h, int filters,
+        float *g, int nz, int ho, int wo) {
+    const long taps = (long)c_in * kd * kh * kw;
+    const int vectors = (wo + VL - 1) / VL;
+    int rows = TILE / (vectors * VL);
+    if (rows < 1) rows = 1;
+    if (rows > ho) rows = ho;
+    float *pack = aligned_alloc(64, sizeof(float) * FB * VL * (size_t)(rows * vectors));
+    if (!pack) return;
+    for (int z = 0; z < nz; z++)
+    for (int h0 = 0; h0 < ho; h0 += rows) {
+        const int nrows = h0 + rows < ho ? rows : ho - h0;
+        for (int f0 = 0; f0 < filters; f0 += FB) {
+            const int nf = filters - f0 < FB ? filters - f0 : FB;
+            for (int r = 0; r < nrows; r++)
+                for (int v = 0; v < vectors; v++)
+                    for (int f = 0; f < FB; f++)
+                        __builtin_memcpy(pack + ((r * vectors + v) * FB + f) * VL,
+                                         dy + (f0 + (f < nf ? f : 0)) * dy_f + z * dy_d
+                                            + (h0 + r) * dy_h + v * VL, sizeof(VEC));
+            for (int c = 0; c < c_in; c++)
+            for (int a = 0; a < kd; a++)
+            for (int b = 0; b < kh; b++)
+            for (int e0 = 0; e0 < kw; e0 += 3) {
+                const int ne = kw - e0 < 3 ? kw - e0 : 3;
+                const float *row0 = s + c * s_c + (z + a) * s_d + (h0 + b) * s_h + e0;
+                VEC acc[FB][3];
+                if (ne == 3)
+                    CAT(tap_block, SUFFIX)(acc, pack, row0, s_h, nrows, vectors, 3);
+                else if (ne == 2)
+                    CAT(tap_block, SUFFIX)(acc, pack, row0, s_h, nrows, vectors, 2);
+                else
+                    CAT(tap_block, SUFFIX)(acc, pack, row0, s_h, nrows, vectors, 1);
+                const long tap = ((long)(c * kd + a) * kh + b) * kw + e0;
+                for (int f = 0; f < nf; f++)
+                    for (int e = 0; e < ne; e++)
+                        g[(f0 + f) * taps + tap + e] += CAT(lane_sum, SUFFIX)(acc[f][e]);
+            }
+        }
+    }
+    free(pack);
+}
+
+#undef RUN
+#undef VEC

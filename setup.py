@@ -1,0 +1,16 @@
+"""Build of cosmotrain's one compiled part; everything else is in pyproject.toml.
+
+``cosmotrain.kernels._directconv`` is a plain shared library of direct convolution loops
+(cosmotrain/kernels/native/direct.c), loaded with ctypes by cosmotrain/kernels/direct.py.
+It is optional: without a C compiler the install still succeeds and the numpy kernels
+run instead (``cosmotrain info`` says which).
+"""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension(
+    "cosmotrain.kernels._directconv",
+    sources=["cosmotrain/kernels/native/direct.c"],
+    depends=["cosmotrain/kernels/native/direct_body.h"],
+    optional=True,
+)])

@@ -1,0 +1,186 @@
+"""The compiled direct convolution loops (cosmotrain/kernels/direct.py) against references.
+
+Each case runs the AVX-512 and the AVX2 loops (whichever this CPU runs) in float32 and
+compares them with the direct-loop float64 reference of test_conv3d: odd widths (partial
+register runs), filter counts that leave a register block part-empty, kernel widths of
+1 to 5 (the filter gradient's taps in blocks of 3), asymmetric padding, bias, several
+chunks and workers.  The data gradient runs through ``conv3d_backward_data`` with the
+dispatch opened to small shapes.  A build check makes a missing library fail where a C
+compiler and an AVX2 CPU are present, instead of silently skipping everything.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import numpy as np
+import pytest
+
+from cosmotrain.kernels import _parallel, direct
+from cosmotrain.kernels import conv3d as conv
+from cosmotrain.kernels.geometry import ConvGeometry
+from test_conv3d import reference_conv3d
+
+ISAS = [isa for isa in ("avx512", "avx2") if direct.loops_for(isa) is not None]
+
+# N, C, F, spatial (D, H, W), kernel, padding
+CASES = [
+    (2, 4, 16, (9, 10, 21), 3, 1),
+    (1, 3, 5, (6, 7, 33), 3, ((1, 0), (0, 2), (2, 1))),
+    (1, 16, 9, (5, 6, 40), 3, 1),
+    (2, 2, 13, (5, 5, 17), (2, 3, 4), ((0, 1), (1, 1), (2, 1))),
+    (1, 3, 4, (4, 6, 9), (3, 2, 5), ((1, 1), (0, 1), (2, 2))),
+    (1, 5, 3, (6, 4, 7), (2, 2, 1), 0),
+    (1, 1, 8, (3, 3, 1), 1, 0),
+    (1, 2, 8, (3, 40, 40), 3, 1),  # filter gradient: rows in several tiles
+]
+IDS = [f"case{i}" for i in range(len(CASES))]
+
+
+def _cpu_has_avx2() -> bool:
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = info.read()
+    except OSError:
+        return False
+    return " avx2" in flags and " fma" in flags
+
+
+def test_library_is_built_where_it_can_be() -> None:
+    """On x86-64 Linux with a C compiler and AVX2 the install builds and loads the loops."""
+    if platform.machine() != "x86_64" or shutil.which("cc") is None or not _cpu_has_avx2():
+        pytest.skip("no C compiler or no AVX2 CPU: the numpy kernels run instead")
+    assert direct.available(), "pip install did not build cosmotrain.kernels._directconv"
+    assert direct.instruction_set() in ("avx512", "avx2")
+
+
+@pytest.fixture(params=ISAS or [pytest.param(None, marks=pytest.mark.skip("no direct loops"))])
+def isa(request, monkeypatch):
+    """Run with the loops of one instruction set, 2 workers and two planes per chunk."""
+    monkeypatch.setattr(direct, "_loops", lambda: direct.loops_for(request.param))
+    monkeypatch.setattr(direct, "CHUNK_PLANES", 2)
+    _parallel.set_num_workers(2)
+    yield request.param
+    _parallel.set_num_workers(None)
+
+
+def _data(case, seed=0):
+    n, c, f, spatial, k, pad = case
+    k = (k,) * 3 if isinstance(k, int) else k
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, c) + spatial)
+    w = rng.standard_normal((f, c) + k)
+    geo = ConvGeometry.create(x.shape, w.shape, 1, pad)
+    return x, w, pad, geo
+
+
+def _close(ours: np.ndarray, exact: np.ndarray) -> None:
+    assert ours.dtype == np.float32
+    np.testing.assert_allclose(ours, exact, rtol=1e-4, atol=2e-6 * np.abs(exact).max())
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_forward(case, isa) -> None:
+    x, w, pad, geo = _data(case)
+    bias = np.random.default_rng(3).standard_normal(geo.filters)
+    expected = reference_conv3d(x, w, 1, pad) + bias.reshape(1, -1, 1, 1, 1)
+    y = np.full(geo.y_shape, np.nan, np.float32)
+    direct.forward(x.astype(np.float32), w.astype(np.float32), geo, y,
+                   bias.astype(np.float32))
+    _close(y, expected)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_filter_gradient(case, isa) -> None:
+    x, w, pad, geo = _data(case)
+    r = np.random.default_rng(1).standard_normal(geo.y_shape)
+    exact = conv.conv3d_backward_filter(x, r, w.shape, 1, pad)  # float64 numpy kernels
+    ours = direct.filter_grad(x.astype(np.float32), r.astype(np.float32), geo)
+    assert ours.shape == w.shape
+    _close(ours, exact)
+    # and the dot test against the float64 reference forward
+    assert np.vdot(reference_conv3d(x, w, 1, pad), r) == pytest.approx(
+        np.vdot(w, ours.astype(np.float64)), rel=1e-4)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_data_gradient_through_the_dispatch(case, isa, monkeypatch) -> None:
+    """conv3d_backward_data takes the loops (flipped, transposed kernel) once the
+    width rule is opened to small shapes; checked by a dot test against the reference."""
+    monkeypatch.setattr(conv, "MAX_DIRECT_WASTE", 1e9)
+    monkeypatch.setattr(direct, "register_run", lambda: 1)
+    monkeypatch.setattr(direct, "filter_block", lambda: 1)
+    calls = []
+    monkeypatch.setattr(direct, "forward", _recording(direct.forward, calls))
+    x, w, pad, geo = _data(case)
+    if any(lo >= k or hi >= k for (lo, hi), k in zip(geo.padding, geo.kernel)):
+        pytest.skip("padding >= kernel scatters")
+    r = np.random.default_rng(1).standard_normal(geo.y_shape)
+    exact = conv.conv3d_backward_data(r, w, x.shape, 1, pad)  # float64: numpy kernels
+    ours = conv.conv3d_backward_data(r.astype(np.float32), w.astype(np.float32), x.shape,
+                                     1, pad)
+    assert len(calls) == 1
+    _close(ours, exact)
+    assert np.vdot(reference_conv3d(x, w, 1, pad), r) == pytest.approx(
+        np.vdot(x, ours.astype(np.float64)), rel=1e-4)
+
+
+def _recording(fn, calls):
+    def wrapped(*args, **kwargs):
+        calls.append(args[2])
+        return fn(*args, **kwargs)
+    return wrapped
+
+
+def test_results_do_not_depend_on_chunks_or_workers(monkeypatch) -> None:
+    """Each output's sum runs in one fixed order: bit-identical across chunkings."""
+    if not direct.available():
+        pytest.skip("no direct loops")
+    x, w, pad, geo = _data((2, 4, 16, (9, 10, 64), 3, 1))
+    x32, w32 = x.astype(np.float32), w.astype(np.float32)
+    runs = []
+    for planes, workers in [(1, 2), (4, 1), (100, 2)]:
+        monkeypatch.setattr(direct, "CHUNK_PLANES", planes)
+        _parallel.set_num_workers(workers)
+        try:
+            runs.append(direct.forward(x32, w32, geo, np.empty(geo.y_shape, np.float32)))
+        finally:
+            _parallel.set_num_workers(None)
+    assert all(np.array_equal(runs[0], run) for run in runs[1:])
+
+
+def test_dispatch_rule() -> None:
+    """float32 unit-stride layers with wide rows take the loops; float64, strided or
+    narrow ones keep the lowerings."""
+    if not direct.available():
+        pytest.skip("no direct loops")
+    run = direct.register_run()
+    wide = ConvGeometry.create((1, 4, 8, 8, 4 * run), (16, 4, 3, 3, 3), 1, 1)
+    assert conv._direct(wide, np.float32)
+    assert not conv._direct(wide, np.float64)
+    strided = ConvGeometry.create((1, 4, 8, 8, 4 * run), (16, 4, 3, 3, 3), 2, 1)
+    assert not conv._direct(strided, np.float32)
+    narrow = ConvGeometry.create((1, 4, 8, 8, run // 2), (16, 4, 3, 3, 3), 1, 1)
+    assert not conv._direct(narrow, np.float32)
+    ragged = ConvGeometry.create((1, 4, 8, 8, run + run // 2), (16, 4, 3, 3, 3), 1, 1)
+    assert not conv._direct(ragged, np.float32)  # a third of the last run wasted
+
+
+def test_layers_train_the_same_with_and_without_the_loops(monkeypatch) -> None:
+    """conv3d_* on a CosmoFlow-like thin layer: the loops and the lowerings agree."""
+    if not direct.available():
+        pytest.skip("no direct loops")
+    rng = np.random.default_rng(7)
+    run = direct.register_run()
+    x = rng.standard_normal((2, 4, 6, 5, 2 * run)).astype(np.float32)
+    w = rng.standard_normal((16, 4, 3, 3, 3)).astype(np.float32)
+    r = rng.standard_normal((2, 16, 6, 5, 2 * run)).astype(np.float32)
+    results = {}
+    for use in (True, False):
+        monkeypatch.setattr(conv, "USE_DIRECT", use)
+        results[use] = (conv.conv3d_forward(x, w, 1, 1),
+                        conv.conv3d_backward_filter(x, r, w.shape, 1, 1),
+                        conv.conv3d_backward_data(r, w, x.shape, 1, 1))
+    for ours, lowered in zip(results[True], results[False]):
+        np.testing.assert_allclose(ours, lowered, rtol=1e-4, atol=1e-5 * np.abs(lowered).max())
