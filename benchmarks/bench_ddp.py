@@ -62,6 +62,7 @@ from bench_hybrid import build_step, smooth_block, targets  # noqa: E402
 from cosmotrain.config.load import load_config  # noqa: E402
 from cosmotrain.config.schema import Config  # noqa: E402
 from cosmotrain.device.heap import reuse_freed_memory  # noqa: E402
+from cosmotrain.kernels import conv3d  # noqa: E402
 from cosmotrain.kernels._parallel import KernelThreads, configure_threads  # noqa: E402
 from cosmotrain.models import build_model  # noqa: E402
 from cosmotrain.nn.module import Context  # noqa: E402
@@ -99,7 +100,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the model, batch and Adam settings from the same config")
     parser.add_argument("--check", action="store_true",
                         help="compare loss and gradients with the one-process twin, no timing")
+    parser.add_argument("--no-direct", action="store_true",
+                        help="GEMM lowerings only: no compiled direct convolution loops "
+                        "(cosmotrain/kernels/direct.py), for A/B runs")
     args = parser.parse_args(argv)
+    conv3d.USE_DIRECT = not args.no_direct
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
     return args

@@ -17,7 +17,7 @@ import shutil
 import numpy as np
 import pytest
 
-from cosmotrain.kernels import _parallel, direct
+from cosmotrain.kernels import _parallel, direct, winograd
 from cosmotrain.kernels import conv3d as conv
 from cosmotrain.kernels.geometry import ConvGeometry
 from test_conv3d import reference_conv3d
@@ -126,6 +126,43 @@ def test_data_gradient_through_the_dispatch(case, isa, monkeypatch) -> None:
         np.vdot(x, ours.astype(np.float64)), rel=1e-4)
 
 
+# N, C, F, spatial, padding (kernel 3 wide): odd output widths (the last tile's second
+# output dropped), one-tile rows, asymmetric W padding, kernels of depth / height 1 or 2
+WINOGRAD_CASES = [
+    (2, 4, 16, (9, 10, 21), 3, 1),
+    (1, 3, 5, (6, 7, 33), 3, ((1, 0), (0, 2), (2, 1))),
+    (1, 9, 13, (5, 6, 2), 3, ((0, 1), (1, 1), (1, 1))),
+    (1, 2, 9, (4, 5, 12), (2, 1, 3), ((1, 0), (0, 0), (0, 2))),
+    (2, 6, 8, (3, 40, 40), 3, 1),  # planes of several register runs
+]
+
+
+@pytest.mark.parametrize("case", WINOGRAD_CASES, ids=[f"case{i}" for i in range(5)])
+def test_winograd_forward(case, isa) -> None:
+    x, w, pad, geo = _data(case)
+    bias = np.random.default_rng(3).standard_normal(geo.filters)
+    expected = reference_conv3d(x, w, 1, pad) + bias.reshape(1, -1, 1, 1, 1)
+    y = np.full(geo.y_shape, np.nan, np.float32)
+    winograd.forward(x.astype(np.float32), w.astype(np.float32), geo, y,
+                     bias.astype(np.float32))
+    _close(y, expected)
+
+
+@pytest.mark.parametrize("case", WINOGRAD_CASES, ids=[f"case{i}" for i in range(5)])
+def test_winograd_data_gradient_through_the_dispatch(case, isa, monkeypatch) -> None:
+    monkeypatch.setattr(conv, "WINOGRAD_MIN_CHANNELS", 1)
+    monkeypatch.setattr(conv, "WINOGRAD_MIN_RUNS", 0)
+    calls = []
+    monkeypatch.setattr(winograd, "forward", _recording(winograd.forward, calls))
+    x, w, pad, geo = _data(case)
+    r = np.random.default_rng(1).standard_normal(geo.y_shape)
+    exact = conv.conv3d_backward_data(r, w, x.shape, 1, pad)  # float64: numpy kernels
+    ours = conv.conv3d_backward_data(r.astype(np.float32), w.astype(np.float32), x.shape,
+                                     1, pad)
+    assert len(calls) == 1
+    _close(ours, exact)
+
+
 def _recording(fn, calls):
     def wrapped(*args, **kwargs):
         calls.append(args[2])
@@ -152,10 +189,19 @@ def test_results_do_not_depend_on_chunks_or_workers(monkeypatch) -> None:
 
 def test_dispatch_rule() -> None:
     """float32 unit-stride layers with wide rows take the loops; float64, strided or
-    narrow ones keep the lowerings."""
+    narrow ones keep the lowerings; wide layers with large planes take Winograd."""
     if not direct.available():
         pytest.skip("no direct loops")
     run = direct.register_run()
+    wide_channels = ConvGeometry.create((1, 32, 4, 16, 16), (64, 32, 3, 3, 3), 1, 1)
+    assert conv._winograd(wide_channels, np.float32) == (16 * 8 >= 4 * run)
+    assert not conv._winograd(wide_channels, np.float64)
+    few_channels = ConvGeometry.create((1, 16, 4, 64, 64), (32, 16, 3, 3, 3), 1, 1)
+    assert not conv._winograd(few_channels, np.float32)
+    small_planes = ConvGeometry.create((1, 256, 8, 8, 8), (512, 256, 3, 3, 3), 1, 1)
+    assert not conv._winograd(small_planes, np.float32)
+    not_3_wide = ConvGeometry.create((1, 32, 4, 16, 16), (64, 32, 3, 3, 1), 1, (1, 1, 0))
+    assert not conv._winograd(not_3_wide, np.float32)
     wide = ConvGeometry.create((1, 4, 8, 8, 4 * run), (16, 4, 3, 3, 3), 1, 1)
     assert conv._direct(wide, np.float32)
     assert not conv._direct(wide, np.float64)
@@ -168,14 +214,20 @@ def test_dispatch_rule() -> None:
 
 
 def test_layers_train_the_same_with_and_without_the_loops(monkeypatch) -> None:
-    """conv3d_* on a CosmoFlow-like thin layer: the loops and the lowerings agree."""
+    """conv3d_* on a CosmoFlow-like thin layer (direct loops) and a wider one
+    (Winograd): the compiled loops and the lowerings agree."""
     if not direct.available():
         pytest.skip("no direct loops")
     rng = np.random.default_rng(7)
     run = direct.register_run()
-    x = rng.standard_normal((2, 4, 6, 5, 2 * run)).astype(np.float32)
-    w = rng.standard_normal((16, 4, 3, 3, 3)).astype(np.float32)
-    r = rng.standard_normal((2, 16, 6, 5, 2 * run)).astype(np.float32)
+    for c, f in ((4, 16), (32, 40)):
+        x = rng.standard_normal((2, c, 6, 5, 2 * run)).astype(np.float32)
+        w = rng.standard_normal((f, c, 3, 3, 3)).astype(np.float32)
+        r = rng.standard_normal((2, f, 6, 5, 2 * run)).astype(np.float32)
+        _compare_with_lowerings(x, w, r, monkeypatch)
+
+
+def _compare_with_lowerings(x, w, r, monkeypatch) -> None:
     results = {}
     for use in (True, False):
         monkeypatch.setattr(conv, "USE_DIRECT", use)

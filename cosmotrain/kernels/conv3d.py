@@ -79,7 +79,7 @@ import numpy as np
 from cosmotrain.device.xp import array_module, is_device_array
 from cosmotrain.precision import is_bf16, narrow, widen
 
-from . import _parallel, depth_lowering, direct
+from . import _parallel, depth_lowering, direct, winograd
 from .conv3d_dgrad import backward_data_scatter
 from .cuda import conv as cuda_conv
 from .cuda.settings import ConvSettings
@@ -121,6 +121,13 @@ MAX_SPLIT_WASTE = 1 / 16
 USE_DIRECT = True
 # Largest share of a row that rounding the output width up to whole runs may waste.
 MAX_DIRECT_WASTE = 1 / 8
+# Winograd F(2,3) along W (:mod:`.winograd`) for 3-wide unit-stride float32 layers with
+# at least this many input channels (16: its transforms cost more than the products
+# saved, cosmoflow conv2 65 ms against the direct loops' 56) ...
+WINOGRAD_MIN_CHANNELS = 32
+# ... and at least this many register runs of outputs per plane (MLPerf conv5, 8^3: one
+# run a plane, its 19 MB of transformed weights read per run: 44 ms against 26 lowered).
+WINOGRAD_MIN_RUNS = 4
 # The depth-window lowering (:mod:`.depth_lowering`) is for thin layers, whose time is
 # copies and shifted adds rather than GEMMs: at most this many input channels (conv 4->32
 # at 128^3: forward 1.5x, filter gradient 1.7x faster; with 32 or 64 channels it measured
@@ -189,6 +196,16 @@ def _direct(geo: ConvGeometry, dtype) -> bool:
         return False
     wo, run = geo.out[2], direct.register_run()
     return wo >= run and (-(-wo // run) * run - wo) <= wo * MAX_DIRECT_WASTE
+
+
+def _winograd(geo: ConvGeometry, dtype) -> bool:
+    """Whether Winograd F(2,3) along W runs this convolution (forward; the data gradient
+    asks about its transposed convolution)."""
+    if not (USE_DIRECT and winograd.supports(geo, dtype)):
+        return False
+    tiles = geo.out[1] * -(-geo.out[2] // 2)
+    return (geo.channels >= WINOGRAD_MIN_CHANNELS
+            and tiles >= WINOGRAD_MIN_RUNS * direct.register_run())
 
 
 def _thin(geo: ConvGeometry) -> bool:
@@ -274,6 +291,8 @@ def conv3d_forward(x: np.ndarray, w: np.ndarray, stride: "int | Sequence[int]" =
     if bias is not None:
         bias = as_float_array(bias, "bias", x.dtype)
         geo.check("bias", bias.shape, (geo.filters,))
+    if _winograd(geo, x.dtype):
+        return winograd.forward(x, w, geo, y, bias)
     if _direct(geo, x.dtype):
         return direct.forward(x, w, geo, y, bias)
     if _thin(geo):
@@ -351,6 +370,8 @@ def conv3d_backward_data(dy: np.ndarray, w: np.ndarray, x_shape: Sequence[int],
     flipped = w[:, :, ::-1, ::-1, ::-1].transpose(1, 0, 2, 3, 4)
     pad_t = tuple((k - 1 - lo, k - 1 - hi) for (lo, hi), k in zip(geo.padding, geo.kernel))
     tgeo = ConvGeometry.create(dy.shape, flipped.shape, 1, pad_t)
+    if _winograd(tgeo, dy.dtype):
+        return winograd.forward(dy, flipped, tgeo, dx)
     if _direct(tgeo, dy.dtype) and geo.channels >= direct.filter_block():
         return direct.forward(dy, flipped, tgeo, dx)
     low = choose_lowering(tgeo, max_shift=DGRAD_MAX_SHIFT)

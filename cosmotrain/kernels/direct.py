@@ -40,6 +40,9 @@ CHUNK_PLANES = 4
 _c_long, _c_int, _ptr = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
 _FORWARD_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int, _c_int,
                  _ptr, _c_int, _ptr, _ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int]
+_WINOGRAD_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int,
+                  _ptr, _c_int, _ptr, _ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int,
+                  _ptr]
 _FILTER_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int, _c_int,
                 _ptr, _c_long, _c_long, _c_long, _c_int, _ptr, _c_int, _c_int, _c_int]
 
@@ -50,6 +53,7 @@ class _Loops:
 
     forward: ctypes._CFuncPtr  # type: ignore[name-defined]
     filter_grad: ctypes._CFuncPtr  # type: ignore[name-defined]
+    winograd_forward: ctypes._CFuncPtr  # type: ignore[name-defined]
     lanes: int        # floats per vector (VL)
     filter_block: int  # filters per register block (FB)
     run: int          # outputs per register block along W (VL * WV)
@@ -81,9 +85,16 @@ def loops_for(isa: str) -> Optional[_Loops]:
         return None
     forward = getattr(lib, f"cosmotrain_direct_forward_{isa}")
     filter_grad = getattr(lib, f"cosmotrain_direct_filter_grad_{isa}")
+    winograd = getattr(lib, f"cosmotrain_winograd_w_forward_{isa}")
     forward.argtypes, forward.restype = _FORWARD_ARGS, None
     filter_grad.argtypes, filter_grad.restype = _FILTER_ARGS, None
-    return _Loops(forward, filter_grad, lanes, block, lanes * vectors, isa)
+    winograd.argtypes, winograd.restype = _WINOGRAD_ARGS, None
+    return _Loops(forward, filter_grad, winograd, lanes, block, lanes * vectors, isa)
+
+
+def loops() -> Optional[_Loops]:
+    """The loops this process runs (None: the numpy kernels); :mod:`.winograd` uses it."""
+    return _loops()
 
 
 def _loops() -> Optional[_Loops]:
@@ -145,17 +156,23 @@ def pack_weights(w: np.ndarray) -> np.ndarray:
         packed.reshape((blocks, fb) + w.shape[1:]).transpose(0, 2, 3, 4, 5, 1))
 
 
-def _slab(geo: ConvGeometry, src_n: np.ndarray, z0: int, z1: int, run: int) -> np.ndarray:
-    """Zero-padded ``(C, depth, Hp, Wp)`` input of output planes z0:z1; rows are readable
-    up to the output width rounded up to ``run``, plus the kernel."""
+def slab(geo: ConvGeometry, src_n: np.ndarray, z0: int, z1: int, width: int) -> np.ndarray:
+    """Zero-padded ``(C, depth, Hp, width)`` input of output planes z0:z1 (a per-thread
+    scratch buffer); ``width`` covers the rows the loops read past the padded input."""
     (dl, _), (hl, _), (wl, _) = geo.padding
     _, depth, hp, _ = geo.slab_shape(z1 - z0)
-    wp = -(-geo.out[2] // run) * run + geo.kernel[2] - 1
-    slab = _parallel.scratch("direct_slab", (geo.channels, depth, hp, wp), np.float32)
-    return fill_slab(slab, src_n, (z0 - dl, -hl, -wl))
+    buf = _parallel.scratch("direct_slab", (geo.channels, depth, hp, width), np.float32)
+    return fill_slab(buf, src_n, (z0 - dl, -hl, -wl))
 
 
-def _address(a: np.ndarray) -> int:
+def _row_width(geo: ConvGeometry, run: int) -> int:
+    """Slab rows for register runs: the output width rounded up to ``run``, plus the
+    kernel."""
+    return -(-geo.out[2] // run) * run + geo.kernel[2] - 1
+
+
+def address(a: np.ndarray) -> int:
+    """The data pointer handed to the loops."""
     return a.ctypes.data
 
 
@@ -167,16 +184,16 @@ def forward(x: np.ndarray, w: np.ndarray, geo: ConvGeometry, y: np.ndarray,
     packed = pack_weights(w)
     kd, kh, kw = geo.kernel
     _, ho, wo = geo.out
-    bias_ptr = _address(bias) if bias is not None else None
+    bias_ptr = address(bias) if bias is not None else None
     fs, ds, hs = (s // 4 for s in y.strides[1:4])
 
     def work(chunk) -> None:
         n, z0, z1 = chunk
-        slab = _slab(geo, x[n], z0, z1, loops.run)
-        sc, sd, sh = (s // 4 for s in slab.strides[:3])
-        loops.forward(_address(slab), sc, sd, sh, geo.channels, kd, kh, kw,
-                      _address(packed), geo.filters, bias_ptr,
-                      _address(y[n, :, z0]), fs, ds, hs, z1 - z0, ho, wo)
+        block = slab(geo, x[n], z0, z1, _row_width(geo, loops.run))
+        sc, sd, sh = (s // 4 for s in block.strides[:3])
+        loops.forward(address(block), sc, sd, sh, geo.channels, kd, kh, kw,
+                      address(packed), geo.filters, bias_ptr,
+                      address(y[n, :, z0]), fs, ds, hs, z1 - z0, ho, wo)
 
     _parallel.map_chunks(work, plan_chunks(geo.batch, geo.out[0], CHUNK_PLANES))
     return y
@@ -193,19 +210,19 @@ def filter_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry) -> np.ndarray:
 
     def work(chunk) -> np.ndarray:
         n, z0, z1 = chunk
-        slab = _slab(geo, x[n], z0, z1, loops.run)
+        block = slab(geo, x[n], z0, z1, _row_width(geo, loops.run))
         grad = dy[n, :, z0:z1]
         if padded_w != wo:  # the loops read whole vectors: zeros past the row's end
             rows = _parallel.scratch("direct_dy", grad.shape[:3] + (padded_w,), np.float32)
             rows[..., wo:] = 0
             rows[..., :wo] = grad
             grad = rows
-        sc, sd, sh = (s // 4 for s in slab.strides[:3])
+        sc, sd, sh = (s // 4 for s in block.strides[:3])
         fs, ds, hs = (s // 4 for s in grad.strides[:3])
         part = np.zeros(geo.w_shape, np.float32)
-        loops.filter_grad(_address(slab), sc, sd, sh, geo.channels, kd, kh, kw,
-                          _address(grad), fs, ds, hs, geo.filters,
-                          _address(part), z1 - z0, ho, wo)
+        loops.filter_grad(address(block), sc, sd, sh, geo.channels, kd, kh, kw,
+                          address(grad), fs, ds, hs, geo.filters,
+                          address(part), z1 - z0, ho, wo)
         return part
 
     partials = _parallel.map_chunks(work, plan_chunks(geo.batch, geo.out[0], CHUNK_PLANES))

@@ -1,0 +1,78 @@
+"""Winograd F(2,3) along W for unit-stride 3-wide convolutions (compiled loops).
+
+Why: on the wider layers (32-512 channels) the direct loops and the GEMM lowerings both
+run near the core's FMA rate, and so does oneDNN; only fewer multiplications go past it.
+F(2,3) along W computes two outputs of a row from a tile of four inputs with 4 products
+instead of 6 (36 instead of 54 per two outputs for a 3x3x3 kernel: 1.5x fewer).  Along
+W only, the data expands 2x (4 components of half width) rather than 4x or 8x as in
+F(2x2,3x3) / F(2x2x2,3x3x3), and the transforms stay a few percent of the time
+(``benchmarks/winograd_study.py`` measured the numpy forms, docs/PERFORMANCE.md).
+
+The loops (``cosmotrain_winograd_w_forward_*`` in ``native/direct_body.h``) transform a
+chunk's zero-padded slab into its four component planes, convolve each over (C, D, H)
+with the transformed kernel in the direct loops' register blocks, and write
+``y0 = m0 + m1 + m2``, ``y1 = m1 - m2 - m3`` into the output rows.  The data gradient of
+a unit-stride layer is the forward of the flipped kernel, so it takes the same loops.
+
+Accuracy: the transforms add and subtract (coefficients 1 and 1/2): float32 results
+agree with the float64 convolution to a few units of float32 rounding of the outputs'
+scale, as the lowerings do (tests/test_direct_conv.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from . import _parallel, direct
+from .geometry import ConvGeometry, plan_chunks
+
+# B^T's partner for the kernel: the taps (g0, g1, g2) of a row become these 4.
+_G = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]])
+
+
+def supports(geo: ConvGeometry, dtype) -> bool:
+    """float32, unit stride, kernel width 3, and the compiled loops present."""
+    return geo.kernel[2] == 3 and direct.supports(geo, dtype)
+
+
+def transformed_weights(w: np.ndarray, filter_block: int) -> np.ndarray:
+    """``(4, ceil(F/FB), C, kD, kH, FB)`` float32: each component's kernel, packed as the
+    register blocks read it (missing filters of the last block are 0)."""
+    u = np.tensordot(_G, np.asarray(w, np.float64), axes=([1], [4]))  # (4, F, C, kD, kH)
+    f = w.shape[0]
+    blocks = -(-f // filter_block)
+    packed = np.zeros((4, blocks * filter_block) + u.shape[2:], np.float32)
+    packed[:, :f] = u
+    packed = packed.reshape((4, blocks, filter_block) + u.shape[2:])
+    return np.ascontiguousarray(packed.transpose(0, 1, 3, 4, 5, 2))
+
+
+def forward(x: np.ndarray, w: np.ndarray, geo: ConvGeometry, y: np.ndarray,
+            bias: Optional[np.ndarray] = None) -> np.ndarray:
+    """``y = conv(x, w) + bias`` (float32, unit stride, kernel width 3) into ``y``."""
+    loops = direct.loops()
+    assert loops is not None and supports(geo, x.dtype)
+    packed = transformed_weights(w, loops.filter_block)
+    kd, kh, _ = geo.kernel
+    _, ho, wo = geo.out
+    tiles = -(-wo // 2)
+    bias_ptr = direct.address(bias) if bias is not None else None
+    fs, ds, hs = (s // 4 for s in y.strides[1:4])
+
+    def work(chunk) -> None:
+        n, z0, z1 = chunk
+        block = direct.slab(geo, x[n], z0, z1, 2 * tiles + 2)
+        depth, hp = block.shape[1:3]
+        scratch = _parallel.scratch(
+            "winograd_components", (4 * geo.channels * depth * hp * tiles + loops.run,),
+            np.float32)
+        sc, sd, sh = (s // 4 for s in block.strides[:3])
+        loops.winograd_forward(direct.address(block), sc, sd, sh, geo.channels, kd, kh,
+                               direct.address(packed), geo.filters, bias_ptr,
+                               direct.address(y[n, :, z0]), fs, ds, hs, z1 - z0, ho, wo,
+                               direct.address(scratch))
+
+    _parallel.map_chunks(work, plan_chunks(geo.batch, geo.out[0], direct.CHUNK_PLANES))
+    return y
