@@ -170,10 +170,16 @@ def test_against_torch(kernel, stride, pad) -> None:
 
 @pytest.mark.parametrize("shape", [(2, 3, 6, 6, 8), (1, 2, 7, 5, 9), (1, 1, 2, 2, 2)])
 @pytest.mark.parametrize("block", [1, 1 << 20])
-def test_tiled_max_pool_is_the_general_kernel_bit_for_bit(monkeypatch, shape, block) -> None:
-    """2x2x2 windows that tile the input take ``maxpool_tiled``: its maxima, offsets and
-    gradients are the general kernel's, ties, NaN windows and non-finite gradients
-    included (odd sizes leave a plane, row and column in no window)."""
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
+def test_tiled_max_pool_is_the_general_kernel_bit_for_bit(monkeypatch, shape, block,
+                                                           compiled) -> None:
+    """2x2x2 windows that tile the input take ``maxpool_tiled`` (its compiled loops, or
+    its numpy passes): maxima, offsets and gradients are the general kernel's, ties, NaN
+    windows and non-finite gradients included (odd sizes leave a plane, row and column
+    in no window)."""
+    if compiled and maxpool_tiled._loops() is None:
+        pytest.skip("the compiled loops were not built")
+    monkeypatch.setattr(maxpool_tiled, "USE_COMPILED", compiled)
     rng = np.random.default_rng(8)
     x = rng.normal(size=shape).astype(np.float32)
     x[:, :, ::2] = np.maximum(x[:, :, ::2], 0)  # ties at 0, like ReLU outputs

@@ -24,20 +24,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
-from . import _parallel
+from . import _parallel, compiled
+from .compiled import address
 from .geometry import ConvGeometry, plan_chunks
 from .lowering import fill_slab
 
 # Output planes per chunk of work (the slab holds planes + kD - 1 input planes).
 CHUNK_PLANES = 4
 
-_c_long, _c_int, _ptr = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
+_c_long, _c_int, _ptr = compiled.LONG, compiled.INT, compiled.POINTER
 _FORWARD_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int, _c_int,
                  _ptr, _c_int, _ptr, _ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int]
 _WINOGRAD_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int,
@@ -63,33 +63,18 @@ class _Loops:
 _ISAS = {"avx512": (2, 16, 8, 2), "avx2": (1, 8, 4, 3)}  # level, VL, FB, WV
 
 
-@functools.lru_cache(maxsize=1)
-def _library() -> Optional[ctypes.CDLL]:
-    """The compiled library, loaded once; None when the install did not build it."""
-    spec = importlib.util.find_spec("cosmotrain.kernels._directconv")
-    if spec is None or not spec.origin:
-        return None
-    try:
-        return ctypes.CDLL(spec.origin)
-    except OSError:
-        return None
-
-
 @functools.lru_cache(maxsize=None)
 def loops_for(isa: str) -> Optional[_Loops]:
     """The loops compiled for ``isa`` ("avx512" or "avx2"), None when this CPU cannot run
     them (the tests run the AVX2 loops on AVX-512 machines too)."""
-    lib = _library()
+    lib = compiled.library()
     level, lanes, block, vectors = _ISAS[isa]
     if lib is None or lib.cosmotrain_direct_level() < level:
         return None
-    forward = getattr(lib, f"cosmotrain_direct_forward_{isa}")
-    filter_grad = getattr(lib, f"cosmotrain_direct_filter_grad_{isa}")
-    winograd = getattr(lib, f"cosmotrain_winograd_w_forward_{isa}")
-    forward.argtypes, forward.restype = _FORWARD_ARGS, None
-    filter_grad.argtypes, filter_grad.restype = _FILTER_ARGS, None
-    winograd.argtypes, winograd.restype = _WINOGRAD_ARGS, None
-    return _Loops(forward, filter_grad, winograd, lanes, block, lanes * vectors, isa)
+    return _Loops(compiled.function(f"cosmotrain_direct_forward_{isa}", _FORWARD_ARGS),
+                  compiled.function(f"cosmotrain_direct_filter_grad_{isa}", _FILTER_ARGS),
+                  compiled.function(f"cosmotrain_winograd_w_forward_{isa}", _WINOGRAD_ARGS),
+                  lanes, block, lanes * vectors, isa)
 
 
 def loops() -> Optional[_Loops]:
@@ -132,7 +117,7 @@ def describe() -> str:
     loops = _loops()
     if loops is not None:
         return f"direct loops ({loops.isa}) + GEMM lowerings"
-    if _library() is None:
+    if compiled.library() is None:
         return "GEMM lowerings only (direct loops not built: reinstall with a C compiler)"
     return "GEMM lowerings only (this CPU lacks AVX2 + FMA)"
 
@@ -169,11 +154,6 @@ def _row_width(geo: ConvGeometry, run: int) -> int:
     """Slab rows for register runs: the output width rounded up to ``run``, plus the
     kernel."""
     return -(-geo.out[2] // run) * run + geo.kernel[2] - 1
-
-
-def address(a: np.ndarray) -> int:
-    """The data pointer handed to the loops."""
-    return a.ctypes.data
 
 
 def forward(x: np.ndarray, w: np.ndarray, geo: ConvGeometry, y: np.ndarray,
