@@ -12,6 +12,7 @@ from setuptools import Extension, setup
 setup(ext_modules=[Extension(
     "cosmotrain.kernels._directconv",
     sources=["cosmotrain/kernels/native/direct.c", "cosmotrain/kernels/native/maxpool.c"],
-    depends=["cosmotrain/kernels/native/direct_body.h"],
+    depends=["cosmotrain/kernels/native/direct_body.h",
+             "cosmotrain/kernels/native/winograd_body.h"],
     optional=True,
 )])

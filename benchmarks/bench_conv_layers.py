@@ -35,7 +35,7 @@ __import__("cosmotrain")  # before numpy: sets OpenBLAS's idle spin (cosmotrain/
 import numpy as np
 
 from cosmotrain.device.heap import reuse_freed_memory
-from cosmotrain.kernels import _parallel, conv3d
+from cosmotrain.kernels import _parallel, compiled_choice
 from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
 from cosmotrain.kernels.conv3d import (conv3d_backward_data, conv3d_backward_filter,
                                        conv3d_forward)
@@ -281,7 +281,7 @@ def main() -> None:
                         help="GEMM lowerings only: no compiled direct convolution loops "
                         "(cosmotrain/kernels/direct.py), for A/B runs")
     args = parser.parse_args()
-    conv3d.USE_DIRECT = not args.no_direct
+    compiled_choice.USE_DIRECT = not args.no_direct
     if args.reuse_freed_memory and not reuse_freed_memory():
         print("glibc heap reuse not available")
     _parallel.configure_threads(_parallel.KernelThreads(args.threads))

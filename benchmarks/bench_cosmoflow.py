@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cosmotrain.device.heap import reuse_freed_memory  # noqa: E402
 
 from cosmotrain.config.schema import ModelConfig  # noqa: E402
-from cosmotrain.kernels import conv3d  # noqa: E402
+from cosmotrain.kernels import compiled_choice  # noqa: E402
 from cosmotrain.kernels.loss import mse_backward, mse_sum  # noqa: E402
 from cosmotrain.models import build_model  # noqa: E402
 from cosmotrain.nn.module import Context  # noqa: E402
@@ -194,7 +194,7 @@ def main() -> None:
                         help="GEMM lowerings only: no compiled direct convolution loops "
                         "(cosmotrain/kernels/direct.py), for A/B runs")
     args = parser.parse_args()
-    conv3d.USE_DIRECT = not args.no_direct
+    compiled_choice.USE_DIRECT = not args.no_direct
     if args.reuse_freed_memory:
         print(f"# glibc heap reuse: {'on' if reuse_freed_memory() else 'not available'}")
     print(f"# {args.model} W={args.width} on {platform.node()} ({platform.processor() or 'cpu'})"

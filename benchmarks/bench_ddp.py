@@ -62,7 +62,7 @@ from bench_hybrid import build_step, smooth_block, targets  # noqa: E402
 from cosmotrain.config.load import load_config  # noqa: E402
 from cosmotrain.config.schema import Config  # noqa: E402
 from cosmotrain.device.heap import reuse_freed_memory  # noqa: E402
-from cosmotrain.kernels import conv3d  # noqa: E402
+from cosmotrain.kernels import compiled_choice  # noqa: E402
 from cosmotrain.kernels._parallel import KernelThreads, configure_threads  # noqa: E402
 from cosmotrain.models import build_model  # noqa: E402
 from cosmotrain.nn.module import Context  # noqa: E402
@@ -104,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="GEMM lowerings only: no compiled direct convolution loops "
                         "(cosmotrain/kernels/direct.py), for A/B runs")
     args = parser.parse_args(argv)
-    conv3d.USE_DIRECT = not args.no_direct
+    compiled_choice.USE_DIRECT = not args.no_direct
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
     return args

@@ -17,7 +17,7 @@ import shutil
 import numpy as np
 import pytest
 
-from cosmotrain.kernels import _parallel, direct, winograd
+from cosmotrain.kernels import _parallel, compiled_choice, direct, winograd
 from cosmotrain.kernels import conv3d as conv
 from cosmotrain.kernels.geometry import ConvGeometry
 from test_conv3d import reference_conv3d
@@ -108,7 +108,7 @@ def test_filter_gradient(case, isa) -> None:
 def test_data_gradient_through_the_dispatch(case, isa, monkeypatch) -> None:
     """conv3d_backward_data takes the loops (flipped, transposed kernel) once the
     width rule is opened to small shapes; checked by a dot test against the reference."""
-    monkeypatch.setattr(conv, "MAX_DIRECT_WASTE", 1e9)
+    monkeypatch.setattr(compiled_choice, "MAX_DIRECT_WASTE", 1e9)
     monkeypatch.setattr(direct, "register_run", lambda: 1)
     monkeypatch.setattr(direct, "filter_block", lambda: 1)
     calls = []
@@ -149,9 +149,19 @@ def test_winograd_forward(case, isa) -> None:
 
 
 @pytest.mark.parametrize("case", WINOGRAD_CASES, ids=[f"case{i}" for i in range(5)])
+def test_winograd_filter_gradient(case, isa) -> None:
+    x, w, pad, geo = _data(case)
+    r = np.random.default_rng(1).standard_normal(geo.y_shape)
+    exact = conv.conv3d_backward_filter(x, r, w.shape, 1, pad)  # float64 numpy kernels
+    ours = winograd.filter_grad(x.astype(np.float32), r.astype(np.float32), geo)
+    assert ours.shape == w.shape
+    _close(ours, exact)
+
+
+@pytest.mark.parametrize("case", WINOGRAD_CASES, ids=[f"case{i}" for i in range(5)])
 def test_winograd_data_gradient_through_the_dispatch(case, isa, monkeypatch) -> None:
-    monkeypatch.setattr(conv, "WINOGRAD_MIN_CHANNELS", 1)
-    monkeypatch.setattr(conv, "WINOGRAD_MIN_RUNS", 0)
+    monkeypatch.setattr(compiled_choice, "WINOGRAD_MIN_CHANNELS", 1)
+    monkeypatch.setattr(compiled_choice, "WINOGRAD_MIN_RUNS", 0)
     calls = []
     monkeypatch.setattr(winograd, "forward", _recording(winograd.forward, calls))
     x, w, pad, geo = _data(case)
@@ -194,23 +204,26 @@ def test_dispatch_rule() -> None:
         pytest.skip("no direct loops")
     run = direct.register_run()
     wide_channels = ConvGeometry.create((1, 32, 4, 16, 16), (64, 32, 3, 3, 3), 1, 1)
-    assert conv._winograd(wide_channels, np.float32) == (16 * 8 >= 4 * run)
-    assert not conv._winograd(wide_channels, np.float64)
+    assert compiled_choice.winograd_forward(wide_channels, np.float32) == (16 * 8 >= 4 * run)
+    assert not compiled_choice.winograd_forward(wide_channels, np.float64)
     few_channels = ConvGeometry.create((1, 16, 4, 64, 64), (32, 16, 3, 3, 3), 1, 1)
-    assert not conv._winograd(few_channels, np.float32)
+    assert not compiled_choice.winograd_forward(few_channels, np.float32)
     small_planes = ConvGeometry.create((1, 256, 8, 8, 8), (512, 256, 3, 3, 3), 1, 1)
-    assert not conv._winograd(small_planes, np.float32)
+    assert not compiled_choice.winograd_forward(small_planes, np.float32)
     not_3_wide = ConvGeometry.create((1, 32, 4, 16, 16), (64, 32, 3, 3, 1), 1, (1, 1, 0))
-    assert not conv._winograd(not_3_wide, np.float32)
+    assert not compiled_choice.winograd_forward(not_3_wide, np.float32)
+    assert not compiled_choice.winograd_filter_grad(not_3_wide, np.float32)
+    assert compiled_choice.winograd_filter_grad(few_channels, np.float32)  # 64 x 32 tiles a plane
+    assert not compiled_choice.winograd_filter_grad(wide_channels, np.float32)  # 16 x 8
     wide = ConvGeometry.create((1, 4, 8, 8, 4 * run), (16, 4, 3, 3, 3), 1, 1)
-    assert conv._direct(wide, np.float32)
-    assert not conv._direct(wide, np.float64)
+    assert compiled_choice.direct_loops(wide, np.float32)
+    assert not compiled_choice.direct_loops(wide, np.float64)
     strided = ConvGeometry.create((1, 4, 8, 8, 4 * run), (16, 4, 3, 3, 3), 2, 1)
-    assert not conv._direct(strided, np.float32)
+    assert not compiled_choice.direct_loops(strided, np.float32)
     narrow = ConvGeometry.create((1, 4, 8, 8, run // 2), (16, 4, 3, 3, 3), 1, 1)
-    assert not conv._direct(narrow, np.float32)
+    assert not compiled_choice.direct_loops(narrow, np.float32)
     ragged = ConvGeometry.create((1, 4, 8, 8, run + run // 2), (16, 4, 3, 3, 3), 1, 1)
-    assert not conv._direct(ragged, np.float32)  # a third of the last run wasted
+    assert not compiled_choice.direct_loops(ragged, np.float32)  # a third of the last run wasted
 
 
 def test_layers_train_the_same_with_and_without_the_loops(monkeypatch) -> None:
@@ -230,7 +243,7 @@ def test_layers_train_the_same_with_and_without_the_loops(monkeypatch) -> None:
 def _compare_with_lowerings(x, w, r, monkeypatch) -> None:
     results = {}
     for use in (True, False):
-        monkeypatch.setattr(conv, "USE_DIRECT", use)
+        monkeypatch.setattr(compiled_choice, "USE_DIRECT", use)
         results[use] = (conv.conv3d_forward(x, w, 1, 1),
                         conv.conv3d_backward_filter(x, r, w.shape, 1, 1),
                         conv.conv3d_backward_data(r, w, x.shape, 1, 1))

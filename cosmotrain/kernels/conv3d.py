@@ -7,20 +7,15 @@ already carries halos is called with 0 on those sides, see :mod:`.geometry`).  O
 ``Do = (D + lo + hi - kD) // sD + 1``.  A batch of no sample (``N = 0``, a sample group
 left empty by a short batch) gives empty results and a zero weight gradient on any device.
 
-Algorithms.  float32 unit-stride layers whose output rows fill the compiled loops'
-register runs (:func:`_direct`) take the direct convolution of :mod:`.direct` (forward,
-filter gradient, and the data gradient as the forward of the flipped kernel): on the
-AVX-512 box of 2026-11-27 it ran the thin CosmoFlow layers 1.4-2.8x faster than the
-lowerings below, whose GEMMs of 16-64 rows OpenBLAS runs at a third to a half of its
-sgemm rate.  Everything else (float64, strides, planes of 16 or less, installs without
-the compiled library) takes the chunked GEMM lowering (:mod:`.lowering`).  Each sample's output depth planes
-are cut into chunks (about 8 per sample, see :func:`_chunks`) that run on a pool of
-workers with one single-threaded BLAS each (:mod:`._parallel`).  A chunk copies its input
-planes with their zero padding into a per-thread slab, then for each group of planes
-(about ``CHUNK_BYTES`` of buffers) builds the column matrix, runs one ``np.matmul`` into
-a preallocated buffer and, for split lowerings, finishes with ``kW`` (or ``kH*kW``)
-shifted adds straight into the output.  Results do not depend on the scheduling: chunks
-own disjoint outputs and filter-gradient partials are summed in chunk order.
+Algorithms.  float32 unit-stride layers may take compiled loops, by the rules of
+:mod:`.compiled_choice`: Winograd F(2,3) along W (:mod:`.winograd`) for the wider
+3-wide layers, the direct convolution (:mod:`.direct`) for layers whose rows fill its
+register runs, each for the forward, the filter gradient and the data gradient (the
+forward of the flipped kernel).  On the AVX-512 box of 2026-11-27 they ran the CosmoFlow
+layers 1.2-2.8x faster than the lowerings below, whose GEMMs of 16-64 rows OpenBLAS runs
+at a third to a half of its sgemm rate.  Everything else (float64, strides, small planes,
+installs without the compiled library) takes the chunked GEMM lowering
+(:mod:`.lowering`).
 
 * forward:  ``y = W @ cols``, W split (``kW`` shifted adds) when its stride is 1; thin
   layers (few input channels, large planes: :func:`_thin`) lower (H, W) once per input
@@ -33,13 +28,10 @@ own disjoint outputs and filter-gradient partials are summed in chunk order.
   (:mod:`.conv3d_dgrad`); so may, with :data:`DGRAD_SCATTER`, unit-stride layers too
   small to split whose F exceeds C.
 
-Winograd convolution is not used yet.  Measured forward, one sample, one thread, with
-numpy passes for the transforms and these kernels for the GEMMs
-(``benchmarks/winograd_study.py``, docs/PERFORMANCE.md "cosmoflow-mlperf per layer",
-2026-11-23): F(2,3) along W 0.9-1.0x the lowerings on conv2 (its transforms cost what
-the fewer flops save) and 1.2-1.4x on conv3-conv5; F(2x2x2, 3x3x3) up to 1.7x on
-conv5.  A path for the wide stride-1 layers (forward and data gradient, the form chosen
-per layer) is the next step past the sgemm rate.
+Winograd with numpy passes for the transforms and these kernels for the GEMMs
+(``benchmarks/winograd_study.py``, 2026-11-23) measured 0.9-1.4x; in compiled loops
+(:mod:`.winograd`, 2026-11-27) F(2,3) along W runs MLPerf conv2-conv4 1.1-1.4x faster
+than the direct loops or the lowerings.
 
 Layout decision ("NCDHW or channels-last: choose by measurement").  Measured with
 ``benchmarks/bench_conv_layout.py`` (forward, W=128 CosmoFlow layers, batch 1, 2-core
@@ -79,7 +71,7 @@ import numpy as np
 from cosmotrain.device.xp import array_module, is_device_array
 from cosmotrain.precision import is_bf16, narrow, widen
 
-from . import _parallel, depth_lowering, direct, winograd
+from . import _parallel, compiled_choice, depth_lowering, direct, winograd
 from .conv3d_dgrad import backward_data_scatter
 from .cuda import conv as cuda_conv
 from .cuda.settings import ConvSettings
@@ -114,20 +106,6 @@ SCATTER_BYTES = 16 << 20
 MIN_GEMM_COLUMNS = 1024
 # A split lowering extends the GEMM grid by k-1; allowed while that is <= 1/16 of it.
 MAX_SPLIT_WASTE = 1 / 16
-# Compiled direct convolution loops (:mod:`.direct`) for unit-stride float32 layers whose
-# output rows fill whole register runs: 1.2-2.8x the lowerings on the thin layers, level
-# on 32-64 channels, behind on planes of 16 or less (docs/PERFORMANCE.md, "Direct
-# convolution loops").  False: the lowerings only (A/B runs in benchmarks/).
-USE_DIRECT = True
-# Largest share of a row that rounding the output width up to whole runs may waste.
-MAX_DIRECT_WASTE = 1 / 8
-# Winograd F(2,3) along W (:mod:`.winograd`) for 3-wide unit-stride float32 layers with
-# at least this many input channels (16: its transforms cost more than the products
-# saved, cosmoflow conv2 65 ms against the direct loops' 56) ...
-WINOGRAD_MIN_CHANNELS = 32
-# ... and at least this many register runs of outputs per plane (MLPerf conv5, 8^3: one
-# run a plane, its 19 MB of transformed weights read per run: 44 ms against 26 lowered).
-WINOGRAD_MIN_RUNS = 4
 # The depth-window lowering (:mod:`.depth_lowering`) is for thin layers, whose time is
 # copies and shifted adds rather than GEMMs: at most this many input channels (conv 4->32
 # at 128^3: forward 1.5x, filter gradient 1.7x faster; with 32 or 64 channels it measured
@@ -187,25 +165,6 @@ def choose_lowering(geo: ConvGeometry, max_shift: int) -> Lowering:
                for d in dims):
             return Lowering(geo, shift)
     return Lowering(geo, 0)
-
-
-def _direct(geo: ConvGeometry, dtype) -> bool:
-    """Whether the compiled direct loops run this convolution (forward / filter gradient;
-    the data gradient asks about its transposed convolution)."""
-    if not (USE_DIRECT and direct.supports(geo, dtype)):
-        return False
-    wo, run = geo.out[2], direct.register_run()
-    return wo >= run and (-(-wo // run) * run - wo) <= wo * MAX_DIRECT_WASTE
-
-
-def _winograd(geo: ConvGeometry, dtype) -> bool:
-    """Whether Winograd F(2,3) along W runs this convolution (forward; the data gradient
-    asks about its transposed convolution)."""
-    if not (USE_DIRECT and winograd.supports(geo, dtype)):
-        return False
-    tiles = geo.out[1] * -(-geo.out[2] // 2)
-    return (geo.channels >= WINOGRAD_MIN_CHANNELS
-            and tiles >= WINOGRAD_MIN_RUNS * direct.register_run())
 
 
 def _thin(geo: ConvGeometry) -> bool:
@@ -291,9 +250,9 @@ def conv3d_forward(x: np.ndarray, w: np.ndarray, stride: "int | Sequence[int]" =
     if bias is not None:
         bias = as_float_array(bias, "bias", x.dtype)
         geo.check("bias", bias.shape, (geo.filters,))
-    if _winograd(geo, x.dtype):
+    if compiled_choice.winograd_forward(geo, x.dtype):
         return winograd.forward(x, w, geo, y, bias)
-    if _direct(geo, x.dtype):
+    if compiled_choice.direct_loops(geo, x.dtype):
         return direct.forward(x, w, geo, y, bias)
     if _thin(geo):
         win = depth_lowering.DepthWindows(geo)
@@ -322,7 +281,9 @@ def conv3d_backward_filter(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int]
     dy = as_float_array(dy, "dy", x.dtype)
     geo = ConvGeometry.create(x.shape, w_shape, stride, padding)
     geo.check("dy", dy.shape, geo.y_shape)
-    if _direct(geo, x.dtype):
+    if compiled_choice.winograd_filter_grad(geo, x.dtype):
+        return winograd.filter_grad(x, dy, geo)
+    if compiled_choice.direct_loops(geo, x.dtype):
         return direct.filter_grad(x, dy, geo)
     if _thin(geo):
         return depth_lowering.filter_grad(x, dy, depth_lowering.DepthWindows(geo))
@@ -370,9 +331,9 @@ def conv3d_backward_data(dy: np.ndarray, w: np.ndarray, x_shape: Sequence[int],
     flipped = w[:, :, ::-1, ::-1, ::-1].transpose(1, 0, 2, 3, 4)
     pad_t = tuple((k - 1 - lo, k - 1 - hi) for (lo, hi), k in zip(geo.padding, geo.kernel))
     tgeo = ConvGeometry.create(dy.shape, flipped.shape, 1, pad_t)
-    if _winograd(tgeo, dy.dtype):
+    if compiled_choice.winograd_forward(tgeo, dy.dtype):
         return winograd.forward(dy, flipped, tgeo, dx)
-    if _direct(tgeo, dy.dtype) and geo.channels >= direct.filter_block():
+    if compiled_choice.direct_loops(tgeo, dy.dtype) and geo.channels >= direct.filter_block():
         return direct.forward(dy, flipped, tgeo, dx)
     low = choose_lowering(tgeo, max_shift=DGRAD_MAX_SHIFT)
     if DGRAD_SCATTER and low.shift == 0 and geo.filters > geo.channels:

@@ -43,6 +43,9 @@ _FORWARD_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int, _c_int
 _WINOGRAD_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int,
                   _ptr, _c_int, _ptr, _ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int,
                   _ptr]
+_WINOGRAD_FILTER_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int,
+                         _ptr, _c_long, _c_long, _c_long, _c_int, _ptr, _c_int, _c_int, _c_int,
+                         _ptr]
 _FILTER_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int, _c_int,
                 _ptr, _c_long, _c_long, _c_long, _c_int, _ptr, _c_int, _c_int, _c_int]
 
@@ -54,6 +57,7 @@ class _Loops:
     forward: ctypes._CFuncPtr  # type: ignore[name-defined]
     filter_grad: ctypes._CFuncPtr  # type: ignore[name-defined]
     winograd_forward: ctypes._CFuncPtr  # type: ignore[name-defined]
+    winograd_filter_grad: ctypes._CFuncPtr  # type: ignore[name-defined]
     lanes: int        # floats per vector (VL)
     filter_block: int  # filters per register block (FB)
     run: int          # outputs per register block along W (VL * WV)
@@ -74,6 +78,8 @@ def loops_for(isa: str) -> Optional[_Loops]:
     return _Loops(compiled.function(f"cosmotrain_direct_forward_{isa}", _FORWARD_ARGS),
                   compiled.function(f"cosmotrain_direct_filter_grad_{isa}", _FILTER_ARGS),
                   compiled.function(f"cosmotrain_winograd_w_forward_{isa}", _WINOGRAD_ARGS),
+                  compiled.function(f"cosmotrain_winograd_w_filter_grad_{isa}",
+                                    _WINOGRAD_FILTER_ARGS),
                   lanes, block, lanes * vectors, isa)
 
 

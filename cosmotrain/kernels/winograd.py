@@ -25,7 +25,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _parallel, direct
+from . import _parallel, compiled, direct
 from .geometry import ConvGeometry, plan_chunks
 
 # B^T's partner for the kernel: the taps (g0, g1, g2) of a row become these 4.
@@ -58,7 +58,7 @@ def forward(x: np.ndarray, w: np.ndarray, geo: ConvGeometry, y: np.ndarray,
     kd, kh, _ = geo.kernel
     _, ho, wo = geo.out
     tiles = -(-wo // 2)
-    bias_ptr = direct.address(bias) if bias is not None else None
+    bias_ptr = compiled.address(bias) if bias is not None else None
     fs, ds, hs = (s // 4 for s in y.strides[1:4])
 
     def work(chunk) -> None:
@@ -69,10 +69,45 @@ def forward(x: np.ndarray, w: np.ndarray, geo: ConvGeometry, y: np.ndarray,
             "winograd_components", (4 * geo.channels * depth * hp * tiles + loops.run,),
             np.float32)
         sc, sd, sh = (s // 4 for s in block.strides[:3])
-        loops.winograd_forward(direct.address(block), sc, sd, sh, geo.channels, kd, kh,
-                               direct.address(packed), geo.filters, bias_ptr,
-                               direct.address(y[n, :, z0]), fs, ds, hs, z1 - z0, ho, wo,
-                               direct.address(scratch))
+        loops.winograd_forward(compiled.address(block), sc, sd, sh, geo.channels, kd, kh,
+                               compiled.address(packed), geo.filters, bias_ptr,
+                               compiled.address(y[n, :, z0]), fs, ds, hs, z1 - z0, ho, wo,
+                               compiled.address(scratch))
 
     _parallel.map_chunks(work, plan_chunks(geo.batch, geo.out[0], direct.CHUNK_PLANES))
     return y
+
+
+def filter_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry) -> np.ndarray:
+    """``dL/dw`` ``(F, C, kD, kH, 3)`` float32 (unit stride, kernel width 3); chunk
+    partials are summed in chunk order."""
+    loops = direct.loops()
+    assert loops is not None and supports(geo, x.dtype)
+    kd, kh, _ = geo.kernel
+    _, ho, wo = geo.out
+    tiles = -(-wo // 2)
+    dplane = -(-ho * tiles // loops.lanes) * loops.lanes
+
+    def work(chunk) -> np.ndarray:
+        n, z0, z1 = chunk
+        block = direct.slab(geo, x[n], z0, z1, 2 * tiles + 2)
+        depth, hp = block.shape[1:3]
+        grad = dy[n, :, z0:z1]
+        size = (4 * geo.channels * depth * hp * tiles + loops.run
+                + 4 * geo.filters * (z1 - z0) * dplane + 4 * geo.filters * geo.channels * kd * kh)
+        scratch = _parallel.scratch("winograd_grad", (size,), np.float32)
+        part = np.zeros(geo.w_shape, np.float32)
+        sc, sd, sh = compiled.element_strides(block)[:3]
+        fs, ds, hs = compiled.element_strides(grad)[:3]
+        loops.winograd_filter_grad(compiled.address(block), sc, sd, sh, geo.channels, kd, kh,
+                                   compiled.address(grad), fs, ds, hs, geo.filters,
+                                   compiled.address(part), z1 - z0, ho, wo,
+                                   compiled.address(scratch))
+        return part
+
+    partials = _parallel.map_chunks(work, plan_chunks(geo.batch, geo.out[0],
+                                                      direct.CHUNK_PLANES))
+    total = partials[0]
+    for part in partials[1:]:
+        total += part
+    return total

@@ -24,6 +24,9 @@
 #define WV 2
 #define SUFFIX avx512
 #include "direct_body.h"
+#include "winograd_body.h"
+#undef RUN
+#undef VEC
 #undef VL
 #undef FB
 #undef WV
@@ -37,6 +40,9 @@
 #define WV 3
 #define SUFFIX avx2
 #include "direct_body.h"
+#include "winograd_body.h"
+#undef RUN
+#undef VEC
 #undef VL
 #undef FB
 #undef WV

@@ -106,77 +106,14 @@ static inline float CAT(lane_sum, SUFFIX)(VEC v) {
     return total;
 }
 
-/* Winograd F(2,3) along W: y = conv(s, w) for kernels of width 3, unit stride, with 36
- * multiplications per 2 outputs instead of 54.  Input tiles of 4 along W with stride 2
- * give 4 component planes (B^T: d0-d2, d1+d2, d2-d1, d1-d3), each convolved over (C, D,
- * H) with its transformed kernel up[i] = (g0, (g0+g1+g2)/2, (g0-g1+g2)/2, g2)[i] packed as
- * (blocks, C, kd, kh, FB); y0 = m0+m1+m2, y1 = m1-m2-m3 (A^T).  The component planes are
- * stored flat (rows of T = ceil(wo/2) tiles, no padding along W), so a kernel row shift
- * is a shift by T and register runs sweep whole planes: narrow layers waste nothing.
- * work: 4 * c_in * depth * hp * T + RUN floats.  The slab's rows hold 2T + 2 floats. */
-void CAT(cosmotrain_winograd_w_forward, SUFFIX)(
-        const float *s, long s_c, long s_d, long s_h,
-        int c_in, int kd, int kh,
-        const float *up, int filters, const float *bias,
-        float *y, long y_f, long y_d, long y_h,
-        int nz, int ho, int wo, float *work) {
-    const int tiles = (wo + 1) / 2, depth = nz + kd - 1, hp = ho + kh - 1;
-    const long plane = (long)hp * tiles, channel = depth * plane;
-    const long component = c_in * channel;
-    for (int c = 0; c < c_in; c++)
-    for (int d = 0; d < depth; d++)
-    for (int r = 0; r < hp; r++) {
-        const float *row = s + c * s_c + d * s_d + r * s_h;
-        float *v0 = work + c * channel + d * plane + r * tiles;
-        float *v1 = v0 + component, *v2 = v1 + component, *v3 = v2 + component;
-        for (int t = 0; t < tiles; t++) {
-            const float d0 = row[2 * t], d1 = row[2 * t + 1];
-            const float d2 = row[2 * t + 2], d3 = row[2 * t + 3];
-            v0[t] = d0 - d2;
-            v1[t] = d1 + d2;
-            v2[t] = d2 - d1;
-            v3[t] = d1 - d3;
-        }
-    }
-    for (int i = 0; i < RUN; i++) work[4 * component + i] = 0.0f;  /* last run's reads */
-    const int blocks = (filters + FB - 1) / FB;
-    const long block_size = (long)c_in * kd * kh * FB;
-    const long outputs = (long)ho * tiles;
-    for (int z = 0; z < nz; z++)
-    for (long p0 = 0; p0 < outputs; p0 += RUN) {
-        for (int fb = 0; fb < blocks; fb++) {  /* the run's components stay in cache */
-            const int nf = filters - fb * FB < FB ? filters - fb * FB : FB;
-            float m[4][FB][RUN];
-            for (int i = 0; i < 4; i++) {
-                VEC acc[FB][WV];  /* a local block: kept in registers over all taps */
-                CAT(forward_block, SUFFIX)(acc, up + (i * blocks + fb) * block_size,
-                                           work + i * component + z * plane + p0,
-                                           channel, plane, tiles, c_in, kd, kh, 1);
-                __builtin_memcpy(m[i], acc, sizeof m[i]);
-            }
-            for (int f = 0; f < nf; f++) {
-                const int o = fb * FB + f;
-                const float b0 = bias ? bias[o] : 0.0f;
-                float *yz = y + o * y_f + z * y_d;
-                const int n = outputs - p0 < RUN ? (int)(outputs - p0) : RUN;
-                for (int k = 0; k < n; k++) {
-                    const long p = p0 + k;
-                    const int h = (int)(p / tiles), t = (int)(p % tiles);
-                    float *out = yz + h * y_h + 2 * t;
-                    out[0] = m[0][f][k] + m[1][f][k] + m[2][f][k] + b0;
-                    if (2 * t + 1 < wo) out[1] = m[1][f][k] - m[2][f][k] - m[3][f][k] + b0;
-                }
-            }
-        }
-    }
-}
-
-/* One tap block: GF filters x NE taps along W accumulated over a tile of rows whose dy
- * is packed as pack[row][vector][f][lane]; NE is a constant at each call (no branches in
- * the loop).  The empty asm keeps each dy vector in a register for its NE FMAs. */
+/* One tap block: FB filters x NE taps (input offsets e * estride apart: 1 for taps
+ * along W, the tile count for Winograd's flat planes) accumulated over a tile of rows
+ * whose dy is packed as pack[row][vector][f][lane]; NE is a constant at each call (no
+ * branches in the loop).  The empty asm keeps each dy vector in a register for its NE
+ * FMAs. */
 static inline __attribute__((always_inline)) void CAT(tap_block, SUFFIX)(
         VEC acc[FB][3], const float *pack, const float *row0, long s_h,
-        int nrows, int vectors, const int ne) {
+        int nrows, int vectors, const int ne, long estride) {
     for (int f = 0; f < FB; f++)
         for (int e = 0; e < 3; e++) acc[f][e] = (VEC){0};
     const float *pp = pack;
@@ -184,7 +121,8 @@ static inline __attribute__((always_inline)) void CAT(tap_block, SUFFIX)(
         const float *row = row0 + r * s_h;
         for (int v = 0; v < vectors; v++, pp += FB * VL) {
             VEC xv[3];
-            for (int e = 0; e < ne; e++) xv[e] = CAT(load, SUFFIX)(row + v * VL + e);
+            for (int e = 0; e < ne; e++)
+                xv[e] = CAT(load, SUFFIX)(row + v * VL + e * estride);
 #pragma GCC unroll 16
             for (int f = 0; f < FB; f++) {
                 VEC d = CAT(load, SUFFIX)(pp + f * VL);
@@ -226,11 +164,11 @@ void CAT(cosmotrain_direct_filter_grad, SUFFIX)(
                 const float *row0 = s + c * s_c + (z + a) * s_d + (h0 + b) * s_h + e0;
                 VEC acc[FB][3];
                 if (ne == 3)
-                    CAT(tap_block, SUFFIX)(acc, pack, row0, s_h, nrows, vectors, 3);
+                    CAT(tap_block, SUFFIX)(acc, pack, row0, s_h, nrows, vectors, 3, 1);
                 else if (ne == 2)
-                    CAT(tap_block, SUFFIX)(acc, pack, row0, s_h, nrows, vectors, 2);
+                    CAT(tap_block, SUFFIX)(acc, pack, row0, s_h, nrows, vectors, 2, 1);
                 else
-                    CAT(tap_block, SUFFIX)(acc, pack, row0, s_h, nrows, vectors, 1);
+                    CAT(tap_block, SUFFIX)(acc, pack, row0, s_h, nrows, vectors, 1, 1);
                 const long tap = ((long)(c * kd + a) * kh + b) * kw + e0;
                 for (int f = 0; f < nf; f++)
                     for (int e = 0; e < ne; e++)
@@ -241,5 +179,4 @@ void CAT(cosmotrain_direct_filter_grad, SUFFIX)(
     free(pack);
 }
 
-#undef RUN
-#undef VEC
+/* RUN and VEC stay defined for winograd_body.h; direct.c undefines them. */

@@ -1,0 +1,58 @@
+"""Which compiled kernel, if any, runs a convolution: the rules and their measurements.
+
+The compiled loops (:mod:`.direct`, :mod:`.winograd`) beat the GEMM lowerings of
+:mod:`.conv3d` on some shapes and lose on others; these rules, from per-layer timings on
+one core (``benchmarks/bench_conv_layers.py`` and docs/PERFORMANCE.md, "Compiled
+convolution loops", 2026-11-27), pick per call.  :mod:`.conv3d` asks them in order:
+Winograd, then the direct loops, then its own lowerings.  Kept apart from conv3d so
+that the rules and their numbers read in one place.
+"""
+
+from __future__ import annotations
+
+from . import direct, winograd
+from .geometry import ConvGeometry
+
+# Compiled direct convolution loops (:mod:`.direct`) for unit-stride float32 layers whose
+# output rows fill whole register runs: 1.2-2.8x the lowerings on the thin layers, level
+# on 32-64 channels, behind on planes of 16 or less.  False: the lowerings only, no
+# compiled convolution (the benchmarks' --no-direct, for A/B runs).
+USE_DIRECT = True
+# Largest share of a row that rounding the output width up to whole runs may waste.
+MAX_DIRECT_WASTE = 1 / 8
+# Winograd F(2,3) along W (:mod:`.winograd`) for 3-wide unit-stride float32 layers with
+# at least this many input channels (16: its transforms cost more than the products
+# saved, cosmoflow conv2 65 ms against the direct loops' 56) ...
+WINOGRAD_MIN_CHANNELS = 32
+# ... and at least this many register runs of outputs per plane (MLPerf conv5, 8^3: one
+# run a plane, its 19 MB of transformed weights read per run: 44 ms against 26 lowered).
+WINOGRAD_MIN_RUNS = 4
+# Its filter gradient sums each component over whole planes: worth it from this many
+# tiles a plane (MLPerf conv3, 32^3: 108 -> 90 ms on one core; conv4, 16^3 = 128 tiles:
+# 52 ms lowered, 93 by Winograd, whose per-plane sums then cost more than its products).
+WINOGRAD_GRAD_MIN_TILES = 512
+
+
+def direct_loops(geo: ConvGeometry, dtype) -> bool:
+    """Whether the compiled direct loops run this convolution (forward / filter gradient;
+    the data gradient asks about its transposed convolution)."""
+    if not (USE_DIRECT and direct.supports(geo, dtype)):
+        return False
+    wo, run = geo.out[2], direct.register_run()
+    return wo >= run and (-(-wo // run) * run - wo) <= wo * MAX_DIRECT_WASTE
+
+
+def winograd_forward(geo: ConvGeometry, dtype) -> bool:
+    """Whether Winograd F(2,3) along W runs this convolution (forward; the data gradient
+    asks about its transposed convolution)."""
+    if not (USE_DIRECT and winograd.supports(geo, dtype)):
+        return False
+    tiles = geo.out[1] * -(-geo.out[2] // 2)
+    return (geo.channels >= WINOGRAD_MIN_CHANNELS
+            and tiles >= WINOGRAD_MIN_RUNS * direct.register_run())
+
+
+def winograd_filter_grad(geo: ConvGeometry, dtype) -> bool:
+    """Whether the filter gradient takes Winograd F(2,3) along W."""
+    return (USE_DIRECT and winograd.supports(geo, dtype)
+            and geo.out[1] * -(-geo.out[2] // 2) >= WINOGRAD_GRAD_MIN_TILES)

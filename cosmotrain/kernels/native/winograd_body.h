@@ -1,0 +1,168 @@
+/* Winograd F(2,3) along W, included by direct.c after direct_body.h (whose register
+ * blocks it reuses) once per instruction set.
+ *
+ * Input tiles of 4 along W with stride 2 give 4 component planes (B^T: d0-d2, d1+d2,
+ * d2-d1, d1-d3), stored flat: rows of T = ceil(wo/2) tiles with no padding along W, so
+ * a kernel row shift is a shift by T and register runs sweep whole planes (narrow
+ * layers waste nothing).  Layout of a chunk's components in `work`:
+ * [4][c_in][depth][hp * T], then RUN zeros (the last run reads past the end). */
+
+static void CAT(input_components, SUFFIX)(
+        const float *s, long s_c, long s_d, long s_h,
+        int c_in, int depth, int hp, int tiles, float *work) {
+    const long plane = (long)hp * tiles, channel = depth * plane;
+    const long component = c_in * channel;
+    for (int c = 0; c < c_in; c++)
+    for (int d = 0; d < depth; d++)
+    for (int r = 0; r < hp; r++) {
+        const float *row = s + c * s_c + d * s_d + r * s_h;
+        float *v0 = work + c * channel + d * plane + r * tiles;
+        float *v1 = v0 + component, *v2 = v1 + component, *v3 = v2 + component;
+        for (int t = 0; t < tiles; t++) {
+            const float d0 = row[2 * t], d1 = row[2 * t + 1];
+            const float d2 = row[2 * t + 2], d3 = row[2 * t + 3];
+            v0[t] = d0 - d2;
+            v1[t] = d1 + d2;
+            v2[t] = d2 - d1;
+            v3[t] = d1 - d3;
+        }
+    }
+    for (int i = 0; i < RUN; i++) work[4 * component + i] = 0.0f;
+}
+
+/* y = conv(s, w) for kernels of width 3, unit stride, with 36 multiplications per 2
+ * outputs instead of 54: each component plane is convolved over (C, D, H) with its
+ * transformed kernel up[i] = (g0, (g0+g1+g2)/2, (g0-g1+g2)/2, g2)[i] packed as (blocks,
+ * C, kd, kh, FB), and y0 = m0+m1+m2, y1 = m1-m2-m3 (A^T).  work: 4 * c_in * depth * hp *
+ * T + RUN floats.  The slab's rows hold 2T + 2 floats. */
+void CAT(cosmotrain_winograd_w_forward, SUFFIX)(
+        const float *s, long s_c, long s_d, long s_h,
+        int c_in, int kd, int kh,
+        const float *up, int filters, const float *bias,
+        float *y, long y_f, long y_d, long y_h,
+        int nz, int ho, int wo, float *work) {
+    const int tiles = (wo + 1) / 2, depth = nz + kd - 1, hp = ho + kh - 1;
+    const long plane = (long)hp * tiles, channel = depth * plane;
+    const long component = c_in * channel;
+    CAT(input_components, SUFFIX)(s, s_c, s_d, s_h, c_in, depth, hp, tiles, work);
+    const int blocks = (filters + FB - 1) / FB;
+    const long block_size = (long)c_in * kd * kh * FB;
+    const long outputs = (long)ho * tiles;
+    for (int z = 0; z < nz; z++)
+    for (long p0 = 0; p0 < outputs; p0 += RUN) {
+        for (int fb = 0; fb < blocks; fb++) {  /* the run's components stay in cache */
+            const int nf = filters - fb * FB < FB ? filters - fb * FB : FB;
+            float m[4][FB][RUN];
+            for (int i = 0; i < 4; i++) {
+                VEC acc[FB][WV];  /* a local block: kept in registers over all taps */
+                CAT(forward_block, SUFFIX)(acc, up + (i * blocks + fb) * block_size,
+                                           work + i * component + z * plane + p0,
+                                           channel, plane, tiles, c_in, kd, kh, 1);
+                __builtin_memcpy(m[i], acc, sizeof m[i]);
+            }
+            for (int f = 0; f < nf; f++) {
+                const int o = fb * FB + f;
+                const float b0 = bias ? bias[o] : 0.0f;
+                float *yz = y + o * y_f + z * y_d;
+                const int n = outputs - p0 < RUN ? (int)(outputs - p0) : RUN;
+                for (int k = 0; k < n; k++) {
+                    const long p = p0 + k;
+                    const int h = (int)(p / tiles), t = (int)(p % tiles);
+                    float *out = yz + h * y_h + 2 * t;
+                    out[0] = m[0][f][k] + m[1][f][k] + m[2][f][k] + b0;
+                    if (2 * t + 1 < wo) out[1] = m[1][f][k] - m[2][f][k] - m[3][f][k] + b0;
+                }
+            }
+        }
+    }
+}
+
+
+/* Filter gradient of the same form, g[f][c][a][b][e] += dL/dw for kernels of width 3:
+ * the transpose of y_j = sum_i A^T[j][i] (G[i] . g) V_i gives
+ *     dL/dg_e = sum_i G[i][e] M_i,  M_i[f][c][a][b] = sum_{z,p} D_i[f][z][p] V_i[c][z+a][p + b T]
+ * with the dy components D_0 = dy0, D_1 = dy0 + dy1, D_2 = dy0 - dy1, D_3 = -dy1 of each
+ * output pair (dy1 = 0 past an odd wo): 4 products per pair and tap instead of 6.  The
+ * M_i are the plain filter gradient's register blocks over flat planes (taps b a shift by
+ * T apart), in segments of about TILE outputs whose D_i are packed per filter block.
+ * work: 4 * c_in * depth * hp * T + RUN floats (components), then 4 * filters * nz *
+ * roundup(ho * T, VL) (D) and 4 * filters * c_in * kd * kh (M). */
+void CAT(cosmotrain_winograd_w_filter_grad, SUFFIX)(
+        const float *s, long s_c, long s_d, long s_h,
+        int c_in, int kd, int kh,
+        const float *dy, long dy_f, long dy_d, long dy_h, int filters,
+        float *g, int nz, int ho, int wo, float *work) {
+    const int tiles = (wo + 1) / 2, depth = nz + kd - 1, hp = ho + kh - 1;
+    const long plane = (long)hp * tiles, channel = depth * plane;
+    const long component = c_in * channel;
+    CAT(input_components, SUFFIX)(s, s_c, s_d, s_h, c_in, depth, hp, tiles, work);
+    const int vectors = (int)(((long)ho * tiles + VL - 1) / VL);
+    const long dplane = (long)vectors * VL, dcomp = (long)filters * nz * dplane;
+    float *dt = work + 4 * component + RUN;
+    for (int f = 0; f < filters; f++)
+    for (int z = 0; z < nz; z++) {
+        float *out = dt + (f * nz + z) * dplane;
+        for (int h = 0; h < ho; h++) {
+            const float *row = dy + f * dy_f + z * dy_d + h * dy_h;
+            for (int t = 0; t < tiles; t++) {
+                const float d0 = row[2 * t], d1 = 2 * t + 1 < wo ? row[2 * t + 1] : 0.0f;
+                const long p = (long)h * tiles + t;
+                out[p] = d0;
+                out[dcomp + p] = d0 + d1;
+                out[2 * dcomp + p] = d0 - d1;
+                out[3 * dcomp + p] = -d1;
+            }
+        }
+        for (long p = (long)ho * tiles; p < dplane; p++)
+            for (int i = 0; i < 4; i++) out[i * dcomp + p] = 0.0f;
+    }
+    const long taps = (long)c_in * kd * kh;
+    float *m = dt + 4 * dcomp;
+    for (long k = 0; k < 4 * filters * taps; k++) m[k] = 0.0f;
+    int seg = TILE / VL;
+    if (seg < 1) seg = 1;
+    float *pack = aligned_alloc(64, sizeof(float) * FB * VL * (size_t)seg);
+    if (!pack) return;
+    for (int z = 0; z < nz; z++)
+    for (int v0 = 0; v0 < vectors; v0 += seg) {
+        const int nv = vectors - v0 < seg ? vectors - v0 : seg;
+        for (int i = 0; i < 4; i++)
+        for (int f0 = 0; f0 < filters; f0 += FB) {
+            const int nf = filters - f0 < FB ? filters - f0 : FB;
+            for (int v = 0; v < nv; v++)
+                for (int f = 0; f < FB; f++)
+                    __builtin_memcpy(pack + (v * FB + f) * VL,
+                                     dt + i * dcomp + ((f0 + (f < nf ? f : 0)) * nz + z) * dplane
+                                        + (long)(v0 + v) * VL, sizeof(VEC));
+            for (int c = 0; c < c_in; c++)
+            for (int a = 0; a < kd; a++)
+            for (int b0 = 0; b0 < kh; b0 += 3) {
+                const int nb = kh - b0 < 3 ? kh - b0 : 3;
+                const float *row0 = work + i * component + c * channel + (z + a) * plane
+                                    + (long)b0 * tiles + (long)v0 * VL;
+                VEC acc[FB][3];
+                if (nb == 3)
+                    CAT(tap_block, SUFFIX)(acc, pack, row0, 0, 1, nv, 3, tiles);
+                else if (nb == 2)
+                    CAT(tap_block, SUFFIX)(acc, pack, row0, 0, 1, nv, 2, tiles);
+                else
+                    CAT(tap_block, SUFFIX)(acc, pack, row0, 0, 1, nv, 1, tiles);
+                const long tap = ((long)c * kd + a) * kh + b0;
+                for (int f = 0; f < nf; f++)
+                    for (int b = 0; b < nb; b++)
+                        m[(i * filters + f0 + f) * taps + tap + b] +=
+                            CAT(lane_sum, SUFFIX)(acc[f][b]);
+            }
+        }
+    }
+    free(pack);
+    for (int f = 0; f < filters; f++)
+    for (long k = 0; k < taps; k++) {
+        const float m0 = m[f * taps + k], m1 = m[(filters + f) * taps + k];
+        const float m2 = m[(2 * filters + f) * taps + k], m3 = m[(3 * filters + f) * taps + k];
+        float *out = g + (f * taps + k) * 3;
+        out[0] += m0 + 0.5f * (m1 + m2);
+        out[1] += 0.5f * (m1 - m2);
+        out[2] += m3 + 0.5f * (m1 + m2);
+    }
+}
