@@ -208,6 +208,8 @@ def test_dispatch_rule() -> None:
     assert not compiled_choice.winograd_forward(wide_channels, np.float64)
     few_channels = ConvGeometry.create((1, 16, 4, 64, 64), (32, 16, 3, 3, 3), 1, 1)
     assert not compiled_choice.winograd_forward(few_channels, np.float32)
+    few_filters = ConvGeometry.create((1, 32, 4, 64, 64), (16, 32, 3, 3, 3), 1, 1)
+    assert not compiled_choice.winograd_forward(few_filters, np.float32)
     small_planes = ConvGeometry.create((1, 256, 8, 8, 8), (512, 256, 3, 3, 3), 1, 1)
     assert not compiled_choice.winograd_forward(small_planes, np.float32)
     not_3_wide = ConvGeometry.create((1, 32, 4, 16, 16), (64, 32, 3, 3, 1), 1, (1, 1, 0))

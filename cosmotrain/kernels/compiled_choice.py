@@ -21,8 +21,9 @@ USE_DIRECT = True
 # Largest share of a row that rounding the output width up to whole runs may waste.
 MAX_DIRECT_WASTE = 1 / 8
 # Winograd F(2,3) along W (:mod:`.winograd`) for 3-wide unit-stride float32 layers with
-# at least this many input channels (16: its transforms cost more than the products
-# saved, cosmoflow conv2 65 ms against the direct loops' 56) ...
+# at least this many input and output channels (16 in: its transforms cost more than the
+# products saved, cosmoflow conv2 forward 65 ms against the direct loops' 56; 16 out:
+# cosmoflow conv2's data gradient, 32 -> 16 channels, 68 against 61) ...
 WINOGRAD_MIN_CHANNELS = 32
 # ... and at least this many register runs of outputs per plane (MLPerf conv5, 8^3: one
 # run a plane, its 19 MB of transformed weights read per run: 44 ms against 26 lowered).
@@ -48,7 +49,7 @@ def winograd_forward(geo: ConvGeometry, dtype) -> bool:
     if not (USE_DIRECT and winograd.supports(geo, dtype)):
         return False
     tiles = geo.out[1] * -(-geo.out[2] // 2)
-    return (geo.channels >= WINOGRAD_MIN_CHANNELS
+    return (min(geo.channels, geo.filters) >= WINOGRAD_MIN_CHANNELS
             and tiles >= WINOGRAD_MIN_RUNS * direct.register_run())
 
 
