@@ -216,6 +216,8 @@ def test_dispatch_rule() -> None:
     assert not compiled_choice.winograd_forward(not_3_wide, np.float32)
     assert not compiled_choice.winograd_filter_grad(not_3_wide, np.float32)
     assert compiled_choice.winograd_filter_grad(few_channels, np.float32)  # 64 x 32 tiles a plane
+    thin = ConvGeometry.create((1, 4, 4, 64, 64), (16, 4, 3, 3, 3), 1, 1)
+    assert not compiled_choice.winograd_filter_grad(thin, np.float32)
     assert not compiled_choice.winograd_filter_grad(wide_channels, np.float32)  # 16 x 8
     wide = ConvGeometry.create((1, 4, 8, 8, 4 * run), (16, 4, 3, 3, 3), 1, 1)
     assert compiled_choice.direct_loops(wide, np.float32)

@@ -32,6 +32,9 @@ WINOGRAD_MIN_RUNS = 4
 # tiles a plane (MLPerf conv3, 32^3: 108 -> 90 ms on one core; conv4, 16^3 = 128 tiles:
 # 52 ms lowered, 93 by Winograd, whose per-plane sums then cost more than its products).
 WINOGRAD_GRAD_MIN_TILES = 512
+# ... and input channels (4: its dy transform costs more than the products saved,
+# cosmoflow conv1 95 ms against the direct loops' 68; 16: cosmoflow conv2 54 against 60).
+WINOGRAD_GRAD_MIN_CHANNELS = 16
 
 
 def direct_loops(geo: ConvGeometry, dtype) -> bool:
@@ -56,4 +59,5 @@ def winograd_forward(geo: ConvGeometry, dtype) -> bool:
 def winograd_filter_grad(geo: ConvGeometry, dtype) -> bool:
     """Whether the filter gradient takes Winograd F(2,3) along W."""
     return (USE_DIRECT and winograd.supports(geo, dtype)
+            and geo.channels >= WINOGRAD_GRAD_MIN_CHANNELS
             and geo.out[1] * -(-geo.out[2] // 2) >= WINOGRAD_GRAD_MIN_TILES)
