@@ -1,7 +1,7 @@
 """Build of cosmotrain's one compiled part; everything else is in pyproject.toml.
 
-``cosmotrain.kernels._directconv`` is a plain shared library of direct convolution and
-max-pooling loops (cosmotrain/kernels/native/*.c), loaded with ctypes by
+``cosmotrain.kernels._directconv`` is a plain shared library of convolution and pooling
+loops (cosmotrain/kernels/native/*.c), loaded with ctypes by
 cosmotrain/kernels/compiled.py.
 It is optional: without a C compiler the install still succeeds and the numpy kernels
 run instead (``cosmotrain info`` says which).
@@ -11,7 +11,8 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[Extension(
     "cosmotrain.kernels._directconv",
-    sources=["cosmotrain/kernels/native/direct.c", "cosmotrain/kernels/native/maxpool.c"],
+    sources=["cosmotrain/kernels/native/direct.c", "cosmotrain/kernels/native/maxpool.c",
+             "cosmotrain/kernels/native/avgpool.c"],
     depends=["cosmotrain/kernels/native/direct_body.h",
              "cosmotrain/kernels/native/winograd_body.h"],
     optional=True,

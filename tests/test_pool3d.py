@@ -14,7 +14,7 @@ from itertools import product
 import numpy as np
 import pytest
 
-from cosmotrain.kernels import _parallel, maxpool_tiled
+from cosmotrain.kernels import _parallel, avgpool_compiled, maxpool_tiled
 from cosmotrain.kernels import pool3d
 from cosmotrain.kernels.pool3d import (avg_pool3d_backward, avg_pool3d_forward,
                                        max_pool3d_backward, max_pool3d_forward)
@@ -204,15 +204,18 @@ def test_tiled_max_pool_is_the_general_kernel_bit_for_bit(monkeypatch, shape, bl
 
 @pytest.mark.parametrize("kernel, stride, padding, shape", CASES, ids=IDS)
 @pytest.mark.parametrize("max_planes", [1, 2, 5])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_pooling_in_slabs_of_planes_is_one_call_bit_for_bit(monkeypatch, kernel, stride,
-                                                            padding, shape, max_planes) -> None:
+                                                            padding, shape, max_planes,
+                                                            dtype) -> None:
     """A volume the kernels pool plane by plane (``pools_by_planes``) pooled in slabs of
     input planes with ``by_planes`` gives exactly the one call's outputs and argmax: the
-    spatial layer pools its extended block so, without a copy of the whole block."""
+    spatial layer pools its extended block so, without a copy of the whole block
+    (float32 average pooling: the compiled loops, where built)."""
     from cosmotrain.tensor.windows import plane_runs
 
     rng = np.random.default_rng(4)
-    x = rng.normal(size=(2, 3) + shape)
+    x = rng.normal(size=(2, 3) + shape).astype(dtype)
     # the whole volume just over the threshold: without by_planes, every slab would be
     # reduced whole, in another order of the taps (different bits in some cases)
     monkeypatch.setattr(pool3d, "WHOLE_BYTES", x[0, 0].nbytes - 1)
@@ -232,3 +235,23 @@ def test_pooling_in_slabs_of_planes_is_one_call_bit_for_bit(monkeypatch, kernel,
         np.testing.assert_array_equal(np.concatenate([y for y, _ in parts], axis=2), y0)
         if mode == "max":
             np.testing.assert_array_equal(np.concatenate([a for _, a in parts], axis=2), arg0)
+
+
+@pytest.mark.parametrize("kernel, stride, padding, shape", CASES, ids=IDS)
+def test_compiled_avg_pool_float32(kernel, stride, padding, shape, blocks) -> None:
+    """float32 average pooling through the compiled loops against the float64 reference
+    (forward) and the float64 numpy kernel (backward), and the adjoint identity."""
+    if not avgpool_compiled.applies(np.zeros(1, np.float32)):
+        pytest.skip("the compiled loops were not built")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 3) + shape)
+    y = avg_pool3d_forward(x.astype(np.float32), kernel, stride, padding)
+    assert y.dtype == np.float32
+    np.testing.assert_allclose(y, reference(x, kernel, stride, padding, "avg"), rtol=1e-5,
+                               atol=1e-6)
+    r = rng.normal(size=y.shape)
+    dx = avg_pool3d_backward(r.astype(np.float32), x.shape, kernel, stride, padding)
+    assert dx.dtype == np.float32 and dx.shape == x.shape
+    np.testing.assert_allclose(dx, avg_pool3d_backward(r, x.shape, kernel, stride, padding),
+                               rtol=1e-5, atol=1e-6)
+    assert float((y * r).sum()) == pytest.approx(float((x * dx).sum()), rel=1e-5)

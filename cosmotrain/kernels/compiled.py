@@ -4,7 +4,8 @@
 ``native/*.c`` with the system's C compiler and is optional: without it the numpy
 kernels run everything.  ctypes releases the GIL for the duration of each call, so the
 kernel workers of :mod:`._parallel` run compiled chunks on all cores.  Users:
-:mod:`.direct` and :mod:`.winograd` (convolutions), :mod:`.maxpool_tiled` (pooling).
+:mod:`.direct` and :mod:`.winograd` (convolutions), :mod:`.maxpool_tiled` and
+:mod:`.avgpool_compiled` (pooling).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 
-LONG, INT, POINTER = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
+LONG, INT, FLOAT, POINTER = ctypes.c_long, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
 
 @functools.lru_cache(maxsize=1)

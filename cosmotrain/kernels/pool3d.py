@@ -20,8 +20,8 @@ is found afterwards by comparing each tap with the maximum (last match in revers
 = first offset).  Backward: average pooling runs the transposed operations (a gather
 over output planes, then spreads along H and W); max pooling sends each gradient to its
 input index with ``np.bincount`` (which also sums the overlaps of windows with stride <
-kernel).  Max pooling with 2x2x2 windows that tile the input (MLPerf's) takes
-:mod:`.maxpool_tiled` instead: same results, 3-6x faster.
+kernel).  Max pooling over 2x2x2 windows that tile the input (MLPerf's) takes
+:mod:`.maxpool_tiled`, float32 average pooling :mod:`.avgpool_compiled` (compiled loops).
 
 Other devices and storage: cupy arrays take the whole-array implementation of
 :mod:`.pool3d_xp` (same geometry, conventions and results); bfloat16 arrays are pooled
@@ -37,12 +37,12 @@ import numpy as np
 from cosmotrain.device.xp import array_module, is_device_array
 from cosmotrain.precision import is_bf16, narrow, widen
 
-from . import _parallel, maxpool_tiled, pool3d_xp
+from . import _parallel, avgpool_compiled, maxpool_tiled, pool3d_xp
 from .geometry import (Padding, PaddingLike, Triple, check_batch_shape, normalize_padding,
                        normalize_triple, output_shape)
 
-# A chunk (channels of one sample) is reduced whole when its input block is at most
-# WHOLE_BYTES, else one output plane at a time on blocks of about BLOCK_BYTES per plane.
+# Chunks (channels of one sample) are reduced whole up to WHOLE_BYTES of input, else one
+# output plane at a time on blocks of about BLOCK_BYTES a plane.
 WHOLE_BYTES = 1 << 20
 BLOCK_BYTES = 512 << 10
 MIN_CHUNK_BYTES = 1 << 20
@@ -56,10 +56,9 @@ def pools_by_planes(x_shape: Sequence[int], like) -> bool:
     Why a caller asks: plane by plane, every output plane sums its taps in the same
     order whichever of the input's planes a call gets, so the input may be pooled in
     slabs of planes (``by_planes=True``) with exactly the results of one call, and no
-    whole copy of it need exist (the spatial layer's extended block, ``layers/pool.py``).
-    Whole volumes are summed along D in an order that depends on which taps reach the
-    call's padding.  False for device arrays (:mod:`.pool3d_xp`: one call).
-    """
+    whole copy of it need exist (the spatial layer's extended block, ``layers/pool.py``;
+    whole volumes sum along D in an order set by the taps reaching the padding; compiled
+    loops keep one order).  False for device arrays (:mod:`.pool3d_xp`: one call)."""
     if is_device_array(like):
         return False
     itemsize = 4 if is_bf16(like) else like.dtype.itemsize
@@ -261,6 +260,8 @@ def avg_pool3d_forward(x: np.ndarray, kernel, stride=None, padding: PaddingLike 
                                              by_planes=by_planes))
         return pool3d_xp.avg_pool3d_forward(x, pool)
     x = np.ascontiguousarray(x)
+    if avgpool_compiled.applies(x):
+        return avgpool_compiled.forward(x, pool)
     scale = 1.0 / int(np.prod(pool.kernel))
     return _reduce(x, pool, np.add, 0.0, lambda chunk, yb: np.multiply(yb, scale, out=yb))
 
@@ -277,6 +278,8 @@ def avg_pool3d_backward(dy: np.ndarray, x_shape: Sequence[int], kernel, stride=N
             return narrow(avg_pool3d_backward(widen(dy), x_shape, kernel, stride, padding))
         return pool3d_xp.avg_pool3d_backward(dy, pool)
     dy = np.ascontiguousarray(dy)
+    if avgpool_compiled.applies(dy):
+        return avgpool_compiled.backward(dy, pool)
     dx = np.empty(pool.x_shape, dtype=dy.dtype)
     (d, h, _), (_, ho, wo), whole = pool.x_shape[2:], pool.out, pool.whole(dy.itemsize)
     scale = 1.0 / int(np.prod(pool.kernel))
