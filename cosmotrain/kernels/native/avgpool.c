@@ -7,7 +7,7 @@
  * 30 ms forward and 66 ms backward of a 0.5 s step.  Here each output row sums its
  * kd x kh input rows into a row buffer (contiguous adds) and then its kw taps along W;
  * the backward gathers, for each input row, the output rows whose windows hold it, then
- * spreads along W.  Each output (input gradient) element sums its terms in one fixed
+ * adds them along W tap by tap.  Each output (input gradient) element sums its terms in one fixed
  * order (depth taps, then rows, then W taps, each ascending) whatever part of the
  * volume a call covers: slabs of planes give the results of one call, bit for bit.
  *
@@ -80,16 +80,15 @@ void cosmotrain_avgpool_backward(
             }
         }
         float *out = dx + c * x_c + (p - p0) * x_d + r * x_h;
-        for (int w = 0; w < w_in; w++) {
-            float total = 0.0f;
-            if (!first)
-                for (int e = 0; e < kw; e++) {
-                    const int wq = w + wl - e;
-                    if (wq < 0 || wq % sw) continue;
-                    const int j = wq / sw;
-                    if (j < w_out) total += row[j];
-                }
-            out[w] = total * scale;
+        for (int w = 0; w < w_in; w++) out[w] = 0.0f;
+        if (first) continue;
+        for (int e = 0; e < kw; e++) {  /* out[j*sw + e - wl] += row[j], taps ascending */
+            int j0 = 0, j1 = w_out;
+            while (j0 < j1 && j0 * sw + e - wl < 0) j0++;
+            while (j1 > j0 && (j1 - 1) * sw + e - wl >= w_in) j1--;
+            float *o = out + e - wl;
+            for (int j = j0; j < j1; j++) o[j * sw] += row[j];
         }
+        for (int w = 0; w < w_in; w++) out[w] *= scale;
     }
 }
