@@ -12,8 +12,10 @@ from setuptools import Extension, setup
 setup(ext_modules=[Extension(
     "cosmotrain.kernels._directconv",
     sources=["cosmotrain/kernels/native/direct.c", "cosmotrain/kernels/native/maxpool.c",
-             "cosmotrain/kernels/native/avgpool.c"],
+             "cosmotrain/kernels/native/avgpool.c", "cosmotrain/kernels/native/optim.c"],
     depends=["cosmotrain/kernels/native/direct_body.h",
              "cosmotrain/kernels/native/winograd_body.h"],
+    # errno is never read: sqrtf may then be one vector instruction (native/optim.c)
+    extra_compile_args=["-fno-math-errno"],
     optional=True,
 )])

@@ -51,3 +51,40 @@ def test_parameters_without_gradient_are_left_alone() -> None:
     p = Parameter(np.ones(3, dtype=np.float32))
     SGD(lr=1.0).step([("p", p)])
     assert np.array_equal(p.data, np.ones(3))
+
+
+@pytest.mark.parametrize("name, wd", [("sgd", 0.0), ("sgd", 1e-2), ("adam", 0.0),
+                                      ("adam", 1e-2)])
+def test_compiled_update_is_the_numpy_update_bit_for_bit(monkeypatch, name, wd) -> None:
+    """float32 parameters take the fused loops of kernels/optim_update.py: the same
+    values, bit for bit, as the numpy update (one parameter over several chunks, one
+    small), over steps; the first momentum step (a copy) included."""
+    from cosmotrain.kernels import _parallel, optim_update
+
+    if optim_update._loops() is None:
+        pytest.skip("the compiled loops were not built")
+    monkeypatch.setattr(optim_update, "CHUNK_ELEMENTS", 1000)
+    rng = np.random.default_rng(3)
+    shapes = {"big": (7, 13, 37), "small": (5,)}
+    start = {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+    grads = [{k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+             for _ in range(4)]
+    cfg = OptimizerConfig(name=name, lr=0.05, weight_decay=wd, momentum=0.9)
+    results = {}
+    _parallel.set_num_workers(2)
+    try:
+        for compiled in (True, False):
+            monkeypatch.setattr(optim_update, "USE_COMPILED", compiled)
+            opt = build_optimizer(cfg)
+            params = {k: Parameter(v.copy()) for k, v in start.items()}
+            for g in grads:
+                for k, p in params.items():
+                    p.grad = g[k].copy()
+                opt.step(list(params.items()))
+            results[compiled] = ({k: p.data for k, p in params.items()}, opt.state)
+    finally:
+        _parallel.set_num_workers(None)
+    for k in shapes:
+        assert np.array_equal(results[True][0][k], results[False][0][k]), k
+        for slot, value in results[False][1][k].items():
+            assert np.array_equal(results[True][1][k][slot], value), (k, slot)

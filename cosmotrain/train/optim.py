@@ -6,6 +6,8 @@ decay is L2 (added to the gradient), as in ``torch.optim.SGD`` / ``torch.optim.A
 Updates are in place and in the parameter's dtype (float32), and element-wise: applied
 to a contiguous piece of a parameter (:meth:`Optimizer.apply`, the sharded optimizer of
 ``train/optim_shards.py``) they give that piece of the whole update, bit for bit.
+float32 numpy arrays take compiled loops with the same operations in the same order
+(``kernels/optim_update.py``: one pass instead of ten, the same bits).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from cosmotrain.config.schema import OptimizerConfig
 from cosmotrain.device.xp import array_module
+from cosmotrain.kernels import optim_update
 from cosmotrain.nn.module import Parameter
 
 NamedParams = Iterable[tuple[str, Parameter]]
@@ -61,6 +64,9 @@ class SGD(Optimizer):
             slot = self.state.setdefault(name, {})
             if "momentum_buffer" not in slot:
                 slot["momentum_buffer"] = grad.copy()
+            elif optim_update.sgd_momentum(data, grad, slot["momentum_buffer"],
+                                           self.momentum, lr):
+                return  # the compiled loop: the same operations, fused
             else:
                 buf = slot["momentum_buffer"]
                 buf *= buf.dtype.type(self.momentum)
@@ -83,6 +89,11 @@ class Adam(Optimizer):
         t = slot["step"]
         dtype = data.dtype.type
         m, v = slot["exp_avg"], slot["exp_avg_sq"]
+        step_size = lr / (1 - self.beta1 ** t)
+        bias2_sqrt = math.sqrt(1 - self.beta2 ** t)
+        if optim_update.adam(data, grad, m, v, self.beta1, self.beta2, self.eps, bias2_sqrt,
+                             step_size):
+            return  # the compiled loop: the operations below, fused
         # One scratch array of the parameter's size, the operations in torch's order.
         scratch = grad * dtype(1 - self.beta1)
         m *= dtype(self.beta1)
@@ -91,9 +102,8 @@ class Adam(Optimizer):
         scratch *= dtype(1 - self.beta2)
         v *= dtype(self.beta2)
         v += scratch
-        step_size = lr / (1 - self.beta1 ** t)
         xp.sqrt(v, out=scratch)
-        scratch /= dtype(math.sqrt(1 - self.beta2 ** t))
+        scratch /= dtype(bias2_sqrt)
         scratch += dtype(self.eps)
         xp.divide(m, scratch, out=scratch)
         scratch *= dtype(step_size)
