@@ -12,7 +12,8 @@ from setuptools import Extension, setup
 setup(ext_modules=[Extension(
     "cosmotrain.kernels._directconv",
     sources=["cosmotrain/kernels/native/direct.c", "cosmotrain/kernels/native/maxpool.c",
-             "cosmotrain/kernels/native/avgpool.c", "cosmotrain/kernels/native/optim.c"],
+             "cosmotrain/kernels/native/avgpool.c", "cosmotrain/kernels/native/optim.c",
+             "cosmotrain/kernels/native/activation.c"],
     depends=["cosmotrain/kernels/native/direct_body.h",
              "cosmotrain/kernels/native/winograd_body.h"],
     # errno is never read: sqrtf may then be one vector instruction (native/optim.c)

@@ -170,3 +170,29 @@ def test_leaky_relu_on_the_workers_is_the_serial_result(monkeypatch) -> None:
         _parallel.set_num_workers(None)
     np.testing.assert_array_equal(y, np.where(x > 0, x, np.float32(0.3) * x))
     np.testing.assert_array_equal(dx, np.where(x > 0, dy, np.float32(0.3) * dy))
+
+
+@pytest.mark.parametrize("slope", [0.0, 0.01, 0.3, 1.0])
+def test_compiled_leaky_relu_is_the_numpy_result_bit_for_bit(monkeypatch, slope) -> None:
+    """Contiguous float32 arrays take the compiled loops: the numpy passes' bits, zeros,
+    signed zeros and NaN included, on one run and on the workers' runs."""
+    if activation._loops() is None:
+        pytest.skip("the compiled loops were not built")
+    monkeypatch.setattr(activation, "PARALLEL_MIN", 1)
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(2, 3, 9, 10, 11)).astype(np.float32)
+    x.flat[:4] = [0.0, -0.0, np.nan, -np.inf]
+    dy = rng.normal(size=x.shape).astype(np.float32)
+    dy.flat[4] = np.nan
+    results = {}
+    _parallel.set_num_workers(2)
+    try:
+        for compiled in (True, False):
+            monkeypatch.setattr(activation, "USE_COMPILED", compiled)
+            with np.errstate(invalid="ignore"):  # -inf * 0 at slope 0
+                y = leaky_relu_forward(x.copy(), slope)
+            results[compiled] = (y, leaky_relu_backward(dy.copy(), y, slope))
+    finally:
+        _parallel.set_num_workers(None)
+    for ours, numpy_result in zip(results[True], results[False]):
+        np.testing.assert_array_equal(ours, numpy_result)
