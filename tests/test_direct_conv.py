@@ -134,10 +134,12 @@ WINOGRAD_CASES = [
     (1, 9, 13, (5, 6, 2), 3, ((0, 1), (1, 1), (1, 1))),
     (1, 2, 9, (4, 5, 12), (2, 1, 3), ((1, 0), (0, 0), (0, 2))),
     (2, 6, 8, (3, 40, 40), 3, 1),  # planes of several register runs
+    (2, 5, 9, (10, 4, 6), 3, 1),   # small planes: a filter gradient sums several z at once
 ]
+WINOGRAD_IDS = [f"case{i}" for i in range(len(WINOGRAD_CASES))]
 
 
-@pytest.mark.parametrize("case", WINOGRAD_CASES, ids=[f"case{i}" for i in range(5)])
+@pytest.mark.parametrize("case", WINOGRAD_CASES, ids=WINOGRAD_IDS)
 def test_winograd_forward(case, isa) -> None:
     x, w, pad, geo = _data(case)
     bias = np.random.default_rng(3).standard_normal(geo.filters)
@@ -148,7 +150,7 @@ def test_winograd_forward(case, isa) -> None:
     _close(y, expected)
 
 
-@pytest.mark.parametrize("case", WINOGRAD_CASES, ids=[f"case{i}" for i in range(5)])
+@pytest.mark.parametrize("case", WINOGRAD_CASES, ids=WINOGRAD_IDS)
 def test_winograd_filter_gradient(case, isa) -> None:
     x, w, pad, geo = _data(case)
     r = np.random.default_rng(1).standard_normal(geo.y_shape)
@@ -158,7 +160,7 @@ def test_winograd_filter_gradient(case, isa) -> None:
     _close(ours, exact)
 
 
-@pytest.mark.parametrize("case", WINOGRAD_CASES, ids=[f"case{i}" for i in range(5)])
+@pytest.mark.parametrize("case", WINOGRAD_CASES, ids=WINOGRAD_IDS)
 def test_winograd_data_gradient_through_the_dispatch(case, isa, monkeypatch) -> None:
     monkeypatch.setattr(compiled_choice, "WINOGRAD_MIN_CHANNELS", 1)
     monkeypatch.setattr(compiled_choice, "WINOGRAD_MIN_RUNS", 0)
@@ -218,7 +220,8 @@ def test_dispatch_rule() -> None:
     assert compiled_choice.winograd_filter_grad(few_channels, np.float32)  # 64 x 32 tiles a plane
     thin = ConvGeometry.create((1, 4, 4, 64, 64), (16, 4, 3, 3, 3), 1, 1)
     assert not compiled_choice.winograd_filter_grad(thin, np.float32)
-    assert not compiled_choice.winograd_filter_grad(wide_channels, np.float32)  # 16 x 8
+    assert compiled_choice.winograd_filter_grad(wide_channels, np.float32)  # 16 x 8 tiles
+    assert not compiled_choice.winograd_filter_grad(small_planes, np.float32)  # 8 x 4
     wide = ConvGeometry.create((1, 4, 8, 8, 4 * run), (16, 4, 3, 3, 3), 1, 1)
     assert compiled_choice.direct_loops(wide, np.float32)
     assert not compiled_choice.direct_loops(wide, np.float64)

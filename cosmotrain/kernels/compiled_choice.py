@@ -28,10 +28,11 @@ WINOGRAD_MIN_CHANNELS = 32
 # ... and at least this many register runs of outputs per plane (MLPerf conv5, 8^3: one
 # run a plane, its 19 MB of transformed weights read per run: 44 ms against 26 lowered).
 WINOGRAD_MIN_RUNS = 4
-# Its filter gradient sums each component over whole planes: worth it from this many
-# tiles a plane (MLPerf conv3, 32^3: 108 -> 90 ms on one core; conv4, 16^3 = 128 tiles:
-# 52 ms lowered, 93 by Winograd, whose per-plane sums then cost more than its products).
-WINOGRAD_GRAD_MIN_TILES = 512
+# Its filter gradient sums each component over chunks of planes: worth it from this many
+# tiles a plane (one core: MLPerf conv3, 32^3, 97 -> 74 ms; conv4, 16^3 = 128 tiles, 45
+# lowered -> 34; conv5, 8^3 = 32 tiles: 22 lowered, 30 by Winograd, whose per-sum costs
+# then outweigh the products saved).
+WINOGRAD_GRAD_MIN_TILES = 128
 # ... and input channels (4: its dy transform costs more than the products saved,
 # cosmoflow conv1 95 ms against the direct loops' 68; 16: cosmoflow conv2 54 against 60).
 WINOGRAD_GRAD_MIN_CHANNELS = 16

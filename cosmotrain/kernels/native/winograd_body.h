@@ -84,7 +84,8 @@ void CAT(cosmotrain_winograd_w_forward, SUFFIX)(
  * with the dy components D_0 = dy0, D_1 = dy0 + dy1, D_2 = dy0 - dy1, D_3 = -dy1 of each
  * output pair (dy1 = 0 past an odd wo): 4 products per pair and tap instead of 6.  The
  * M_i are the plain filter gradient's register blocks over flat planes (taps b a shift by
- * T apart), in segments of about TILE outputs whose D_i are packed per filter block.
+ * T apart), in segments of about TILE outputs (part of a plane, or the whole planes of a
+ * few z) whose D_i are packed per filter block.
  * work: 4 * c_in * depth * hp * T + RUN floats (components), then 4 * filters * nz *
  * roundup(ho * T, VL) (D) and 4 * filters * c_in * kd * kh (M). */
 void CAT(cosmotrain_winograd_w_filter_grad, SUFFIX)(
@@ -119,21 +120,28 @@ void CAT(cosmotrain_winograd_w_filter_grad, SUFFIX)(
     const long taps = (long)c_in * kd * kh;
     float *m = dt + 4 * dcomp;
     for (long k = 0; k < 4 * filters * taps; k++) m[k] = 0.0f;
+    /* Segments of about TILE outputs: part of a plane, or whole planes of a few z. */
     int seg = TILE / VL;
     if (seg < 1) seg = 1;
-    float *pack = aligned_alloc(64, sizeof(float) * FB * VL * (size_t)seg);
+    const int vseg = vectors < seg ? vectors : seg;
+    int zrows = vectors < seg ? seg / vectors : 1;
+    if (zrows > nz) zrows = nz;
+    float *pack = aligned_alloc(64, sizeof(float) * FB * VL * (size_t)(zrows * vseg));
     if (!pack) return;
-    for (int z = 0; z < nz; z++)
-    for (int v0 = 0; v0 < vectors; v0 += seg) {
-        const int nv = vectors - v0 < seg ? vectors - v0 : seg;
+    for (int z = 0; z < nz; z += zrows)
+    for (int v0 = 0; v0 < vectors; v0 += vseg) {
+        const int nzr = nz - z < zrows ? nz - z : zrows;
+        const int nv = vectors - v0 < vseg ? vectors - v0 : vseg;
         for (int i = 0; i < 4; i++)
         for (int f0 = 0; f0 < filters; f0 += FB) {
             const int nf = filters - f0 < FB ? filters - f0 : FB;
-            for (int v = 0; v < nv; v++)
-                for (int f = 0; f < FB; f++)
-                    __builtin_memcpy(pack + (v * FB + f) * VL,
-                                     dt + i * dcomp + ((f0 + (f < nf ? f : 0)) * nz + z) * dplane
-                                        + (long)(v0 + v) * VL, sizeof(VEC));
+            for (int r = 0; r < nzr; r++)
+                for (int v = 0; v < nv; v++)
+                    for (int f = 0; f < FB; f++)
+                        __builtin_memcpy(pack + ((r * nv + v) * FB + f) * VL,
+                                         dt + i * dcomp
+                                            + ((f0 + (f < nf ? f : 0)) * nz + z + r) * dplane
+                                            + (long)(v0 + v) * VL, sizeof(VEC));
             for (int c = 0; c < c_in; c++)
             for (int a = 0; a < kd; a++)
             for (int b0 = 0; b0 < kh; b0 += 3) {
@@ -142,11 +150,11 @@ void CAT(cosmotrain_winograd_w_filter_grad, SUFFIX)(
                                     + (long)b0 * tiles + (long)v0 * VL;
                 VEC acc[FB][3];
                 if (nb == 3)
-                    CAT(tap_block, SUFFIX)(acc, pack, row0, 0, 1, nv, 3, tiles);
+                    CAT(tap_block, SUFFIX)(acc, pack, row0, plane, nzr, nv, 3, tiles);
                 else if (nb == 2)
-                    CAT(tap_block, SUFFIX)(acc, pack, row0, 0, 1, nv, 2, tiles);
+                    CAT(tap_block, SUFFIX)(acc, pack, row0, plane, nzr, nv, 2, tiles);
                 else
-                    CAT(tap_block, SUFFIX)(acc, pack, row0, 0, 1, nv, 1, tiles);
+                    CAT(tap_block, SUFFIX)(acc, pack, row0, plane, nzr, nv, 1, tiles);
                 const long tap = ((long)c * kd + a) * kh + b0;
                 for (int f = 0; f < nf; f++)
                     for (int b = 0; b < nb; b++)
