@@ -50,6 +50,13 @@ void CAT(cosmotrain_winograd_w_forward, SUFFIX)(
     const long outputs = (long)ho * tiles;
     for (int z = 0; z < nz; z++)
     for (long p0 = 0; p0 < outputs; p0 += RUN) {
+        const int n = outputs - p0 < RUN ? (int)(outputs - p0) : RUN;
+        long where[RUN];  /* each position's output offset in its plane: 2t + h * y_h */
+        for (int k = 0, h = (int)(p0 / tiles), t = (int)(p0 % tiles); k < n; k++) {
+            where[k] = h * y_h + 2 * t;
+            if (++t == tiles) { t = 0; h++; }
+        }
+        const int odd = wo % 2;  /* the last tile of a row has no second output */
         for (int fb = 0; fb < blocks; fb++) {  /* the run's components stay in cache */
             const int nf = filters - fb * FB < FB ? filters - fb * FB : FB;
             float m[4][FB][RUN];
@@ -64,13 +71,11 @@ void CAT(cosmotrain_winograd_w_forward, SUFFIX)(
                 const int o = fb * FB + f;
                 const float b0 = bias ? bias[o] : 0.0f;
                 float *yz = y + o * y_f + z * y_d;
-                const int n = outputs - p0 < RUN ? (int)(outputs - p0) : RUN;
                 for (int k = 0; k < n; k++) {
-                    const long p = p0 + k;
-                    const int h = (int)(p / tiles), t = (int)(p % tiles);
-                    float *out = yz + h * y_h + 2 * t;
+                    float *out = yz + where[k];
                     out[0] = m[0][f][k] + m[1][f][k] + m[2][f][k] + b0;
-                    if (2 * t + 1 < wo) out[1] = m[1][f][k] - m[2][f][k] - m[3][f][k] + b0;
+                    if (!odd || (p0 + k + 1) % tiles)
+                        out[1] = m[1][f][k] - m[2][f][k] - m[3][f][k] + b0;
                 }
             }
         }
