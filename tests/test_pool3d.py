@@ -240,7 +240,9 @@ def test_pooling_in_slabs_of_planes_is_one_call_bit_for_bit(monkeypatch, kernel,
 @pytest.mark.parametrize("kernel, stride, padding, shape", CASES, ids=IDS)
 def test_compiled_avg_pool_float32(kernel, stride, padding, shape, blocks) -> None:
     """float32 average pooling through the compiled loops against the float64 reference
-    (forward) and the float64 numpy kernel (backward), and the adjoint identity."""
+    (forward) and the float64 numpy kernel (backward), bit for bit the float32 numpy
+    kernel (whole volumes or plane by plane, per the ``blocks`` fixture), and the adjoint
+    identity."""
     if not avgpool_compiled.applies(np.zeros(1, np.float32)):
         pytest.skip("the compiled loops were not built")
     rng = np.random.default_rng(0)
@@ -249,9 +251,21 @@ def test_compiled_avg_pool_float32(kernel, stride, padding, shape, blocks) -> No
     assert y.dtype == np.float32
     np.testing.assert_allclose(y, reference(x, kernel, stride, padding, "avg"), rtol=1e-5,
                                atol=1e-6)
+    avgpool_compiled.USE_COMPILED = False
+    try:
+        np.testing.assert_array_equal(
+            y, avg_pool3d_forward(x.astype(np.float32), kernel, stride, padding))
+    finally:
+        avgpool_compiled.USE_COMPILED = True
     r = rng.normal(size=y.shape)
     dx = avg_pool3d_backward(r.astype(np.float32), x.shape, kernel, stride, padding)
     assert dx.dtype == np.float32 and dx.shape == x.shape
     np.testing.assert_allclose(dx, avg_pool3d_backward(r, x.shape, kernel, stride, padding),
                                rtol=1e-5, atol=1e-6)
+    avgpool_compiled.USE_COMPILED = False  # the numpy kernel's float32 bits, same path
+    try:
+        np.testing.assert_array_equal(
+            dx, avg_pool3d_backward(r.astype(np.float32), x.shape, kernel, stride, padding))
+    finally:
+        avgpool_compiled.USE_COMPILED = True
     assert float((y * r).sum()) == pytest.approx(float((x * dx).sum()), rel=1e-5)

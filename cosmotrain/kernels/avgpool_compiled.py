@@ -3,12 +3,16 @@
 
 Why: :mod:`.pool3d`'s numpy kernel sums windows separably with strided slice operations;
 the paper network's first pooling (16 x 128^3 floats a sample) took 30 ms forward and
-66 ms backward of its 0.5 s step on the AVX-512 box of 2026-11-27.  The loops sum each
-output row's input rows into a row buffer and then its taps along W in one pass, and
-run the transposed gather backward.  Every output (and input-gradient) element sums its
-terms in one fixed order whatever part of the volume a call covers, so slabs of planes
-(``by_planes``) give one call's results bit for bit, as the numpy kernel's plane-by-plane
-mode does.  Results differ from the numpy kernel's at float32 rounding (another order).
+50 ms backward of its 0.5 s step on the AVX-512 box of 2026-11-27.  The loops make one
+pass per output plane (forward) or input plane (backward) with contiguous row sums.
+
+They add in exactly the numpy kernel's order (its whole-volume or plane-by-plane order,
+as it would choose, the scaling where it applies it), so the results are its bits
+(tests/test_pool3d.py).  That matters beyond tidiness: the spatial layers exchange and
+add halo gradients per dimension, and the separable order is what gives one process's
+results on every split; a first version that summed the window's rows in another order
+was right to float32 rounding on every call yet moved the D2H2 batch-norm runs of
+tests/test_hybrid_mpi.py by 1e-2 after three steps.
 """
 
 from __future__ import annotations
@@ -28,10 +32,16 @@ USE_COMPILED = True
 def _loops() -> Optional[Tuple[Callable, Callable]]:
     """``(forward, backward)`` of ``native/avgpool.c``, or None without the library."""
     pointer, long_, int_ = compiled.POINTER, compiled.LONG, compiled.INT
-    args = ([pointer] + [long_] * 3) * 2 + [int_] * 17 + [compiled.FLOAT, pointer]
-    forward = compiled.function("cosmotrain_avgpool_forward", args)
-    backward = compiled.function("cosmotrain_avgpool_backward", args)
-    return None if forward is None or backward is None else (forward, backward)
+    arrays = ([pointer] + [long_] * 3) * 2
+    sizes = [int_] * 16  # channels, kernel, stride, padding before, input and output
+    forward = compiled.function("cosmotrain_avgpool_forward",
+                                arrays + sizes + [compiled.FLOAT, pointer, int_])
+    backward = compiled.function("cosmotrain_avgpool_backward",
+                                 arrays + sizes + [compiled.FLOAT, pointer, int_])
+    if forward is None or backward is None:
+        return None
+    forward.restype = backward.restype = int_
+    return forward, backward
 
 
 def applies(array: np.ndarray) -> bool:
@@ -45,38 +55,50 @@ def _geometry(pool) -> list:
 
 
 def forward(x: np.ndarray, pool) -> np.ndarray:
-    """``avg_pool3d_forward`` of the C-contiguous float32 ``x`` (``pool``: its _Pool)."""
+    """``avg_pool3d_forward`` of the C-contiguous float32 ``x`` (``pool``: its _Pool),
+    bit for bit the numpy kernel's result."""
     loops = _loops()
     assert loops is not None
     y = np.empty(pool.y_shape, np.float32)
     scale = 1.0 / int(np.prod(pool.kernel))
     (do, ho, wo), (d, h, w) = pool.out, pool.x_shape[2:]
 
+    whole = int(pool.whole(x.itemsize))
+
     def work(chunk) -> None:
         n, c0, c1 = chunk
-        row = _parallel.scratch("avgpool_row", (max(w, wo),), np.float32)
-        loops[0](compiled.address(x[n, c0]), *compiled.element_strides(x)[1:4],
-                 compiled.address(y[n, c0]), *compiled.element_strides(y)[1:4], c1 - c0,
-                 *_geometry(pool), d, h, w, 0, do, ho, wo, scale, compiled.address(row))
+        plane = _parallel.scratch("avgpool_plane", (h * w,), np.float32)
+        status = loops[0](compiled.address(x[n, c0]), *compiled.element_strides(x)[1:4],
+                          compiled.address(y[n, c0]), *compiled.element_strides(y)[1:4],
+                          c1 - c0, *_geometry(pool), d, h, w, do, ho, wo, scale,
+                          compiled.address(plane), whole)
+        if status != 0:
+            raise MemoryError("average pooling forward: out of memory for its tables")
 
     _parallel.map_chunks(work, pool.chunks(x.itemsize))
     return y
 
 
 def backward(dy: np.ndarray, pool) -> np.ndarray:
-    """``avg_pool3d_backward`` of the C-contiguous float32 ``dy``."""
+    """``avg_pool3d_backward`` of the C-contiguous float32 ``dy``: bit for bit the numpy
+    kernel's result (its order of additions and of the scaling, whole-volume or plane by
+    plane as it would choose), which the spatial layers' halo sums rely on."""
     loops = _loops()
     assert loops is not None
     dx = np.empty(pool.x_shape, np.float32)
     scale = 1.0 / int(np.prod(pool.kernel))
     (do, ho, wo), (d, h, w) = pool.out, pool.x_shape[2:]
+    whole = int(pool.whole(dy.itemsize))
 
     def work(chunk) -> None:
         n, c0, c1 = chunk
-        row = _parallel.scratch("avgpool_row", (max(w, wo),), np.float32)
-        loops[1](compiled.address(dy[n, c0]), *compiled.element_strides(dy)[1:4],
-                 compiled.address(dx[n, c0]), *compiled.element_strides(dx)[1:4], c1 - c0,
-                 *_geometry(pool), do, ho, wo, 0, d, h, w, scale, compiled.address(row))
+        rows = _parallel.scratch("avgpool_rows", ((ho + 1) * wo,), np.float32)
+        status = loops[1](compiled.address(dy[n, c0]), *compiled.element_strides(dy)[1:4],
+                          compiled.address(dx[n, c0]), *compiled.element_strides(dx)[1:4],
+                          c1 - c0, *_geometry(pool), do, ho, wo, d, h, w, scale,
+                          compiled.address(rows), whole)
+        if status != 0:
+            raise MemoryError("average pooling backward: out of memory for its tables")
 
     _parallel.map_chunks(work, pool.chunks(dy.itemsize))
     return dx

@@ -4,91 +4,210 @@
  *
  * Why in C: the numpy kernel (pool3d.py) sums its windows separably with strided slice
  * operations; on the paper network's first pooling (16 x 128^3 floats a sample) it took
- * 30 ms forward and 66 ms backward of a 0.5 s step.  Here each output row sums its
- * kd x kh input rows into a row buffer (contiguous adds) and then its kw taps along W;
- * the backward gathers, for each input row, the output rows whose windows hold it, then
- * adds them along W tap by tap.  Each output (input gradient) element sums its terms in one fixed
- * order (depth taps, then rows, then W taps, each ascending) whatever part of the
- * volume a call covers: slabs of planes give the results of one call, bit for bit.
+ * 30 ms forward and 50 ms backward of a 0.5 s step.  Here each output row sums its
+ * kd x kh input rows into a row buffer (contiguous adds) and then its kw taps along W,
+ * each output in one fixed order whatever part of the volume a call covers (slabs of
+ * planes give the results of one call, bit for bit); the backward keeps numpy's order
+ * (see there).
  *
  * Strides in elements; rows contiguous along W.  row: scratch of max(w_in, wo) floats. */
 
-#pragma GCC optimize("O3")
+#pragma GCC optimize("O3", "fp-contract=off")
 
-static void add_row(float *dst, const float *src, int n, int first) {
-    if (first)
-        for (int i = 0; i < n; i++) dst[i] = src[i];
-    else
-        for (int i = 0; i < n; i++) dst[i] += src[i];
+#include <stdlib.h>
+
+/* The outputs whose windows hold input i along one dimension, in the order numpy's
+ * `_spread` (pool3d.py) adds them: for i's residue class mod s, the taps whose part
+ * covers the whole class first, then the others, each in tap order.  `out` gets up to
+ * k output indices; returns how many. */
+static int spread_order(int k, int s, int lo, int n_in, int n_out, int i, int *out) {
+    const int r = i % s, m = i / s, count = (n_in - r + s - 1) / s;
+    int n = 0;
+    for (int pass = 0; pass < 2; pass++)
+        for (int e = 0; e < k; e++) {
+            const int num = r + lo - e;
+            if (((num % s) + s) % s) continue;
+            const int q = (num - (((num % s) + s) % s)) / s;  /* floor division */
+            const int m0 = q < 0 ? -q : 0, m1 = count < n_out - q ? count : n_out - q;
+            const int full = m0 == 0 && m1 == count;
+            if (m1 <= m0 || full != (pass == 0) || m < m0 || m >= m1) continue;
+            out[n++] = m + q;
+        }
+    return n;
 }
 
-void cosmotrain_avgpool_forward(
+/* Left-to-right sum of the rows src + idx[t] * pitch (t < n) into dst, numpy's order of
+ * additions; zeros when n == 0. */
+static void sum_rows(float *dst, const float *src, long pitch, const int *idx, int n,
+                     int len) {
+    if (n == 0) {
+        for (int i = 0; i < len; i++) dst[i] = 0.0f;
+        return;
+    }
+    for (int i = 0; i < len; i++) dst[i] = src[idx[0] * pitch + i];
+    for (int t = 1; t < n; t++)
+        for (int i = 0; i < len; i++) dst[i] += src[idx[t] * pitch + i];
+}
+
+/* For every input index of one dimension, its contributing outputs in `_spread`'s order:
+ * table[i * k + t], t < counts[i]. */
+static void spread_table(int k, int s, int lo, int n_in, int n_out, int *table, int *counts) {
+    for (int i = 0; i < n_in; i++) counts[i] = spread_order(k, s, lo, n_in, n_out, i, table + i * k);
+}
+
+static int floor_div(int a, int b) { return (a - (((a % b) + b) % b)) / b; }
+
+/* The inputs in output j's window along one dimension, in the order numpy's `_window`
+ * (pool3d.py) adds them: the taps whose part covers every output first, then the
+ * others, each in tap order.  Returns how many (<= k) went into `out`. */
+static int window_order(int k, int s, int lo, int n_in, int n_out, int j, int *out) {
+    int n = 0;
+    for (int pass = 0; pass < 2; pass++)
+        for (int e = 0; e < k; e++) {
+            const int j0 = -floor_div(e - lo, s) > 0 ? -floor_div(e - lo, s) : 0;
+            int j1 = floor_div(n_in - 1 - e + lo, s) + 1;
+            if (j1 > n_out) j1 = n_out;
+            if (j1 <= j0) continue;
+            const int full = j0 == 0 && j1 == n_out;
+            if (full != (pass == 0) || j < j0 || j >= j1) continue;
+            out[n++] = j * s + e - lo;
+        }
+    return n;
+}
+
+static void window_table(int k, int s, int lo, int n_in, int n_out, int *table, int *counts) {
+    for (int j = 0; j < n_out; j++)
+        counts[j] = window_order(k, s, lo, n_in, n_out, j, table + j * k);
+}
+
+/* Forward, bit for bit numpy's (pool3d.avg_pool3d_forward): for each output plane the
+ * input planes of its window are summed (in `_window`'s order on numpy's whole-volume
+ * path, `whole`, else in ascending order as its plane-by-plane path does), then the
+ * rows of each output row's window and the W taps, each in `_window`'s order, then
+ * scaled.  Every output keeps that order on any block holding its window.
+ * work: h_in * w_in floats.  Returns -1 when out of memory. */
+int cosmotrain_avgpool_forward(
         const float *x, long x_c, long x_d, long x_h,
         float *y, long y_c, long y_d, long y_h, int channels,
         int kd, int kh, int kw, int sd, int sh, int sw, int dl, int hl, int wl,
-        int d_in, int h_in, int w_in, int z0, int z1, int ho, int wo,
-        float scale, float *row) {
-    for (int c = 0; c < channels; c++)
-    for (int z = z0; z < z1; z++)
-    for (int h = 0; h < ho; h++) {
-        int first = 1;
-        for (int a = 0; a < kd; a++) {
-            const int p = z * sd + a - dl;
-            if (p < 0 || p >= d_in) continue;
-            for (int b = 0; b < kh; b++) {
-                const int r = h * sh + b - hl;
-                if (r < 0 || r >= h_in) continue;
-                add_row(row, x + c * x_c + p * x_d + r * x_h, w_in, first);
-                first = 0;
+        int d_in, int h_in, int w_in, int d_out, int h_out, int w_out,
+        float scale, float *work, int whole) {
+    int *dtab = malloc(sizeof(int) * ((size_t)d_out * kd + (size_t)h_out * kh
+                                      + (size_t)w_out * kw + d_out + h_out + w_out));
+    if (!dtab) return -1;
+    int *htab = dtab + (long)d_out * kd, *wtab = htab + (long)h_out * kh;
+    int *dn = wtab + (long)w_out * kw, *hn = dn + d_out, *wn = hn + h_out;
+    if (whole) {
+        window_table(kd, sd, dl, d_in, d_out, dtab, dn);
+    } else {
+        for (int z = 0; z < d_out; z++) {  /* ascending: numpy's plane-by-plane path */
+            dn[z] = 0;
+            for (int a = 0; a < kd; a++) {
+                const int p = z * sd + a - dl;
+                if (p >= 0 && p < d_in) dtab[z * kd + dn[z]++] = p;
             }
         }
-        float *out = y + c * y_c + (z - z0) * y_d + h * y_h;
-        for (int w = 0; w < wo; w++) {
-            float total = 0.0f;
-            if (!first)
-                for (int e = 0; e < kw; e++) {
-                    const int i = w * sw + e - wl;
-                    if (i >= 0 && i < w_in) total += row[i];
+    }
+    window_table(kh, sh, hl, h_in, h_out, htab, hn);
+    window_table(kw, sw, wl, w_in, w_out, wtab, wn);
+    float *plane = work;
+    for (int c = 0; c < channels; c++)
+    for (int z = 0; z < d_out; z++) {
+        const float *xc = x + c * x_c;
+        const int *ps = dtab + z * kd, nplanes = dn[z];
+        for (int r = 0; r < h_in; r++) {  /* the window's planes, summed row by row */
+            float *dst = plane + (long)r * w_in;
+            if (nplanes == 0) {
+                for (int w = 0; w < w_in; w++) dst[w] = 0.0f;
+                continue;
+            }
+            for (int w = 0; w < w_in; w++) dst[w] = xc[ps[0] * x_d + r * x_h + w];
+            for (int q = 1; q < nplanes; q++)
+                for (int w = 0; w < w_in; w++) dst[w] += xc[ps[q] * x_d + r * x_h + w];
+        }
+        for (int h = 0; h < h_out; h++) {
+            const int *rs = htab + h * kh, nr = hn[h];
+            float *out = y + c * y_c + z * y_d + h * y_h;
+            for (int w = 0; w < w_out; w++) {
+                const int *is = wtab + w * kw, ni = wn[w];
+                float total = 0.0f;
+                for (int q = 0; q < ni; q++) {  /* the W taps of the rows' sums */
+                    float column = nr ? plane[(long)rs[0] * w_in + is[q]] : 0.0f;
+                    for (int t = 1; t < nr; t++) column += plane[(long)rs[t] * w_in + is[q]];
+                    total = q ? total + column : column;
                 }
-            out[w] = total * scale;
+                out[w] = total * scale;
+            }
         }
     }
+    free(dtab);
+    return 0;
 }
 
-void cosmotrain_avgpool_backward(
+/* Backward, bit for bit numpy's (pool3d.avg_pool3d_backward): per input plane the
+ * output planes are summed (in `_spread`'s order on numpy's whole-volume path, `whole`,
+ * else in ascending order as its plane-by-plane path does) and scaled (before the sum on
+ * the whole path, after it otherwise, as numpy does), then spread along H and W in
+ * `_spread`'s order.  Matching numpy's grouping matters beyond its bits: the spatial
+ * layers add their halo gradients per dimension, and this separable order is what gives
+ * one process's results on the splits (tests/test_hybrid_mpi.py).  The call covers all
+ * d_in input planes.  work: (h_out + 1) * w_out floats.  Returns -1 when out of memory. */
+int cosmotrain_avgpool_backward(
         const float *dy, long y_c, long y_d, long y_h,
         float *dx, long x_c, long x_d, long x_h, int channels,
         int kd, int kh, int kw, int sd, int sh, int sw, int dl, int hl, int wl,
-        int d_out, int h_out, int w_out, int p0, int p1, int h_in, int w_in,
-        float scale, float *row) {
-    for (int c = 0; c < channels; c++)
-    for (int p = p0; p < p1; p++)
-    for (int r = 0; r < h_in; r++) {
-        int first = 1;
-        for (int a = 0; a < kd; a++) {
-            const int zq = p + dl - a;
-            if (zq < 0 || zq % sd) continue;
-            const int z = zq / sd;
-            if (z >= d_out) continue;
-            for (int b = 0; b < kh; b++) {
-                const int hq = r + hl - b;
-                if (hq < 0 || hq % sh) continue;
-                const int h = hq / sh;
-                if (h >= h_out) continue;
-                add_row(row, dy + c * y_c + z * y_d + h * y_h, w_out, first);
-                first = 0;
+        int d_out, int h_out, int w_out, int d_in, int h_in, int w_in,
+        float scale, float *work, int whole) {
+    int *ztab = malloc(sizeof(int) * ((size_t)d_in * kd + (size_t)h_in * kh + (size_t)w_in * kw
+                                      + d_in + h_in + w_in));
+    if (!ztab) return -1;
+    int *htab = ztab + (long)d_in * kd, *wtab = htab + (long)h_in * kh;
+    int *zn = wtab + (long)w_in * kw, *hn = zn + d_in, *wn = hn + h_in;
+    if (whole) {
+        spread_table(kd, sd, dl, d_in, d_out, ztab, zn);
+    } else {
+        for (int p = 0; p < d_in; p++) {  /* ascending: numpy's plane-by-plane path */
+            zn[p] = 0;
+            for (int z = 0; z < d_out; z++) {
+                const int a = p + dl - z * sd;
+                if (a >= 0 && a < kd) ztab[p * kd + zn[p]++] = z;
             }
         }
-        float *out = dx + c * x_c + (p - p0) * x_d + r * x_h;
-        for (int w = 0; w < w_in; w++) out[w] = 0.0f;
-        if (first) continue;
-        for (int e = 0; e < kw; e++) {  /* out[j*sw + e - wl] += row[j], taps ascending */
-            int j0 = 0, j1 = w_out;
-            while (j0 < j1 && j0 * sw + e - wl < 0) j0++;
-            while (j1 > j0 && (j1 - 1) * sw + e - wl >= w_in) j1--;
-            float *o = out + e - wl;
-            for (int j = j0; j < j1; j++) o[j * sw] += row[j];
-        }
-        for (int w = 0; w < w_in; w++) out[w] *= scale;
     }
+    spread_table(kh, sh, hl, h_in, h_out, htab, hn);
+    spread_table(kw, sw, wl, w_in, w_out, wtab, wn);
+    float *g = work, *t = work + (long)h_out * w_out;
+    for (int c = 0; c < channels; c++)
+    for (int p = 0; p < d_in; p++) {
+        const int *zs = ztab + p * kd, nz = zn[p];
+        const float *dyc = dy + c * y_c;
+        for (int h = 0; h < h_out; h++) {
+            float *gr = g + (long)h * w_out;
+            if (!whole) {
+                sum_rows(gr, dyc + h * y_h, y_d, zs, nz, w_out);
+                for (int j = 0; j < w_out; j++) gr[j] *= scale;
+                continue;
+            }
+            if (nz == 0) {  /* numpy scales dy first, then sums the planes */
+                for (int j = 0; j < w_out; j++) gr[j] = 0.0f;
+                continue;
+            }
+            for (int j = 0; j < w_out; j++) gr[j] = dyc[zs[0] * y_d + h * y_h + j] * scale;
+            for (int q = 1; q < nz; q++)
+                for (int j = 0; j < w_out; j++)
+                    gr[j] += dyc[zs[q] * y_d + h * y_h + j] * scale;
+        }
+        for (int r = 0; r < h_in; r++) {
+            sum_rows(t, g, w_out, htab + r * kh, hn[r], w_out);
+            float *out = dx + c * x_c + p * x_d + r * x_h;
+            for (int w = 0; w < w_in; w++) {
+                const int *js = wtab + w * kw, nw = wn[w];
+                float total = nw ? t[js[0]] : 0.0f;
+                for (int q = 1; q < nw; q++) total += t[js[q]];
+                out[w] = total;
+            }
+        }
+    }
+    free(ztab);
+    return 0;
 }
