@@ -80,28 +80,37 @@ def _close(ours: np.ndarray, exact: np.ndarray) -> None:
     np.testing.assert_allclose(ours, exact, rtol=1e-4, atol=2e-6 * np.abs(exact).max())
 
 
-@pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_forward(case, isa) -> None:
+def check_forward(module, case) -> None:
+    """``module.forward`` (direct or Winograd) with a bias against the float64 reference."""
     x, w, pad, geo = _data(case)
     bias = np.random.default_rng(3).standard_normal(geo.filters)
     expected = reference_conv3d(x, w, 1, pad) + bias.reshape(1, -1, 1, 1, 1)
     y = np.full(geo.y_shape, np.nan, np.float32)
-    direct.forward(x.astype(np.float32), w.astype(np.float32), geo, y,
-                   bias.astype(np.float32))
+    module.forward(x.astype(np.float32), w.astype(np.float32), geo, y, bias.astype(np.float32))
     _close(y, expected)
+
+
+def check_filter_gradient(module, case) -> None:
+    """``module.filter_grad`` against the float64 numpy kernel, and the dot test against
+    the float64 reference forward."""
+    x, w, pad, geo = _data(case)
+    r = np.random.default_rng(1).standard_normal(geo.y_shape)
+    exact = conv.conv3d_backward_filter(x, r, w.shape, 1, pad)  # float64 numpy kernels
+    ours = module.filter_grad(x.astype(np.float32), r.astype(np.float32), geo)
+    assert ours.shape == w.shape
+    _close(ours, exact)
+    assert np.vdot(reference_conv3d(x, w, 1, pad), r) == pytest.approx(
+        np.vdot(w, ours.astype(np.float64)), rel=1e-4)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_forward(case, isa) -> None:
+    check_forward(direct, case)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_filter_gradient(case, isa) -> None:
-    x, w, pad, geo = _data(case)
-    r = np.random.default_rng(1).standard_normal(geo.y_shape)
-    exact = conv.conv3d_backward_filter(x, r, w.shape, 1, pad)  # float64 numpy kernels
-    ours = direct.filter_grad(x.astype(np.float32), r.astype(np.float32), geo)
-    assert ours.shape == w.shape
-    _close(ours, exact)
-    # and the dot test against the float64 reference forward
-    assert np.vdot(reference_conv3d(x, w, 1, pad), r) == pytest.approx(
-        np.vdot(w, ours.astype(np.float64)), rel=1e-4)
+    check_filter_gradient(direct, case)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -141,23 +150,12 @@ WINOGRAD_IDS = [f"case{i}" for i in range(len(WINOGRAD_CASES))]
 
 @pytest.mark.parametrize("case", WINOGRAD_CASES, ids=WINOGRAD_IDS)
 def test_winograd_forward(case, isa) -> None:
-    x, w, pad, geo = _data(case)
-    bias = np.random.default_rng(3).standard_normal(geo.filters)
-    expected = reference_conv3d(x, w, 1, pad) + bias.reshape(1, -1, 1, 1, 1)
-    y = np.full(geo.y_shape, np.nan, np.float32)
-    winograd.forward(x.astype(np.float32), w.astype(np.float32), geo, y,
-                     bias.astype(np.float32))
-    _close(y, expected)
+    check_forward(winograd, case)
 
 
 @pytest.mark.parametrize("case", WINOGRAD_CASES, ids=WINOGRAD_IDS)
 def test_winograd_filter_gradient(case, isa) -> None:
-    x, w, pad, geo = _data(case)
-    r = np.random.default_rng(1).standard_normal(geo.y_shape)
-    exact = conv.conv3d_backward_filter(x, r, w.shape, 1, pad)  # float64 numpy kernels
-    ours = winograd.filter_grad(x.astype(np.float32), r.astype(np.float32), geo)
-    assert ours.shape == w.shape
-    _close(ours, exact)
+    check_filter_gradient(winograd, case)
 
 
 @pytest.mark.parametrize("case", WINOGRAD_CASES, ids=WINOGRAD_IDS)

@@ -57,25 +57,8 @@ def _geometry(pool) -> list:
 def forward(x: np.ndarray, pool) -> np.ndarray:
     """``avg_pool3d_forward`` of the C-contiguous float32 ``x`` (``pool``: its _Pool),
     bit for bit the numpy kernel's result."""
-    loops = _loops()
-    assert loops is not None
     y = np.empty(pool.y_shape, np.float32)
-    scale = 1.0 / int(np.prod(pool.kernel))
-    (do, ho, wo), (d, h, w) = pool.out, pool.x_shape[2:]
-
-    whole = int(pool.whole(x.itemsize))
-
-    def work(chunk) -> None:
-        n, c0, c1 = chunk
-        plane = _parallel.scratch("avgpool_plane", (h * w,), np.float32)
-        status = loops[0](compiled.address(x[n, c0]), *compiled.element_strides(x)[1:4],
-                          compiled.address(y[n, c0]), *compiled.element_strides(y)[1:4],
-                          c1 - c0, *_geometry(pool), d, h, w, do, ho, wo, scale,
-                          compiled.address(plane), whole)
-        if status != 0:
-            raise MemoryError("average pooling forward: out of memory for its tables")
-
-    _parallel.map_chunks(work, pool.chunks(x.itemsize))
+    _run(0, x, y, pool, pool.x_shape[2:] + pool.out, pool.x_shape[3] * pool.x_shape[4])
     return y
 
 
@@ -83,22 +66,27 @@ def backward(dy: np.ndarray, pool) -> np.ndarray:
     """``avg_pool3d_backward`` of the C-contiguous float32 ``dy``: bit for bit the numpy
     kernel's result (its order of additions and of the scaling, whole-volume or plane by
     plane as it would choose), which the spatial layers' halo sums rely on."""
-    loops = _loops()
-    assert loops is not None
     dx = np.empty(pool.x_shape, np.float32)
+    _run(1, dy, dx, pool, pool.out + pool.x_shape[2:], (pool.out[1] + 1) * pool.out[2])
+    return dx
+
+
+def _run(which: int, src: np.ndarray, dst: np.ndarray, pool, sizes: tuple,
+         scratch: int) -> None:
+    """The forward (0) or backward (1) loop over ``pool.chunks`` (whole channels of one
+    sample) on the kernel workers; ``sizes``: the loop's source then destination
+    (D, H, W); ``scratch``: floats of its per-thread row buffer."""
+    loop = _loops()[which]  # type: ignore[index]
     scale = 1.0 / int(np.prod(pool.kernel))
-    (do, ho, wo), (d, h, w) = pool.out, pool.x_shape[2:]
-    whole = int(pool.whole(dy.itemsize))
+    whole = int(pool.whole(src.itemsize))
 
     def work(chunk) -> None:
         n, c0, c1 = chunk
-        rows = _parallel.scratch("avgpool_rows", ((ho + 1) * wo,), np.float32)
-        status = loops[1](compiled.address(dy[n, c0]), *compiled.element_strides(dy)[1:4],
-                          compiled.address(dx[n, c0]), *compiled.element_strides(dx)[1:4],
-                          c1 - c0, *_geometry(pool), do, ho, wo, d, h, w, scale,
-                          compiled.address(rows), whole)
+        rows = _parallel.scratch("avgpool_rows", (scratch,), np.float32)
+        status = loop(compiled.address(src[n, c0]), *compiled.element_strides(src)[1:4],
+                      compiled.address(dst[n, c0]), *compiled.element_strides(dst)[1:4],
+                      c1 - c0, *_geometry(pool), *sizes, scale, compiled.address(rows), whole)
         if status != 0:
-            raise MemoryError("average pooling backward: out of memory for its tables")
+            raise MemoryError("average pooling: out of memory for the loops' tables")
 
-    _parallel.map_chunks(work, pool.chunks(dy.itemsize))
-    return dx
+    _parallel.map_chunks(work, pool.chunks(src.itemsize))

@@ -133,6 +133,18 @@ static inline __attribute__((always_inline)) void CAT(tap_block, SUFFIX)(
     }
 }
 
+/* tap_block with its tap count (1 to 3) made a constant: one loop body per count. */
+static inline __attribute__((always_inline)) void CAT(tap_blocks, SUFFIX)(
+        VEC acc[FB][3], const float *pack, const float *row0, long s_h,
+        int nrows, int vectors, int ne, long estride) {
+    if (ne == 3)
+        CAT(tap_block, SUFFIX)(acc, pack, row0, s_h, nrows, vectors, 3, estride);
+    else if (ne == 2)
+        CAT(tap_block, SUFFIX)(acc, pack, row0, s_h, nrows, vectors, 2, estride);
+    else
+        CAT(tap_block, SUFFIX)(acc, pack, row0, s_h, nrows, vectors, 1, estride);
+}
+
 void CAT(cosmotrain_direct_filter_grad, SUFFIX)(
         const float *s, long s_c, long s_d, long s_h,
         int c_in, int kd, int kh, int kw,
@@ -163,12 +175,7 @@ void CAT(cosmotrain_direct_filter_grad, SUFFIX)(
                 const int ne = kw - e0 < 3 ? kw - e0 : 3;
                 const float *row0 = s + c * s_c + (z + a) * s_d + (h0 + b) * s_h + e0;
                 VEC acc[FB][3];
-                if (ne == 3)
-                    CAT(tap_block, SUFFIX)(acc, pack, row0, s_h, nrows, vectors, 3, 1);
-                else if (ne == 2)
-                    CAT(tap_block, SUFFIX)(acc, pack, row0, s_h, nrows, vectors, 2, 1);
-                else
-                    CAT(tap_block, SUFFIX)(acc, pack, row0, s_h, nrows, vectors, 1, 1);
+                CAT(tap_blocks, SUFFIX)(acc, pack, row0, s_h, nrows, vectors, ne, 1);
                 const long tap = ((long)(c * kd + a) * kh + b) * kw + e0;
                 for (int f = 0; f < nf; f++)
                     for (int e = 0; e < ne; e++)

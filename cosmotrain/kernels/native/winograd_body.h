@@ -154,12 +154,7 @@ void CAT(cosmotrain_winograd_w_filter_grad, SUFFIX)(
                 const float *row0 = work + i * component + c * channel + (z + a) * plane
                                     + (long)b0 * tiles + (long)v0 * VL;
                 VEC acc[FB][3];
-                if (nb == 3)
-                    CAT(tap_block, SUFFIX)(acc, pack, row0, plane, nzr, nv, 3, tiles);
-                else if (nb == 2)
-                    CAT(tap_block, SUFFIX)(acc, pack, row0, plane, nzr, nv, 2, tiles);
-                else
-                    CAT(tap_block, SUFFIX)(acc, pack, row0, plane, nzr, nv, 1, tiles);
+                CAT(tap_blocks, SUFFIX)(acc, pack, row0, plane, nzr, nv, nb, tiles);
                 const long tap = ((long)c * kd + a) * kh + b0;
                 for (int f = 0; f < nf; f++)
                     for (int b = 0; b < nb; b++)
