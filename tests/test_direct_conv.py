@@ -80,13 +80,14 @@ def _close(ours: np.ndarray, exact: np.ndarray) -> None:
     np.testing.assert_allclose(ours, exact, rtol=1e-4, atol=2e-6 * np.abs(exact).max())
 
 
-def check_forward(module, case) -> None:
+def check_forward(module, case, *options) -> None:
     """``module.forward`` (direct or Winograd) with a bias against the float64 reference."""
     x, w, pad, geo = _data(case)
     bias = np.random.default_rng(3).standard_normal(geo.filters)
     expected = reference_conv3d(x, w, 1, pad) + bias.reshape(1, -1, 1, 1, 1)
     y = np.full(geo.y_shape, np.nan, np.float32)
-    module.forward(x.astype(np.float32), w.astype(np.float32), geo, y, bias.astype(np.float32))
+    module.forward(x.astype(np.float32), w.astype(np.float32), geo, y, bias.astype(np.float32),
+                   *options)
     _close(y, expected)
 
 
@@ -148,9 +149,11 @@ WINOGRAD_CASES = [
 WINOGRAD_IDS = [f"case{i}" for i in range(len(WINOGRAD_CASES))]
 
 
+@pytest.mark.parametrize("tile", [2, 4])
 @pytest.mark.parametrize("case", WINOGRAD_CASES, ids=WINOGRAD_IDS)
-def test_winograd_forward(case, isa) -> None:
-    check_forward(winograd, case)
+def test_winograd_forward(case, isa, tile) -> None:
+    """F(2,3) and F(4,3): odd widths leave a last tile part-used."""
+    check_forward(winograd, case, tile)
 
 
 @pytest.mark.parametrize("case", WINOGRAD_CASES, ids=WINOGRAD_IDS)
@@ -159,9 +162,12 @@ def test_winograd_filter_gradient(case, isa) -> None:
 
 
 @pytest.mark.parametrize("case", WINOGRAD_CASES, ids=WINOGRAD_IDS)
-def test_winograd_data_gradient_through_the_dispatch(case, isa, monkeypatch) -> None:
+@pytest.mark.parametrize("tile_width", [1, 1 << 20], ids=["F(4,3)", "F(2,3)"])
+def test_winograd_data_gradient_through_the_dispatch(case, isa, monkeypatch,
+                                                     tile_width) -> None:
     monkeypatch.setattr(compiled_choice, "WINOGRAD_MIN_CHANNELS", 1)
     monkeypatch.setattr(compiled_choice, "WINOGRAD_MIN_RUNS", 0)
+    monkeypatch.setattr(compiled_choice, "WINOGRAD4_MIN_WIDTH", tile_width)
     calls = []
     monkeypatch.setattr(winograd, "forward", _recording(winograd.forward, calls))
     x, w, pad, geo = _data(case)
@@ -212,6 +218,8 @@ def test_dispatch_rule() -> None:
     assert not compiled_choice.winograd_forward(few_filters, np.float32)
     small_planes = ConvGeometry.create((1, 256, 8, 8, 8), (512, 256, 3, 3, 3), 1, 1)
     assert not compiled_choice.winograd_forward(small_planes, np.float32)
+    assert compiled_choice.winograd_tile(wide_channels) == 4
+    assert compiled_choice.winograd_tile(small_planes) == 2
     not_3_wide = ConvGeometry.create((1, 32, 4, 16, 16), (64, 32, 3, 3, 1), 1, (1, 1, 0))
     assert not compiled_choice.winograd_forward(not_3_wide, np.float32)
     assert not compiled_choice.winograd_filter_grad(not_3_wide, np.float32)

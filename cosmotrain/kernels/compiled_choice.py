@@ -28,6 +28,10 @@ WINOGRAD_MIN_CHANNELS = 32
 # ... and at least this many register runs of outputs per plane (MLPerf conv5, 8^3: one
 # run a plane, its 19 MB of transformed weights read per run: 44 ms against 26 lowered).
 WINOGRAD_MIN_RUNS = 4
+# F(4,3) (2x fewer products, 6 components) rather than F(2,3) for output rows of at least
+# this many (one core, forward / data gradient: MLPerf conv3 88 -> 74 / 92 -> 78 ms,
+# conv4 42 -> 33 / 50 -> 52, conv2 202 -> 198 / 214 -> 194; 8^3 planes: slower).
+WINOGRAD4_MIN_WIDTH = 16
 # Its filter gradient sums each component over chunks of planes: worth it from this many
 # tiles a plane (one core: MLPerf conv3, 32^3, 97 -> 74 ms; conv4, 16^3 = 128 tiles, 45
 # lowered -> 34; conv5, 8^3 = 32 tiles: 22 lowered, 30 by Winograd, whose per-sum costs
@@ -62,3 +66,8 @@ def winograd_filter_grad(geo: ConvGeometry, dtype) -> bool:
     return (USE_DIRECT and winograd.supports(geo, dtype)
             and geo.channels >= WINOGRAD_GRAD_MIN_CHANNELS
             and geo.out[1] * -(-geo.out[2] // 2) >= WINOGRAD_GRAD_MIN_TILES)
+
+
+def winograd_tile(geo: ConvGeometry) -> int:
+    """Outputs per Winograd tile along W for a convolution that takes Winograd: 4 or 2."""
+    return 4 if geo.out[2] >= WINOGRAD4_MIN_WIDTH else 2

@@ -251,7 +251,7 @@ def conv3d_forward(x: np.ndarray, w: np.ndarray, stride: "int | Sequence[int]" =
         bias = as_float_array(bias, "bias", x.dtype)
         geo.check("bias", bias.shape, (geo.filters,))
     if compiled_choice.winograd_forward(geo, x.dtype):
-        return winograd.forward(x, w, geo, y, bias)
+        return winograd.forward(x, w, geo, y, bias, compiled_choice.winograd_tile(geo))
     if compiled_choice.direct_loops(geo, x.dtype):
         return direct.forward(x, w, geo, y, bias)
     if _thin(geo):
@@ -332,7 +332,7 @@ def conv3d_backward_data(dy: np.ndarray, w: np.ndarray, x_shape: Sequence[int],
     pad_t = tuple((k - 1 - lo, k - 1 - hi) for (lo, hi), k in zip(geo.padding, geo.kernel))
     tgeo = ConvGeometry.create(dy.shape, flipped.shape, 1, pad_t)
     if compiled_choice.winograd_forward(tgeo, dy.dtype):
-        return winograd.forward(dy, flipped, tgeo, dx)
+        return winograd.forward(dy, flipped, tgeo, dx, None, compiled_choice.winograd_tile(tgeo))
     if compiled_choice.direct_loops(tgeo, dy.dtype) and geo.channels >= direct.filter_block():
         return direct.forward(dy, flipped, tgeo, dx)
     low = choose_lowering(tgeo, max_shift=DGRAD_MAX_SHIFT)

@@ -42,7 +42,7 @@ _FORWARD_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int, _c_int
                  _ptr, _c_int, _ptr, _ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int]
 _WINOGRAD_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int,
                   _ptr, _c_int, _ptr, _ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int,
-                  _ptr]
+                  _ptr, _c_int]
 _WINOGRAD_FILTER_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int,
                          _ptr, _c_long, _c_long, _c_long, _c_int, _ptr, _c_int, _c_int, _c_int,
                          _ptr]

@@ -33,8 +33,11 @@ from .geometry import ConvGeometry, plan_chunks
 # (MLPerf conv4, 16^3, one core: 46 ms with 4 planes a chunk, 34 with 8; conv5 51 / 30).
 GRAD_CHUNK_TILES = 1024
 
-# B^T's partner for the kernel: the taps (g0, g1, g2) of a row become these 4.
-_G = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]])
+# G: the taps (g0, g1, g2) of a kernel row become one per component.  F(2,3) (points 0,
+# 1, -1, infinity) and F(4,3) (0, 1, -1, 2, -2, infinity; Lavin and Gray's matrices).
+_G = {2: np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]]),
+      4: np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6],
+                   [1 / 24, 1 / 12, 1 / 6], [1 / 24, -1 / 12, 1 / 6], [0, 0, 1.0]])}
 
 
 def supports(geo: ConvGeometry, dtype) -> bool:
@@ -42,42 +45,43 @@ def supports(geo: ConvGeometry, dtype) -> bool:
     return geo.kernel[2] == 3 and direct.supports(geo, dtype)
 
 
-def transformed_weights(w: np.ndarray, filter_block: int) -> np.ndarray:
-    """``(4, ceil(F/FB), C, kD, kH, FB)`` float32: each component's kernel, packed as the
-    register blocks read it (missing filters of the last block are 0)."""
-    u = np.tensordot(_G, np.asarray(w, np.float64), axes=([1], [4]))  # (4, F, C, kD, kH)
-    f = w.shape[0]
+def transformed_weights(w: np.ndarray, filter_block: int, tile: int = 2) -> np.ndarray:
+    """``(tile + 2, ceil(F/FB), C, kD, kH, FB)`` float32: each component's kernel of
+    F(tile, 3), packed as the register blocks read it (missing filters are 0)."""
+    u = np.tensordot(_G[tile], np.asarray(w, np.float64), axes=([1], [4]))  # (m+2, F, C, ..)
+    f, parts = w.shape[0], tile + 2
     blocks = -(-f // filter_block)
-    packed = np.zeros((4, blocks * filter_block) + u.shape[2:], np.float32)
+    packed = np.zeros((parts, blocks * filter_block) + u.shape[2:], np.float32)
     packed[:, :f] = u
-    packed = packed.reshape((4, blocks, filter_block) + u.shape[2:])
+    packed = packed.reshape((parts, blocks, filter_block) + u.shape[2:])
     return np.ascontiguousarray(packed.transpose(0, 1, 3, 4, 5, 2))
 
 
 def forward(x: np.ndarray, w: np.ndarray, geo: ConvGeometry, y: np.ndarray,
-            bias: Optional[np.ndarray] = None) -> np.ndarray:
-    """``y = conv(x, w) + bias`` (float32, unit stride, kernel width 3) into ``y``."""
+            bias: Optional[np.ndarray] = None, tile: int = 2) -> np.ndarray:
+    """``y = conv(x, w) + bias`` (float32, unit stride, kernel width 3) into ``y`` by
+    F(tile, 3), ``tile`` 2 or 4."""
     loops = direct.loops()
-    assert loops is not None and supports(geo, x.dtype)
-    packed = transformed_weights(w, loops.filter_block)
+    assert loops is not None and supports(geo, x.dtype) and tile in _G
+    packed = transformed_weights(w, loops.filter_block, tile)
     kd, kh, _ = geo.kernel
     _, ho, wo = geo.out
-    tiles = -(-wo // 2)
+    tiles = -(-wo // tile)
     bias_ptr = compiled.address(bias) if bias is not None else None
     fs, ds, hs = (s // 4 for s in y.strides[1:4])
 
     def work(chunk) -> None:
         n, z0, z1 = chunk
-        block = direct.slab(geo, x[n], z0, z1, 2 * tiles + 2)
+        block = direct.slab(geo, x[n], z0, z1, tile * tiles + 2)
         depth, hp = block.shape[1:3]
         scratch = _parallel.scratch(
-            "winograd_components", (4 * geo.channels * depth * hp * tiles + loops.run,),
-            np.float32)
+            "winograd_components",
+            ((tile + 2) * geo.channels * depth * hp * tiles + loops.run,), np.float32)
         sc, sd, sh = (s // 4 for s in block.strides[:3])
         loops.winograd_forward(compiled.address(block), sc, sd, sh, geo.channels, kd, kh,
                                compiled.address(packed), geo.filters, bias_ptr,
                                compiled.address(y[n, :, z0]), fs, ds, hs, z1 - z0, ho, wo,
-                               compiled.address(scratch))
+                               compiled.address(scratch), tile)
 
     _parallel.map_chunks(work, plan_chunks(geo.batch, geo.out[0], direct.CHUNK_PLANES))
     return y

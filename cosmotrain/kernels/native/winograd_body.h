@@ -1,87 +1,115 @@
-/* Winograd F(2,3) along W, included by direct.c after direct_body.h (whose register
- * blocks it reuses) once per instruction set.
+/* Winograd F(m,3) along W, m = 2 or 4, included by direct.c after direct_body.h (whose
+ * register blocks it reuses) once per instruction set.
  *
- * Input tiles of 4 along W with stride 2 give 4 component planes (B^T: d0-d2, d1+d2,
- * d2-d1, d1-d3), stored flat: rows of T = ceil(wo/2) tiles with no padding along W, so
- * a kernel row shift is a shift by T and register runs sweep whole planes (narrow
- * layers waste nothing).  Layout of a chunk's components in `work`:
- * [4][c_in][depth][hp * T], then RUN zeros (the last run reads past the end). */
+ * Input tiles of m + 2 along W with stride m give m + 2 component planes (B^T; F(2,3):
+ * d0-d2, d1+d2, d2-d1, d1-d3), stored flat: rows of T = ceil(wo/m) tiles with no padding
+ * along W, so a kernel row shift is a shift by T and register runs sweep whole planes
+ * (narrow layers waste nothing).  Layout of a chunk's components in `work`:
+ * [m + 2][c_in][depth][hp * T], then RUN zeros (the last run reads past the end). */
 
 static void CAT(input_components, SUFFIX)(
         const float *s, long s_c, long s_d, long s_h,
-        int c_in, int depth, int hp, int tiles, float *work) {
+        int c_in, int depth, int hp, int tiles, int m, float *work) {
     const long plane = (long)hp * tiles, channel = depth * plane;
     const long component = c_in * channel;
     for (int c = 0; c < c_in; c++)
     for (int d = 0; d < depth; d++)
     for (int r = 0; r < hp; r++) {
         const float *row = s + c * s_c + d * s_d + r * s_h;
-        float *v0 = work + c * channel + d * plane + r * tiles;
-        float *v1 = v0 + component, *v2 = v1 + component, *v3 = v2 + component;
-        for (int t = 0; t < tiles; t++) {
-            const float d0 = row[2 * t], d1 = row[2 * t + 1];
-            const float d2 = row[2 * t + 2], d3 = row[2 * t + 3];
-            v0[t] = d0 - d2;
-            v1[t] = d1 + d2;
-            v2[t] = d2 - d1;
-            v3[t] = d1 - d3;
+        float *v[6];
+        v[0] = work + c * channel + d * plane + r * tiles;
+        for (int i = 1; i < m + 2; i++) v[i] = v[i - 1] + component;
+        if (m == 2) {
+            for (int t = 0; t < tiles; t++) {
+                const float *x = row + 2 * t;
+                v[0][t] = x[0] - x[2];
+                v[1][t] = x[1] + x[2];
+                v[2][t] = x[2] - x[1];
+                v[3][t] = x[1] - x[3];
+            }
+            continue;
+        }
+        for (int t = 0; t < tiles; t++) {  /* F(4,3): points 0, 1, -1, 2, -2, infinity */
+            const float *x = row + 4 * t;
+            v[0][t] = 4.0f * x[0] - 5.0f * x[2] + x[4];
+            v[1][t] = -4.0f * (x[1] + x[2]) + x[3] + x[4];
+            v[2][t] = 4.0f * (x[1] - x[2]) - x[3] + x[4];
+            v[3][t] = 2.0f * (x[3] - x[1]) - x[2] + x[4];
+            v[4][t] = 2.0f * (x[1] - x[3]) - x[2] + x[4];
+            v[5][t] = 4.0f * x[1] - 5.0f * x[3] + x[5];
         }
     }
-    for (int i = 0; i < RUN; i++) work[4 * component + i] = 0.0f;
+    for (int i = 0; i < RUN; i++) work[(m + 2) * component + i] = 0.0f;
 }
 
-/* y = conv(s, w) for kernels of width 3, unit stride, with 36 multiplications per 2
- * outputs instead of 54: each component plane is convolved over (C, D, H) with its
- * transformed kernel up[i] = (g0, (g0+g1+g2)/2, (g0-g1+g2)/2, g2)[i] packed as (blocks,
- * C, kd, kh, FB), and y0 = m0+m1+m2, y1 = m1-m2-m3 (A^T).  work: 4 * c_in * depth * hp *
- * T + RUN floats.  The slab's rows hold 2T + 2 floats. */
+/* One output tile from its component sums q[i] (A^T), `valid` of its m outputs written. */
+static inline void CAT(output_tile, SUFFIX)(float *out, const float *q, int m, int valid,
+                                            float bias) {
+    if (m == 2) {
+        out[0] = q[0] + q[1] + q[2] + bias;
+        if (valid > 1) out[1] = q[1] - q[2] - q[3] + bias;
+        return;
+    }
+    const float sum12 = q[1] + q[2], diff12 = q[1] - q[2];
+    const float sum34 = q[3] + q[4], diff34 = q[3] - q[4];
+    const float y[4] = {q[0] + sum12 + sum34 + bias, diff12 + 2.0f * diff34 + bias,
+                        sum12 + 4.0f * sum34 + bias, diff12 + 8.0f * diff34 + q[5] + bias};
+    for (int j = 0; j < valid; j++) out[j] = y[j];
+}
+
+/* y = conv(s, w) for kernels of width 3, unit stride, with (m + 2) * 9 multiplications
+ * per m outputs instead of 27 m (F(2,3): 1.5x fewer, F(4,3): 2x): each component plane
+ * is convolved over (C, D, H) with its transformed kernel up[i] (G g: F(2,3) g0,
+ * (g0+g1+g2)/2, (g0-g1+g2)/2, g2) packed as (blocks, C, kd, kh, FB), and the outputs are
+ * A^T of the sums.  work: (m + 2) * c_in * depth * hp * T + RUN floats.  The slab's rows
+ * hold m T + 2 floats. */
 void CAT(cosmotrain_winograd_w_forward, SUFFIX)(
         const float *s, long s_c, long s_d, long s_h,
         int c_in, int kd, int kh,
         const float *up, int filters, const float *bias,
         float *y, long y_f, long y_d, long y_h,
-        int nz, int ho, int wo, float *work) {
-    const int tiles = (wo + 1) / 2, depth = nz + kd - 1, hp = ho + kh - 1;
+        int nz, int ho, int wo, float *work, int m) {
+    const int tiles = (wo + m - 1) / m, depth = nz + kd - 1, hp = ho + kh - 1;
     const long plane = (long)hp * tiles, channel = depth * plane;
     const long component = c_in * channel;
-    CAT(input_components, SUFFIX)(s, s_c, s_d, s_h, c_in, depth, hp, tiles, work);
+    CAT(input_components, SUFFIX)(s, s_c, s_d, s_h, c_in, depth, hp, tiles, m, work);
     const int blocks = (filters + FB - 1) / FB;
     const long block_size = (long)c_in * kd * kh * FB;
     const long outputs = (long)ho * tiles;
     for (int z = 0; z < nz; z++)
     for (long p0 = 0; p0 < outputs; p0 += RUN) {
         const int n = outputs - p0 < RUN ? (int)(outputs - p0) : RUN;
-        long where[RUN];  /* each position's output offset in its plane: 2t + h * y_h */
+        long where[RUN];  /* each tile's first output in its plane: m t + h * y_h */
+        int valid[RUN];   /* and how many of its m outputs lie inside the row */
         for (int k = 0, h = (int)(p0 / tiles), t = (int)(p0 % tiles); k < n; k++) {
-            where[k] = h * y_h + 2 * t;
+            where[k] = h * y_h + m * t;
+            valid[k] = wo - m * t < m ? wo - m * t : m;
             if (++t == tiles) { t = 0; h++; }
         }
-        const int odd = wo % 2;  /* the last tile of a row has no second output */
         for (int fb = 0; fb < blocks; fb++) {  /* the run's components stay in cache */
             const int nf = filters - fb * FB < FB ? filters - fb * FB : FB;
-            float m[4][FB][RUN];
-            for (int i = 0; i < 4; i++) {
+            float q[FB][RUN][6];
+            for (int i = 0; i < m + 2; i++) {
                 VEC acc[FB][WV];  /* a local block: kept in registers over all taps */
                 CAT(forward_block, SUFFIX)(acc, up + (i * blocks + fb) * block_size,
                                            work + i * component + z * plane + p0,
                                            channel, plane, tiles, c_in, kd, kh, 1);
-                __builtin_memcpy(m[i], acc, sizeof m[i]);
+                for (int f = 0; f < FB; f++) {
+                    float lanes[RUN];
+                    __builtin_memcpy(lanes, acc[f], sizeof lanes);
+                    for (int k = 0; k < RUN; k++) q[f][k][i] = lanes[k];
+                }
             }
             for (int f = 0; f < nf; f++) {
                 const int o = fb * FB + f;
                 const float b0 = bias ? bias[o] : 0.0f;
                 float *yz = y + o * y_f + z * y_d;
-                for (int k = 0; k < n; k++) {
-                    float *out = yz + where[k];
-                    out[0] = m[0][f][k] + m[1][f][k] + m[2][f][k] + b0;
-                    if (!odd || (p0 + k + 1) % tiles)
-                        out[1] = m[1][f][k] - m[2][f][k] - m[3][f][k] + b0;
-                }
+                for (int k = 0; k < n; k++)
+                    CAT(output_tile, SUFFIX)(yz + where[k], q[f][k], m, valid[k], b0);
             }
         }
     }
 }
-
 
 /* Filter gradient of the same form, g[f][c][a][b][e] += dL/dw for kernels of width 3:
  * the transpose of y_j = sum_i A^T[j][i] (G[i] . g) V_i gives
@@ -101,7 +129,7 @@ void CAT(cosmotrain_winograd_w_filter_grad, SUFFIX)(
     const int tiles = (wo + 1) / 2, depth = nz + kd - 1, hp = ho + kh - 1;
     const long plane = (long)hp * tiles, channel = depth * plane;
     const long component = c_in * channel;
-    CAT(input_components, SUFFIX)(s, s_c, s_d, s_h, c_in, depth, hp, tiles, work);
+    CAT(input_components, SUFFIX)(s, s_c, s_d, s_h, c_in, depth, hp, tiles, 2, work);
     const int vectors = (int)(((long)ho * tiles + VL - 1) / VL);
     const long dplane = (long)vectors * VL, dcomp = (long)filters * nz * dplane;
     float *dt = work + 4 * component + RUN;
