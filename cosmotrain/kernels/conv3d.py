@@ -8,7 +8,7 @@ already carries halos is called with 0 on those sides, see :mod:`.geometry`).  O
 left empty by a short batch) gives empty results and a zero weight gradient on any device.
 
 Algorithms.  float32 unit-stride layers may take compiled loops, by the rules of
-:mod:`.compiled_choice`: Winograd F(2,3) along W (:mod:`.winograd`) for the wider
+:mod:`.compiled_choice`: Winograd F(2,3) / F(4,3) along W (:mod:`.winograd`) for the wider
 3-wide layers, the direct convolution (:mod:`.direct`) for layers whose rows fill its
 register runs, each for the forward, the filter gradient and the data gradient (the
 forward of the flipped kernel).  On the AVX-512 box of 2026-11-27 they ran the CosmoFlow
@@ -30,8 +30,8 @@ installs without the compiled library) takes the chunked GEMM lowering
 
 Winograd with numpy passes for the transforms and these kernels for the GEMMs
 (``benchmarks/winograd_study.py``, 2026-11-23) measured 0.9-1.4x; in compiled loops
-(:mod:`.winograd`, 2026-11-27) F(2,3) along W runs MLPerf conv2-conv4 1.1-1.4x faster
-than the direct loops or the lowerings.
+(:mod:`.winograd`, 2026-11-27) F(2,3) and F(4,3) along W run MLPerf conv2-conv4
+1.1-1.6x faster than the direct loops or the lowerings.
 
 Layout decision ("NCDHW or channels-last: choose by measurement").  Measured with
 ``benchmarks/bench_conv_layout.py`` (forward, W=128 CosmoFlow layers, batch 1, 2-core

@@ -1,22 +1,24 @@
-"""Winograd F(2,3) along W for unit-stride 3-wide convolutions (compiled loops).
+"""Winograd F(2,3) and F(4,3) along W for unit-stride 3-wide convolutions (compiled).
 
 Why: on the wider layers (32-512 channels) the direct loops and the GEMM lowerings both
 run near the core's FMA rate, and so does oneDNN; only fewer multiplications go past it.
-F(2,3) along W computes two outputs of a row from a tile of four inputs with 4 products
-instead of 6 (36 instead of 54 per two outputs for a 3x3x3 kernel: 1.5x fewer).  Along
-W only, the data expands 2x (4 components of half width) rather than 4x or 8x as in
-F(2x2,3x3) / F(2x2x2,3x3x3), and the transforms stay a few percent of the time
+F(m,3) along W computes m outputs of a row from a tile of m + 2 inputs with m + 2
+products instead of 3m: F(2,3) 1.5x fewer, F(4,3) 2x fewer.  Along W only, the data
+expands by (m + 2) / m (2x, 1.5x) rather than 4x or 8x as in F(2x2,3x3) /
+F(2x2x2,3x3x3), and the transforms stay a small part of the time
 (``benchmarks/winograd_study.py`` measured the numpy forms, docs/PERFORMANCE.md).
 
-The loops (``cosmotrain_winograd_w_forward_*`` in ``native/direct_body.h``) transform a
-chunk's zero-padded slab into its four component planes, convolve each over (C, D, H)
-with the transformed kernel in the direct loops' register blocks, and write
-``y0 = m0 + m1 + m2``, ``y1 = m1 - m2 - m3`` into the output rows.  The data gradient of
-a unit-stride layer is the forward of the flipped kernel, so it takes the same loops.
+The loops (``cosmotrain_winograd_w_forward_*`` in ``native/winograd_body.h``) transform
+a chunk's zero-padded slab into its m + 2 component planes, convolve each over (C, D, H)
+with the transformed kernel in the direct loops' register blocks, and write the output
+transform (F(2,3): ``y0 = m0 + m1 + m2``, ``y1 = m1 - m2 - m3``) into the output rows.
+The data gradient of a unit-stride layer is the forward of the flipped kernel, so it
+takes the same loops; the filter gradient has its own F(2,3) form.  Which tile, and
+whether Winograd at all: :mod:`.compiled_choice`.
 
-Accuracy: the transforms add and subtract (coefficients 1 and 1/2): float32 results
-agree with the float64 convolution to a few units of float32 rounding of the outputs'
-scale, as the lowerings do (tests/test_direct_conv.py).
+Accuracy: F(2,3)'s transforms add and subtract (coefficients 1 and 1/2), F(4,3)'s scale
+by up to 8 and 1/24: float32 results agree with the float64 convolution to 1e-7-1e-6
+(F(2,3)) and 1e-6-3e-6 (F(4,3)) of the outputs' scale (tests/test_direct_conv.py).
 """
 
 from __future__ import annotations
