@@ -18,9 +18,13 @@ because a block that already carries halos is called with 0 on those sides and t
 padding only on global boundaries.  Output size ``(n + lo + hi - k) // s + 1``.  Shape
 mismatches raise ``ValueError``; a batch of no sample (``N = 0``: a sample group left
 empty by a short batch, which still runs its layers for their collectives) is valid and
-gives empty results and zero weight gradients.  The CPU kernels accept float32 (training) and float64
-(tests), run their chunks on a small worker pool (:mod:`._parallel`) and never import
-torch.
+gives empty results and zero weight gradients.  The CPU kernels accept float32
+(training) and float64 (tests), run their chunks on a small worker pool
+(:mod:`._parallel`) and never import torch.  float32 work goes, where it pays, to the
+compiled loops of ``native/`` (one optional C extension, :mod:`.compiled`): direct and
+Winograd convolutions (:mod:`.direct`, :mod:`.winograd`, chosen by
+:mod:`.compiled_choice`), pooling, LeakyReLU and the optimizer updates, each with a
+numpy twin for installs without a C compiler.
 
 Other devices and storage go through the same names: cupy arrays reach the CUDA
 kernels under :mod:`.cuda` (convolutions through the cuDNN frontend or im2col + cuBLAS,

@@ -52,7 +52,8 @@ static void sum_rows(float *dst, const float *src, long pitch, const int *idx, i
 /* For every input index of one dimension, its contributing outputs in `_spread`'s order:
  * table[i * k + t], t < counts[i]. */
 static void spread_table(int k, int s, int lo, int n_in, int n_out, int *table, int *counts) {
-    for (int i = 0; i < n_in; i++) counts[i] = spread_order(k, s, lo, n_in, n_out, i, table + i * k);
+    for (int i = 0; i < n_in; i++)
+        counts[i] = spread_order(k, s, lo, n_in, n_out, i, table + i * k);
 }
 
 static int floor_div(int a, int b) { return (a - (((a % b) + b) % b)) / b; }
