@@ -7,7 +7,8 @@ on the same data, in the same process, each call best of ``--repeat``:
 * ``lowered``: the numpy GEMM lowerings (``compiled_choice.USE_DIRECT = False``);
 * ``direct``: the compiled direct loops (``kernels/direct.py``), where the row width
   fits their register runs;
-* ``winograd``: F(2,3) along W (``kernels/winograd.py``);
+* ``winograd``: F(4,3) or F(2,3) along W (``kernels/winograd.py``; the tile
+  ``compiled_choice`` picks; the filter gradient's form is F(2,3));
 
 for the forward, the data gradient (the forward of the flipped kernel) and the filter
 gradient, and marks ``*`` the one ``compiled_choice`` picks.  Each compiled result is
@@ -30,19 +31,11 @@ import numpy as np
 from cosmotrain.kernels import _parallel, compiled_choice, conv3d, direct, winograd
 from cosmotrain.kernels.geometry import ConvGeometry
 
+from bench_conv_layout import best_of  # this folder: the best-of-n timer
+
 LAYERS = [("cf conv1", 4, 16, 128), ("cf conv2", 16, 32, 64), ("cf conv3", 32, 64, 32),
           ("ml conv1", 4, 32, 128), ("ml conv2", 32, 64, 64), ("ml conv3", 64, 128, 32),
           ("ml conv4", 128, 256, 16), ("ml conv5", 256, 512, 8)]
-
-
-def best_ms(fn: Callable[[], object], repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
 
 
 def lowered(fn: Callable[[], np.ndarray]) -> np.ndarray:
@@ -62,32 +55,20 @@ def candidates(x, w, dy, geo, tgeo, flipped) -> Dict[str, Dict[str, Optional[Cal
         "forward": {
             "lowered": lambda: lowered(lambda: conv3d.conv3d_forward(x, w, 1, 1, out=y)),
             "direct": (lambda: direct.forward(x, w, geo, y)) if fits else None,
-            "winograd": lambda: winograd.forward(x, w, geo, y)},
+            "winograd": lambda: winograd.forward(x, w, geo, y, None,
+                                                 compiled_choice.winograd_tile(geo))},
         "data grad": {
             "lowered": lambda: lowered(
                 lambda: conv3d.conv3d_backward_data(dy, w, x.shape, 1, 1, out=dx)),
             "direct": (lambda: direct.forward(dy, flipped, tgeo, dx)) if fits else None,
-            "winograd": lambda: winograd.forward(dy, flipped, tgeo, dx)},
+            "winograd": lambda: winograd.forward(dy, flipped, tgeo, dx, None,
+                                                 compiled_choice.winograd_tile(tgeo))},
         "filter grad": {
             "lowered": lambda: lowered(
                 lambda: conv3d.conv3d_backward_filter(x, dy, w.shape, 1, 1)),
             "direct": (lambda: direct.filter_grad(x, dy, geo)) if fits else None,
             "winograd": lambda: winograd.filter_grad(x, dy, geo)},
     }
-
-
-def chosen(geo: ConvGeometry, tgeo: ConvGeometry, channels: int) -> Dict[str, str]:
-    """The algorithm compiled_choice picks for each pass (conv3d's order of questions)."""
-    def pick(winograd_ok: bool, direct_ok: bool) -> str:
-        return "winograd" if winograd_ok else "direct" if direct_ok else "lowered"
-    f32 = np.float32
-    return {"forward": pick(compiled_choice.winograd_forward(geo, f32),
-                            compiled_choice.direct_loops(geo, f32)),
-            "data grad": pick(compiled_choice.winograd_forward(tgeo, f32),
-                              compiled_choice.direct_loops(tgeo, f32)
-                              and channels >= direct.filter_block()),
-            "filter grad": pick(compiled_choice.winograd_filter_grad(geo, f32),
-                                compiled_choice.direct_loops(geo, f32))}
 
 
 def main() -> None:
@@ -115,7 +96,10 @@ def main() -> None:
         flipped = w[:, :, ::-1, ::-1, ::-1].transpose(1, 0, 2, 3, 4)
         tgeo = ConvGeometry.create(dy.shape, flipped.shape, 1, 1)
         gflop = 2 * args.batch * c * f * 27 * size ** 3 / 1e9
-        picks = chosen(geo, tgeo, c)
+        f32 = np.float32
+        picks = {"forward": compiled_choice.forward_kernel(geo, f32),
+                 "data grad": compiled_choice.data_grad_kernel(tgeo, c, f32),
+                 "filter grad": compiled_choice.filter_grad_kernel(geo, f32)}
         for step, calls in candidates(x, w, dy, geo, tgeo, flipped).items():
             reference = np.array(calls["lowered"](), copy=True)
             cells, worst = [], 0.0
@@ -126,7 +110,7 @@ def main() -> None:
                 result = call()
                 worst = max(worst, float(np.abs(result - reference).max()
                                          / np.abs(reference).max()))
-                ms = best_ms(call, args.repeat)
+                ms = best_of(call, args.repeat) * 1e3
                 mark = "*" if picks[step] == algorithm else ""
                 cells.append(f"{ms:.1f} ({gflop / ms * 1e3:.0f}){mark}")
             print(f"| {name} {c}->{f} {size}^3 | {step} | " + " | ".join(cells)

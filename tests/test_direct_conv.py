@@ -58,7 +58,7 @@ def test_library_is_built_where_it_can_be() -> None:
 @pytest.fixture(params=ISAS or [pytest.param(None, marks=pytest.mark.skip("no direct loops"))])
 def isa(request, monkeypatch):
     """Run with the loops of one instruction set, 2 workers and two planes per chunk."""
-    monkeypatch.setattr(direct, "_loops", lambda: direct.loops_for(request.param))
+    monkeypatch.setattr(direct, "active_loops", lambda: direct.loops_for(request.param))
     monkeypatch.setattr(direct, "CHUNK_PLANES", 2)
     _parallel.set_num_workers(2)
     yield request.param
@@ -121,11 +121,19 @@ def test_data_gradient_through_the_dispatch(case, isa, monkeypatch) -> None:
     monkeypatch.setattr(compiled_choice, "MAX_DIRECT_WASTE", 1e9)
     monkeypatch.setattr(direct, "register_run", lambda: 1)
     monkeypatch.setattr(direct, "filter_block", lambda: 1)
-    calls = []
-    monkeypatch.setattr(direct, "forward", _recording(direct.forward, calls))
     x, w, pad, geo = _data(case)
     if any(lo >= k or hi >= k for (lo, hi), k in zip(geo.padding, geo.kernel)):
         pytest.skip("padding >= kernel scatters")
+    check_data_gradient(direct, case, monkeypatch)
+
+
+def check_data_gradient(module, case, monkeypatch) -> None:
+    """conv3d_backward_data in float32 calls ``module.forward`` once (the flipped kernel's
+    forward); its result against the float64 numpy kernels and a dot test against the
+    reference forward."""
+    calls = []
+    monkeypatch.setattr(module, "forward", _recording(module.forward, calls))
+    x, w, pad, geo = _data(case)
     r = np.random.default_rng(1).standard_normal(geo.y_shape)
     exact = conv.conv3d_backward_data(r, w, x.shape, 1, pad)  # float64: numpy kernels
     ours = conv.conv3d_backward_data(r.astype(np.float32), w.astype(np.float32), x.shape,
@@ -168,15 +176,7 @@ def test_winograd_data_gradient_through_the_dispatch(case, isa, monkeypatch,
     monkeypatch.setattr(compiled_choice, "WINOGRAD_MIN_CHANNELS", 1)
     monkeypatch.setattr(compiled_choice, "WINOGRAD_MIN_RUNS", 0)
     monkeypatch.setattr(compiled_choice, "WINOGRAD4_MIN_WIDTH", tile_width)
-    calls = []
-    monkeypatch.setattr(winograd, "forward", _recording(winograd.forward, calls))
-    x, w, pad, geo = _data(case)
-    r = np.random.default_rng(1).standard_normal(geo.y_shape)
-    exact = conv.conv3d_backward_data(r, w, x.shape, 1, pad)  # float64: numpy kernels
-    ours = conv.conv3d_backward_data(r.astype(np.float32), w.astype(np.float32), x.shape,
-                                     1, pad)
-    assert len(calls) == 1
-    _close(ours, exact)
+    check_data_gradient(winograd, case, monkeypatch)
 
 
 def _recording(fn, calls):
@@ -218,6 +218,7 @@ def test_dispatch_rule() -> None:
     assert not compiled_choice.winograd_forward(few_filters, np.float32)
     small_planes = ConvGeometry.create((1, 256, 8, 8, 8), (512, 256, 3, 3, 3), 1, 1)
     assert not compiled_choice.winograd_forward(small_planes, np.float32)
+    assert compiled_choice.filter_grad_kernel(few_channels, np.float32) == "winograd"
     assert compiled_choice.winograd_tile(wide_channels) == 4
     assert compiled_choice.winograd_tile(small_planes) == 2
     not_3_wide = ConvGeometry.create((1, 32, 4, 16, 16), (64, 32, 3, 3, 1), 1, (1, 1, 0))
@@ -231,6 +232,10 @@ def test_dispatch_rule() -> None:
     wide = ConvGeometry.create((1, 4, 8, 8, 4 * run), (16, 4, 3, 3, 3), 1, 1)
     assert compiled_choice.direct_loops(wide, np.float32)
     assert not compiled_choice.direct_loops(wide, np.float64)
+    assert compiled_choice.forward_kernel(wide, np.float32) == "direct"
+    assert compiled_choice.forward_kernel(wide, np.float64) == "lowered"
+    assert compiled_choice.data_grad_kernel(wide, 16, np.float32) == "direct"
+    assert compiled_choice.data_grad_kernel(wide, 1, np.float32) == "lowered"  # < a block
     strided = ConvGeometry.create((1, 4, 8, 8, 4 * run), (16, 4, 3, 3, 3), 2, 1)
     assert not compiled_choice.direct_loops(strided, np.float32)
     narrow = ConvGeometry.create((1, 4, 8, 8, run // 2), (16, 4, 3, 3, 3), 1, 1)

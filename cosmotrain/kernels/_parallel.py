@@ -237,6 +237,15 @@ def map_chunks(work: Callable[[T], R], chunks: Sequence[T]) -> List[R]:
     return results  # type: ignore[return-value]
 
 
+def sum_in_order(partials: Sequence[np.ndarray]) -> np.ndarray:
+    """The chunk partials of a reduction (a filter gradient) added in chunk order, into
+    the first: the same bits whatever the workers' schedule."""
+    total = partials[0]
+    for part in partials[1:]:
+        total += part
+    return total
+
+
 _local = threading.local()
 
 

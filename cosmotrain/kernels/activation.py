@@ -47,9 +47,8 @@ USE_COMPILED = True
 def _loops() -> Optional[tuple]:
     """``(forward, backward)`` of ``native/activation.c``, or None without the library."""
     p, n, f = compiled.POINTER, compiled.LONG, compiled.FLOAT
-    forward = compiled.function("cosmotrain_leaky_relu_forward", [p, n, f])
-    backward = compiled.function("cosmotrain_leaky_relu_backward", [p, p, n, f, f])
-    return None if forward is None or backward is None else (forward, backward)
+    return compiled.functions(("cosmotrain_leaky_relu_forward", [p, n, f]),
+                              ("cosmotrain_leaky_relu_backward", [p, p, n, f, f]))
 
 
 def _compiled(*arrays: Any) -> Optional[tuple]:

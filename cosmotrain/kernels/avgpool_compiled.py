@@ -31,17 +31,12 @@ USE_COMPILED = True
 @functools.lru_cache(maxsize=1)
 def _loops() -> Optional[Tuple[Callable, Callable]]:
     """``(forward, backward)`` of ``native/avgpool.c``, or None without the library."""
-    pointer, long_, int_ = compiled.POINTER, compiled.LONG, compiled.INT
-    arrays = ([pointer] + [long_] * 3) * 2
+    pointer, int_ = compiled.POINTER, compiled.INT
+    arrays = ([pointer] + [compiled.LONG] * 3) * 2
     sizes = [int_] * 16  # channels, kernel, stride, padding before, input and output
-    forward = compiled.function("cosmotrain_avgpool_forward",
-                                arrays + sizes + [compiled.FLOAT, pointer, int_])
-    backward = compiled.function("cosmotrain_avgpool_backward",
-                                 arrays + sizes + [compiled.FLOAT, pointer, int_])
-    if forward is None or backward is None:
-        return None
-    forward.restype = backward.restype = int_
-    return forward, backward
+    args = arrays + sizes + [compiled.FLOAT, pointer, int_]
+    return compiled.functions(("cosmotrain_avgpool_forward", args, int_),
+                              ("cosmotrain_avgpool_backward", args, int_))
 
 
 def applies(array: np.ndarray) -> bool:

@@ -42,6 +42,19 @@ def function(name: str, argtypes: list) -> Optional[ctypes._CFuncPtr]:  # type: 
     return fn
 
 
+def functions(*specs: tuple) -> Optional[tuple]:
+    """The functions of ``(name, argtypes[, restype])`` specs, all of them or None (the
+    library missing): a kernel takes its compiled path whole or not at all."""
+    found = []
+    for name, argtypes, *restype in specs:
+        fn = function(name, argtypes)
+        if fn is None:
+            return None
+        fn.restype = restype[0] if restype else None
+        found.append(fn)
+    return tuple(found)
+
+
 def address(a: np.ndarray) -> int:
     """The data pointer of ``a`` handed to a compiled function."""
     return a.ctypes.data

@@ -2,10 +2,11 @@
 
 The compiled loops (:mod:`.direct`, :mod:`.winograd`) beat the GEMM lowerings of
 :mod:`.conv3d` on some shapes and lose on others; these rules, from per-layer timings on
-one core (``benchmarks/bench_conv_layers.py`` and docs/PERFORMANCE.md, "Compiled
-convolution loops", 2026-11-27), pick per call.  :mod:`.conv3d` asks them in order:
-Winograd, then the direct loops, then its own lowerings.  Kept apart from conv3d so
-that the rules and their numbers read in one place.
+one core (``benchmarks/bench_compiled.py`` and docs/PERFORMANCE.md, "Compiled
+convolution and pooling loops", 2026-11-27), pick per call: :func:`forward_kernel`,
+:func:`data_grad_kernel` and :func:`filter_grad_kernel` name the algorithm ("winograd",
+"direct" or "lowered", :mod:`.conv3d`'s own lowerings) that :mod:`.conv3d` runs.  Kept
+apart from conv3d so that the rules and their numbers read in one place.
 """
 
 from __future__ import annotations
@@ -71,3 +72,28 @@ def winograd_filter_grad(geo: ConvGeometry, dtype) -> bool:
 def winograd_tile(geo: ConvGeometry) -> int:
     """Outputs per Winograd tile along W for a convolution that takes Winograd: 4 or 2."""
     return 4 if geo.out[2] >= WINOGRAD4_MIN_WIDTH else 2
+
+
+def forward_kernel(geo: ConvGeometry, dtype) -> str:
+    """The forward's algorithm: Winograd, else the direct loops, else the lowerings."""
+    if winograd_forward(geo, dtype):
+        return "winograd"
+    return "direct" if direct_loops(geo, dtype) else "lowered"
+
+
+def data_grad_kernel(transposed: ConvGeometry, channels: int, dtype) -> str:
+    """The unit-stride data gradient's algorithm, asked of its ``transposed`` convolution
+    (dy with the flipped kernel) whose outputs are the layer's ``channels``: the direct
+    loops need at least a register block of them (a thinner block wastes its lanes)."""
+    if winograd_forward(transposed, dtype):
+        return "winograd"
+    if direct_loops(transposed, dtype) and channels >= direct.filter_block():
+        return "direct"
+    return "lowered"
+
+
+def filter_grad_kernel(geo: ConvGeometry, dtype) -> str:
+    """The filter gradient's algorithm."""
+    if winograd_filter_grad(geo, dtype):
+        return "winograd"
+    return "direct" if direct_loops(geo, dtype) else "lowered"

@@ -250,9 +250,10 @@ def conv3d_forward(x: np.ndarray, w: np.ndarray, stride: "int | Sequence[int]" =
     if bias is not None:
         bias = as_float_array(bias, "bias", x.dtype)
         geo.check("bias", bias.shape, (geo.filters,))
-    if compiled_choice.winograd_forward(geo, x.dtype):
+    kernel = compiled_choice.forward_kernel(geo, x.dtype)
+    if kernel == "winograd":
         return winograd.forward(x, w, geo, y, bias, compiled_choice.winograd_tile(geo))
-    if compiled_choice.direct_loops(geo, x.dtype):
+    if kernel == "direct":
         return direct.forward(x, w, geo, y, bias)
     if _thin(geo):
         win = depth_lowering.DepthWindows(geo)
@@ -281,9 +282,10 @@ def conv3d_backward_filter(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int]
     dy = as_float_array(dy, "dy", x.dtype)
     geo = ConvGeometry.create(x.shape, w_shape, stride, padding)
     geo.check("dy", dy.shape, geo.y_shape)
-    if compiled_choice.winograd_filter_grad(geo, x.dtype):
+    kernel = compiled_choice.filter_grad_kernel(geo, x.dtype)
+    if kernel == "winograd":
         return winograd.filter_grad(x, dy, geo)
-    if compiled_choice.direct_loops(geo, x.dtype):
+    if kernel == "direct":
         return direct.filter_grad(x, dy, geo)
     if _thin(geo):
         return depth_lowering.filter_grad(x, dy, depth_lowering.DepthWindows(geo))
@@ -298,10 +300,7 @@ def conv3d_backward_filter(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int]
             total = part if total is None else np.add(total, part, out=total)
         return total
 
-    partials = _parallel.map_chunks(work, _chunks(low, x.itemsize))
-    g = partials[0]
-    for part in partials[1:]:
-        g += part
+    g = _parallel.sum_in_order(_parallel.map_chunks(work, _chunks(low, x.itemsize)))
     return np.ascontiguousarray(low.weights_from_matrix(g))
 
 
@@ -331,9 +330,10 @@ def conv3d_backward_data(dy: np.ndarray, w: np.ndarray, x_shape: Sequence[int],
     flipped = w[:, :, ::-1, ::-1, ::-1].transpose(1, 0, 2, 3, 4)
     pad_t = tuple((k - 1 - lo, k - 1 - hi) for (lo, hi), k in zip(geo.padding, geo.kernel))
     tgeo = ConvGeometry.create(dy.shape, flipped.shape, 1, pad_t)
-    if compiled_choice.winograd_forward(tgeo, dy.dtype):
+    kernel = compiled_choice.data_grad_kernel(tgeo, geo.channels, dy.dtype)
+    if kernel == "winograd":
         return winograd.forward(dy, flipped, tgeo, dx, None, compiled_choice.winograd_tile(tgeo))
-    if compiled_choice.direct_loops(tgeo, dy.dtype) and geo.channels >= direct.filter_block():
+    if kernel == "direct":
         return direct.forward(dy, flipped, tgeo, dx)
     low = choose_lowering(tgeo, max_shift=DGRAD_MAX_SHIFT)
     if DGRAD_SCATTER and low.shift == 0 and geo.filters > geo.channels:

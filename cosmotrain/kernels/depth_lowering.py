@@ -126,8 +126,5 @@ def filter_grad(x: np.ndarray, dy: np.ndarray, win: DepthWindows) -> np.ndarray:
                 total += part
         return total
 
-    partials = _parallel.map_chunks(work, win.chunks())
-    g = partials[0]
-    for part in partials[1:]:
-        g += part
+    g = _parallel.sum_in_order(_parallel.map_chunks(work, win.chunks()))
     return np.ascontiguousarray(win.weights_from_matrix(g))

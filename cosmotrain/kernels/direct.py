@@ -6,7 +6,8 @@ core against 152 for large sgemm, and in the copies of the lowering itself; oneD
 the same layers as direct convolutions near the core's peak.  The compiled loops read a
 zero-padded slab of input planes row by row and keep a block of filters x output vectors
 in registers: no column matrix, no shifted adds.  Measured per layer against the
-lowering and PyTorch: docs/PERFORMANCE.md, "Direct convolution loops".
+lowering: ``benchmarks/bench_compiled.py`` and docs/PERFORMANCE.md, "Compiled
+convolution and pooling loops".
 
 The library is an optional extension built by ``pip install`` (setup.py) with the
 system's C compiler; without it, on a CPU without AVX2 + FMA, or for float64 (the tests'
@@ -30,7 +31,6 @@ from typing import Optional
 import numpy as np
 
 from . import _parallel, compiled
-from .compiled import address
 from .geometry import ConvGeometry, plan_chunks
 from .lowering import fill_slab
 
@@ -83,44 +83,39 @@ def loops_for(isa: str) -> Optional[_Loops]:
                   lanes, block, lanes * vectors, isa)
 
 
-def loops() -> Optional[_Loops]:
-    """The loops this process runs (None: the numpy kernels); :mod:`.winograd` uses it."""
-    return _loops()
-
-
-def _loops() -> Optional[_Loops]:
-    """The widest loops this CPU runs."""
+def active_loops() -> Optional[_Loops]:
+    """The widest loops this CPU runs (None: the numpy kernels)."""
     return loops_for("avx512") or loops_for("avx2")
 
 
 def available() -> bool:
     """Whether the compiled loops were built and run on this CPU."""
-    return _loops() is not None
+    return active_loops() is not None
 
 
 def instruction_set() -> Optional[str]:
     """``"avx512"``, ``"avx2"`` or None (what ``cosmotrain info`` may report)."""
-    loops = _loops()
+    loops = active_loops()
     return loops.isa if loops else None
 
 
 def register_run() -> int:
     """Outputs along W that one register block computes (32 with AVX-512, 24 with AVX2)."""
-    loops = _loops()
+    loops = active_loops()
     assert loops is not None
     return loops.run
 
 
 def filter_block() -> int:
     """Filters per register block (8 with AVX-512, 4 with AVX2)."""
-    loops = _loops()
+    loops = active_loops()
     assert loops is not None
     return loops.filter_block
 
 
 def describe() -> str:
     """One line for ``cosmotrain info``: which CPU convolution kernels this install runs."""
-    loops = _loops()
+    loops = active_loops()
     if loops is not None:
         return f"direct loops ({loops.isa}) + GEMM lowerings"
     if compiled.library() is None:
@@ -136,7 +131,7 @@ def supports(geo: ConvGeometry, dtype) -> bool:
 def pack_weights(w: np.ndarray) -> np.ndarray:
     """``(ceil(F/FB), C, kD, kH, kW, FB)`` float32: the FB weights a register block
     broadcasts for one input tap are adjacent; missing filters of the last block are 0."""
-    loops = _loops()
+    loops = active_loops()
     assert loops is not None
     fb = loops.filter_block
     f = w.shape[0]
@@ -165,21 +160,21 @@ def _row_width(geo: ConvGeometry, run: int) -> int:
 def forward(x: np.ndarray, w: np.ndarray, geo: ConvGeometry, y: np.ndarray,
             bias: Optional[np.ndarray] = None) -> np.ndarray:
     """``y = conv(x, w) + bias`` (float32, unit stride) into the C-contiguous ``y``."""
-    loops = _loops()
+    loops = active_loops()
     assert loops is not None and supports(geo, x.dtype)
     packed = pack_weights(w)
     kd, kh, kw = geo.kernel
     _, ho, wo = geo.out
-    bias_ptr = address(bias) if bias is not None else None
-    fs, ds, hs = (s // 4 for s in y.strides[1:4])
+    bias_ptr = compiled.address(bias) if bias is not None else None
+    fs, ds, hs = compiled.element_strides(y)[1:4]
 
     def work(chunk) -> None:
         n, z0, z1 = chunk
         block = slab(geo, x[n], z0, z1, _row_width(geo, loops.run))
-        sc, sd, sh = (s // 4 for s in block.strides[:3])
-        loops.forward(address(block), sc, sd, sh, geo.channels, kd, kh, kw,
-                      address(packed), geo.filters, bias_ptr,
-                      address(y[n, :, z0]), fs, ds, hs, z1 - z0, ho, wo)
+        sc, sd, sh = compiled.element_strides(block)[:3]
+        loops.forward(compiled.address(block), sc, sd, sh, geo.channels, kd, kh, kw,
+                      compiled.address(packed), geo.filters, bias_ptr,
+                      compiled.address(y[n, :, z0]), fs, ds, hs, z1 - z0, ho, wo)
 
     _parallel.map_chunks(work, plan_chunks(geo.batch, geo.out[0], CHUNK_PLANES))
     return y
@@ -188,7 +183,7 @@ def forward(x: np.ndarray, w: np.ndarray, geo: ConvGeometry, y: np.ndarray,
 def filter_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry) -> np.ndarray:
     """``dL/dw`` ``(F, C, kD, kH, kW)`` float32 (unit stride); chunk partials are summed
     in chunk order."""
-    loops = _loops()
+    loops = active_loops()
     assert loops is not None and supports(geo, x.dtype)
     kd, kh, kw = geo.kernel
     _, ho, wo = geo.out
@@ -203,16 +198,13 @@ def filter_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry) -> np.ndarray:
             rows[..., wo:] = 0
             rows[..., :wo] = grad
             grad = rows
-        sc, sd, sh = (s // 4 for s in block.strides[:3])
-        fs, ds, hs = (s // 4 for s in grad.strides[:3])
+        sc, sd, sh = compiled.element_strides(block)[:3]
+        fs, ds, hs = compiled.element_strides(grad)[:3]
         part = np.zeros(geo.w_shape, np.float32)
-        loops.filter_grad(address(block), sc, sd, sh, geo.channels, kd, kh, kw,
-                          address(grad), fs, ds, hs, geo.filters,
-                          address(part), z1 - z0, ho, wo)
+        loops.filter_grad(compiled.address(block), sc, sd, sh, geo.channels, kd, kh, kw,
+                          compiled.address(grad), fs, ds, hs, geo.filters,
+                          compiled.address(part), z1 - z0, ho, wo)
         return part
 
-    partials = _parallel.map_chunks(work, plan_chunks(geo.batch, geo.out[0], CHUNK_PLANES))
-    total = partials[0]
-    for part in partials[1:]:
-        total += part
-    return total
+    return _parallel.sum_in_order(
+        _parallel.map_chunks(work, plan_chunks(geo.batch, geo.out[0], CHUNK_PLANES)))

@@ -68,13 +68,10 @@ def blocks(x_shape, itemsize: int) -> List[Block]:
 @functools.lru_cache(maxsize=1)
 def _loops() -> Optional[Tuple[Callable, Callable]]:
     """``(forward, backward)`` of ``native/maxpool.c``, or None without the library."""
-    pointer, long_, int_ = compiled.POINTER, compiled.LONG, compiled.INT
-    three = [long_] * 3
-    forward = compiled.function("cosmotrain_maxpool2_forward",
-                                [pointer, *three, pointer, pointer, *three, *[int_] * 4])
-    backward = compiled.function("cosmotrain_maxpool2_backward",
-                                 [pointer, pointer, *three, pointer, *three, *[int_] * 4])
-    return None if forward is None or backward is None else (forward, backward)
+    pointer, three, sizes = compiled.POINTER, [compiled.LONG] * 3, [compiled.INT] * 4
+    return compiled.functions(
+        ("cosmotrain_maxpool2_forward", [pointer, *three, pointer, pointer, *three, *sizes]),
+        ("cosmotrain_maxpool2_backward", [pointer, pointer, *three, pointer, *three, *sizes]))
 
 
 def _compiled(dtype) -> Optional[Tuple[Callable, Callable]]:

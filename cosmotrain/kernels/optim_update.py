@@ -27,10 +27,10 @@ USE_COMPILED = True
 
 @functools.lru_cache(maxsize=1)
 def _loops() -> Optional[tuple]:
+    """``(adam, sgd_momentum)`` of ``native/optim.c``, or None without the library."""
     p, n, f = compiled.POINTER, compiled.LONG, compiled.FLOAT
-    adam = compiled.function("cosmotrain_adam_update", [p, p, p, p, n] + [f] * 7)
-    sgd = compiled.function("cosmotrain_sgd_momentum_update", [p, p, p, n, f, f])
-    return None if adam is None or sgd is None else (adam, sgd)
+    return compiled.functions(("cosmotrain_adam_update", [p, p, p, p, n] + [f] * 7),
+                              ("cosmotrain_sgd_momentum_update", [p, p, p, n, f, f]))
 
 
 def _usable(*arrays: np.ndarray) -> bool:

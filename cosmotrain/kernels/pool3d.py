@@ -57,8 +57,8 @@ def pools_by_planes(x_shape: Sequence[int], like) -> bool:
     order whichever of the input's planes a call gets, so the input may be pooled in
     slabs of planes (``by_planes=True``) with exactly the results of one call, and no
     whole copy of it need exist (the spatial layer's extended block, ``layers/pool.py``;
-    whole volumes sum along D in an order set by the taps reaching the padding; compiled
-    loops keep one order).  False for device arrays (:mod:`.pool3d_xp`: one call)."""
+    whole volumes sum along D in an order set by the taps reaching the padding; the
+    compiled loops keep these orders).  False for device arrays (:mod:`.pool3d_xp`)."""
     if is_device_array(like):
         return False
     itemsize = 4 if is_bf16(like) else like.dtype.itemsize

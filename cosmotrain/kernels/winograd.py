@@ -63,14 +63,14 @@ def forward(x: np.ndarray, w: np.ndarray, geo: ConvGeometry, y: np.ndarray,
             bias: Optional[np.ndarray] = None, tile: int = 2) -> np.ndarray:
     """``y = conv(x, w) + bias`` (float32, unit stride, kernel width 3) into ``y`` by
     F(tile, 3), ``tile`` 2 or 4."""
-    loops = direct.loops()
+    loops = direct.active_loops()
     assert loops is not None and supports(geo, x.dtype) and tile in _G
     packed = transformed_weights(w, loops.filter_block, tile)
     kd, kh, _ = geo.kernel
     _, ho, wo = geo.out
     tiles = -(-wo // tile)
     bias_ptr = compiled.address(bias) if bias is not None else None
-    fs, ds, hs = (s // 4 for s in y.strides[1:4])
+    fs, ds, hs = compiled.element_strides(y)[1:4]
 
     def work(chunk) -> None:
         n, z0, z1 = chunk
@@ -79,7 +79,7 @@ def forward(x: np.ndarray, w: np.ndarray, geo: ConvGeometry, y: np.ndarray,
         scratch = _parallel.scratch(
             "winograd_components",
             ((tile + 2) * geo.channels * depth * hp * tiles + loops.run,), np.float32)
-        sc, sd, sh = (s // 4 for s in block.strides[:3])
+        sc, sd, sh = compiled.element_strides(block)[:3]
         loops.winograd_forward(compiled.address(block), sc, sd, sh, geo.channels, kd, kh,
                                compiled.address(packed), geo.filters, bias_ptr,
                                compiled.address(y[n, :, z0]), fs, ds, hs, z1 - z0, ho, wo,
@@ -100,7 +100,7 @@ def _grad_chunk_planes(geo: ConvGeometry, tiles: int) -> int:
 def filter_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry) -> np.ndarray:
     """``dL/dw`` ``(F, C, kD, kH, 3)`` float32 (unit stride, kernel width 3); chunk
     partials are summed in chunk order."""
-    loops = direct.loops()
+    loops = direct.active_loops()
     assert loops is not None and supports(geo, x.dtype)
     kd, kh, _ = geo.kernel
     _, ho, wo = geo.out
@@ -124,9 +124,5 @@ def filter_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry) -> np.ndarray:
                                    compiled.address(scratch))
         return part
 
-    partials = _parallel.map_chunks(work, plan_chunks(geo.batch, geo.out[0],
-                                                      _grad_chunk_planes(geo, tiles)))
-    total = partials[0]
-    for part in partials[1:]:
-        total += part
-    return total
+    chunks = plan_chunks(geo.batch, geo.out[0], _grad_chunk_planes(geo, tiles))
+    return _parallel.sum_in_order(_parallel.map_chunks(work, chunks))

@@ -4,13 +4,12 @@
  *
  * Why in C: the numpy kernel (pool3d.py) sums its windows separably with strided slice
  * operations; on the paper network's first pooling (16 x 128^3 floats a sample) it took
- * 30 ms forward and 50 ms backward of a 0.5 s step.  Here each output row sums its
- * kd x kh input rows into a row buffer (contiguous adds) and then its kw taps along W,
- * each output in one fixed order whatever part of the volume a call covers (slabs of
- * planes give the results of one call, bit for bit); the backward keeps numpy's order
- * (see there).
+ * 30 ms forward and 50 ms backward of a 0.5 s step.  Here each output plane sums its
+ * window's input planes row by row (contiguous adds), then each output its rows and W
+ * taps; the backward gathers per input plane, then spreads along H and W.  Both add in
+ * exactly numpy's order (see each function), so the results are its bits.
  *
- * Strides in elements; rows contiguous along W.  row: scratch of max(w_in, wo) floats. */
+ * Strides in elements; rows contiguous along W. */
 
 #pragma GCC optimize("O3", "fp-contract=off")
 
