@@ -267,3 +267,13 @@ def _compare_with_lowerings(x, w, r, monkeypatch) -> None:
                         conv.conv3d_backward_data(r, w, x.shape, 1, 1))
     for ours, lowered in zip(results[True], results[False]):
         np.testing.assert_allclose(ours, lowered, rtol=1e-4, atol=1e-5 * np.abs(lowered).max())
+
+
+def test_a_failed_allocation_in_the_loops_is_an_error() -> None:
+    """The filter gradients and pooling report -1 when they cannot allocate their
+    buffers (they then wrote no usable result): an error, never a silent partial sum."""
+    from cosmotrain.kernels import compiled
+
+    compiled.check(0, "x")
+    with pytest.raises(MemoryError, match="Winograd filter gradient: out of memory"):
+        compiled.check(-1, "Winograd filter gradient")

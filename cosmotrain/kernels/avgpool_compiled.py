@@ -78,10 +78,9 @@ def _run(which: int, src: np.ndarray, dst: np.ndarray, pool, sizes: tuple,
     def work(chunk) -> None:
         n, c0, c1 = chunk
         rows = _parallel.scratch("avgpool_rows", (scratch,), np.float32)
-        status = loop(compiled.address(src[n, c0]), *compiled.element_strides(src)[1:4],
-                      compiled.address(dst[n, c0]), *compiled.element_strides(dst)[1:4],
-                      c1 - c0, *_geometry(pool), *sizes, scale, compiled.address(rows), whole)
-        if status != 0:
-            raise MemoryError("average pooling: out of memory for the loops' tables")
+        compiled.check(loop(compiled.address(src[n, c0]), *compiled.element_strides(src)[1:4],
+                            compiled.address(dst[n, c0]), *compiled.element_strides(dst)[1:4],
+                            c1 - c0, *_geometry(pool), *sizes, scale, compiled.address(rows),
+                            whole), "average pooling")
 
     _parallel.map_chunks(work, pool.chunks(src.itemsize))

@@ -32,27 +32,30 @@ def library() -> Optional[ctypes.CDLL]:
         return None
 
 
-def function(name: str, argtypes: list) -> Optional[ctypes._CFuncPtr]:  # type: ignore[name-defined]
-    """The library's function ``name`` with its argument types, or None without it."""
+def function(name: str, argtypes: list, restype=None
+             ) -> Optional[ctypes._CFuncPtr]:  # type: ignore[name-defined]
+    """The library's function ``name`` with its argument and result types, or None
+    without the library."""
     lib = library()
     if lib is None:
         return None
     fn = getattr(lib, name)
-    fn.argtypes, fn.restype = argtypes, None
+    fn.argtypes, fn.restype = argtypes, restype
     return fn
 
 
 def functions(*specs: tuple) -> Optional[tuple]:
     """The functions of ``(name, argtypes[, restype])`` specs, all of them or None (the
     library missing): a kernel takes its compiled path whole or not at all."""
-    found = []
-    for name, argtypes, *restype in specs:
-        fn = function(name, argtypes)
-        if fn is None:
-            return None
-        fn.restype = restype[0] if restype else None
-        found.append(fn)
-    return tuple(found)
+    found = tuple(function(*spec) for spec in specs)
+    return None if None in found else found
+
+
+def check(status: int, what: str) -> None:
+    """A compiled function's status: 0, or -1 when it could not allocate its buffers
+    (it then wrote nothing usable)."""
+    if status != 0:
+        raise MemoryError(f"{what}: out of memory for the compiled loops' buffers")
 
 
 def address(a: np.ndarray) -> int:

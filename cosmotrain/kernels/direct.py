@@ -76,10 +76,11 @@ def loops_for(isa: str) -> Optional[_Loops]:
     if lib is None or lib.cosmotrain_direct_level() < level:
         return None
     return _Loops(compiled.function(f"cosmotrain_direct_forward_{isa}", _FORWARD_ARGS),
-                  compiled.function(f"cosmotrain_direct_filter_grad_{isa}", _FILTER_ARGS),
+                  compiled.function(f"cosmotrain_direct_filter_grad_{isa}", _FILTER_ARGS,
+                                    _c_int),
                   compiled.function(f"cosmotrain_winograd_w_forward_{isa}", _WINOGRAD_ARGS),
                   compiled.function(f"cosmotrain_winograd_w_filter_grad_{isa}",
-                                    _WINOGRAD_FILTER_ARGS),
+                                    _WINOGRAD_FILTER_ARGS, _c_int),
                   lanes, block, lanes * vectors, isa)
 
 
@@ -201,9 +202,10 @@ def filter_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry) -> np.ndarray:
         sc, sd, sh = compiled.element_strides(block)[:3]
         fs, ds, hs = compiled.element_strides(grad)[:3]
         part = np.zeros(geo.w_shape, np.float32)
-        loops.filter_grad(compiled.address(block), sc, sd, sh, geo.channels, kd, kh, kw,
-                          compiled.address(grad), fs, ds, hs, geo.filters,
-                          compiled.address(part), z1 - z0, ho, wo)
+        compiled.check(loops.filter_grad(
+            compiled.address(block), sc, sd, sh, geo.channels, kd, kh, kw,
+            compiled.address(grad), fs, ds, hs, geo.filters,
+            compiled.address(part), z1 - z0, ho, wo), "direct filter gradient")
         return part
 
     return _parallel.sum_in_order(

@@ -118,10 +118,10 @@ def filter_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry) -> np.ndarray:
         part = np.zeros(geo.w_shape, np.float32)
         sc, sd, sh = compiled.element_strides(block)[:3]
         fs, ds, hs = compiled.element_strides(grad)[:3]
-        loops.winograd_filter_grad(compiled.address(block), sc, sd, sh, geo.channels, kd, kh,
-                                   compiled.address(grad), fs, ds, hs, geo.filters,
-                                   compiled.address(part), z1 - z0, ho, wo,
-                                   compiled.address(scratch))
+        compiled.check(loops.winograd_filter_grad(
+            compiled.address(block), sc, sd, sh, geo.channels, kd, kh,
+            compiled.address(grad), fs, ds, hs, geo.filters, compiled.address(part),
+            z1 - z0, ho, wo, compiled.address(scratch)), "Winograd filter gradient")
         return part
 
     chunks = plan_chunks(geo.batch, geo.out[0], _grad_chunk_planes(geo, tiles))

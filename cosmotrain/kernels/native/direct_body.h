@@ -94,7 +94,7 @@ void CAT(cosmotrain_direct_forward, SUFFIX)(
 /* Filter gradient: g[f][c][a][b][e] += sum dy[f][z][h][w] * s[c][z+a][h+b][w+e] over
  * z < nz, h < ho, w < wo.  dy rows are read as whole vectors, up to roundup(wo, VL): the
  * caller pads them with zeros from wo on.  Rows are taken in tiles of about TILE output
- * positions; per tile and tap, a block of GF filters x 3 taps along W is accumulated in
+ * positions; per tile and tap, a block of FB filters x 3 taps along W is accumulated in
  * registers and summed over its lanes into g (accumulated into: partials add up). */
 #ifndef TILE
 #define TILE 1024
@@ -145,7 +145,7 @@ static inline __attribute__((always_inline)) void CAT(tap_blocks, SUFFIX)(
         CAT(tap_block, SUFFIX)(acc, pack, row0, s_h, nrows, vectors, 1, estride);
 }
 
-void CAT(cosmotrain_direct_filter_grad, SUFFIX)(
+int CAT(cosmotrain_direct_filter_grad, SUFFIX)(
         const float *s, long s_c, long s_d, long s_h,
         int c_in, int kd, int kh, int kw,
         const float *dy, long dy_f, long dy_d, long dy_h, int filters,
@@ -156,7 +156,7 @@ void CAT(cosmotrain_direct_filter_grad, SUFFIX)(
     if (rows < 1) rows = 1;
     if (rows > ho) rows = ho;
     float *pack = aligned_alloc(64, sizeof(float) * FB * VL * (size_t)(rows * vectors));
-    if (!pack) return;
+    if (!pack) return -1;  /* the caller raises MemoryError: no partial gradient */
     for (int z = 0; z < nz; z++)
     for (int h0 = 0; h0 < ho; h0 += rows) {
         const int nrows = h0 + rows < ho ? rows : ho - h0;
@@ -184,6 +184,7 @@ void CAT(cosmotrain_direct_filter_grad, SUFFIX)(
         }
     }
     free(pack);
+    return 0;
 }
 
 /* RUN and VEC stay defined for winograd_body.h; direct.c undefines them. */

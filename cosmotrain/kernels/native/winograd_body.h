@@ -121,7 +121,7 @@ void CAT(cosmotrain_winograd_w_forward, SUFFIX)(
  * few z) whose D_i are packed per filter block.
  * work: 4 * c_in * depth * hp * T + RUN floats (components), then 4 * filters * nz *
  * roundup(ho * T, VL) (D) and 4 * filters * c_in * kd * kh (M). */
-void CAT(cosmotrain_winograd_w_filter_grad, SUFFIX)(
+int CAT(cosmotrain_winograd_w_filter_grad, SUFFIX)(
         const float *s, long s_c, long s_d, long s_h,
         int c_in, int kd, int kh,
         const float *dy, long dy_f, long dy_d, long dy_h, int filters,
@@ -160,7 +160,7 @@ void CAT(cosmotrain_winograd_w_filter_grad, SUFFIX)(
     int zrows = vectors < seg ? seg / vectors : 1;
     if (zrows > nz) zrows = nz;
     float *pack = aligned_alloc(64, sizeof(float) * FB * VL * (size_t)(zrows * vseg));
-    if (!pack) return;
+    if (!pack) return -1;  /* the caller raises MemoryError: no partial gradient */
     for (int z = 0; z < nz; z += zrows)
     for (int v0 = 0; v0 < vectors; v0 += vseg) {
         const int nzr = nz - z < zrows ? nz - z : zrows;
@@ -201,4 +201,5 @@ void CAT(cosmotrain_winograd_w_filter_grad, SUFFIX)(
         out[1] += 0.5f * (m1 - m2);
         out[2] += m3 + 0.5f * (m1 + m2);
     }
+    return 0;
 }
