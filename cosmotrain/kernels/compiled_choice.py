@@ -15,9 +15,9 @@ from . import direct, winograd
 from .geometry import ConvGeometry
 
 # Compiled direct convolution loops (:mod:`.direct`) for unit-stride float32 layers whose
-# output rows fill whole register runs: 1.2-2.8x the lowerings on the thin layers, level
-# on 32-64 channels, behind on planes of 16 or less.  False: the lowerings only, no
-# compiled convolution (the benchmarks' --no-direct, for A/B runs).
+# output rows fill whole register runs (32 outputs with AVX-512): 1.2-2.8x the lowerings
+# on the thin layers, level on 32-64 channels.  False: the lowerings only, no compiled
+# convolution (the benchmarks' --no-direct, for A/B runs).
 USE_DIRECT = True
 # Largest share of a row that rounding the output width up to whole runs may waste.
 MAX_DIRECT_WASTE = 1 / 8
