@@ -2,7 +2,8 @@
 
     [mpiexec -n P] python benchmarks/bench_step.py [--backend gpu] [--width 128]
         [--batch 1 8 32] [--precisions fp32 tf32 bf16] [--algorithms cudnn gemm]
-        [--steps 10] [--warmup 3] [--set KEY=VALUE ...] [--no-torch] [--out FILE.json]
+        [--steps 10] [--warmup 3] [--set KEY=VALUE ...] [--input host|device]
+        [--torch-layouts ndhwc ncdhw] [--no-torch] [--out FILE.json]
 
 What is timed: the trainer's own step (``HybridStep``: the batch's host -> device copy,
 forward, loss, backward, gradient reduction, Adam) of the default ``cosmoflow`` network at
@@ -17,7 +18,13 @@ as one device), and the memory a rank held at its step's peak: cupy's pool after
 step (the pool keeps freed blocks, so it bounds the peak from above) or, on the CPU, the
 process's peak resident set.  PyTorch's whole step of the same network (eager, Adam;
 bf16 through ``torch.autocast`` with fp32 master weights, TF32 through ``allow_tf32``) runs
-on the same device when ``import torch`` works there (one rank only).
+on the same device when ``import torch`` works there (one rank only), in each memory
+layout of ``--torch-layouts`` (``ndhwc``: channels-last) with cuDNN's autotuner on.
+
+``--input host`` (the default) starts each step from a batch in host memory, as training
+does: cosmotrain's step copies it to the device (from pageable memory), PyTorch's from
+pinned memory with ``non_blocking=True`` (a ``DataLoader(pin_memory=True)``'s batch).
+``--input device`` starts both from a batch already on the device: the compute alone.
 
 ``--backend cpu`` runs the same code on numpy (how ``tests/test_bench_step.py`` checks
 this script without a GPU); ``--backend gpu`` without cupy or a device exits 2 with the
@@ -48,6 +55,7 @@ from cosmotrain.comm.threads import configure_threads  # noqa: E402
 from cosmotrain.config.load import load_config  # noqa: E402
 from cosmotrain.errors import UserError  # noqa: E402
 from cosmotrain.nn.module import Context  # noqa: E402
+from cosmotrain.nn.profile import LayerTimer  # noqa: E402
 from cosmotrain.tensor.dist_tensor import DistTensor  # noqa: E402
 from cosmotrain.train.step import HybridStep  # noqa: E402
 
@@ -73,14 +81,24 @@ def synchronizer(step: HybridStep) -> Callable[[], None]:
 
 
 def time_steps(step: HybridStep, x: DistTensor, y: np.ndarray, steps: int, warmup: int,
-               world: Any) -> List[float]:
-    """Seconds of each timed step on the slowest rank (every step starts on a barrier)."""
+               world: Any, on_device: bool = False) -> List[float]:
+    """Seconds of each timed step on the slowest rank (every step starts on a barrier).
+
+    Each step gets a fresh copy of the input block, made before the clock starts (a
+    step may write into its input).  ``on_device``: the copy is on the rank's device,
+    as PyTorch's batch is, and the step's input placement has nothing to move; else the
+    block comes from host memory and the step includes its host -> device copy, as in
+    training."""
     sync = synchronizer(step)
+    if on_device:
+        x = step.place_input(x)
     seconds = []
     for index in range(warmup + steps):
+        fresh = DistTensor(x.data.copy(), x.dist, x.coord)
+        sync()
         world.Barrier()
         started = time.perf_counter()
-        step(DistTensor(x.data.copy(), x.dist, x.coord), y, Context(step=index))
+        step(fresh, y, Context(step=index))
         sync()
         elapsed = world.allreduce(time.perf_counter() - started, op=MPI.MAX)
         if index >= warmup:
@@ -113,7 +131,7 @@ def cosmotrain_row(world: Any, args: argparse.Namespace, batch: int, precision: 
         cfg = load_config(None, overrides(args, batch, precision, algorithm))
         step, x = build_step(world, cfg)
         seconds = time_steps(step, x, targets(batch, cfg.model.outputs), args.steps,
-                             args.warmup, world)
+                             args.warmup, world, on_device=args.input == "device")
     except MemoryError:
         return {**row, "status": "out of memory"}
     except Exception as err:  # noqa: BLE001 - cupy's OutOfMemoryError without importing it
@@ -124,13 +142,35 @@ def cosmotrain_row(world: Any, args: argparse.Namespace, batch: int, precision: 
     devices = devices_used(step, world)
     memory = world.gather(peak_memory_mib(step), root=0)
     strategy = step.grid.layout.describe()
+    layers = (layer_times(step, x, targets(batch, cfg.model.outputs), args, world)
+              if args.layers else None)
     del step
     release_device_memory(args.backend)
     return {**row, "status": "ok", "step_s": median, "samples_per_s": batch / median,
             "devices": devices, "samples_per_s_per_device": batch / median / devices,
             "ranks": world.Get_size(), "memory_mib_max": max(memory) if memory else None,
             "strategy": strategy,
-            "step_times_s": seconds}
+            "step_times_s": seconds, **({"layers_ms": layers} if layers else {})}
+
+
+def layer_times(step: HybridStep, x: DistTensor, y: np.ndarray, args: argparse.Namespace,
+                world: Any) -> Dict[str, float]:
+    """Milliseconds per step of each layer's forward and backward (``--layers``), the
+    device synchronised around each, and what the step spends outside the layers (input
+    placement, loss, gradient reduction, optimizer).  Measured after the timed steps, so
+    the synchronisation does not slow the figures above."""
+    model = step.model
+    timer = LayerTimer(model.spatial, model.to_samples, model.head, sync=synchronizer(step))
+    try:
+        seconds = time_steps(step, x, y, args.steps, 1, world,
+                             on_device=args.input == "device")
+    finally:
+        timer.remove()
+    per_step = {f"{name} {phase}": 1e3 * total / (args.steps + 1)
+                for (name, phase), total in timer.seconds.items()}
+    per_step["outside the layers"] = max(
+        0.0, 1e3 * statistics.mean(seconds) - sum(per_step.values()))
+    return per_step
 
 
 def release_device_memory(backend: str) -> None:
@@ -141,9 +181,13 @@ def release_device_memory(backend: str) -> None:
         cupy.get_default_memory_pool().free_all_blocks()
 
 
-def torch_row(args: argparse.Namespace, model: Any, batch: int, precision: str
-              ) -> Optional[Dict[str, Any]]:
-    """PyTorch's whole step of the same network on the same device (None without torch)."""
+def torch_row(args: argparse.Namespace, model: Any, batch: int, precision: str,
+              layout: str) -> Optional[Dict[str, Any]]:
+    """PyTorch's whole step of the same network on the same device (None without torch).
+
+    Run as its users run it for speed: cuDNN's autotuner on, bf16 through autocast, and
+    on the GPU either memory layout (``ndhwc`` is channels-last, the faster one for
+    tensor cores)."""
     try:
         import torch
     except ImportError:
@@ -157,16 +201,24 @@ def torch_row(args: argparse.Namespace, model: Any, batch: int, precision: str
 
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
     torch.backends.cudnn.allow_tf32 = precision == "tf32"
-    twin = torch_twin(model).to(device)
+    torch.backends.cudnn.benchmark = True
+    memory_format = (torch.channels_last_3d if layout == "ndhwc"
+                     else torch.contiguous_format)
+    twin = torch_twin(model).to(device, memory_format=memory_format)
     opt = torch.optim.Adam(twin.parameters(), lr=1e-4)
     x = torch.randn(batch, model.items[0].in_channels, args.width, args.width, args.width,
-                    device=device)
+                    device=device).contiguous(memory_format=memory_format)
     y = torch.randn(batch, 4, device=device)
 
+    host = x.cpu().pin_memory() if args.input == "host" and device == "cuda" else None
+
     def step() -> None:
+        # --input host: the batch crosses to the GPU each step, from pinned memory and
+        # asynchronously, as a DataLoader(pin_memory=True) feeds a training loop
+        batch = x if host is None else host.to(device, non_blocking=True)
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = ((twin(x).float() - y) ** 2).mean()
+            loss = ((twin(batch).float() - y) ** 2).mean()
         loss.backward()
         opt.step()
         if device == "cuda":
@@ -179,7 +231,7 @@ def torch_row(args: argparse.Namespace, model: Any, batch: int, precision: str
         if index >= args.warmup:
             seconds.append(time.perf_counter() - started)
     median = statistics.median(seconds)
-    return {"impl": "torch", "batch": batch, "precision": precision, "status": "ok",
+    return {"impl": f"torch {layout}" if device == "cuda" else "torch", "batch": batch, "precision": precision, "status": "ok",
             "step_s": median, "samples_per_s": batch / median, "devices": 1,
             "samples_per_s_per_device": batch / median, "ranks": 1}
 
@@ -200,19 +252,24 @@ def measure(world: Any, args: argparse.Namespace) -> List[Dict[str, Any]]:
                 rows.append(cosmotrain_row(world, args, batch, precision, algorithm))
                 report(world, rows[-1])
             if not args.no_torch and world.Get_size() == 1:
-                model = model if model is not None else torch_model(args.width)
-                row = torch_row(args, model, batch, precision)
-                if row is not None:
-                    rows.append(row)
-                    report(world, row)
+                model = model if model is not None else torch_model(args)
+                layouts = args.torch_layouts if args.backend == "gpu" else ["ncdhw"]
+                for layout in layouts:
+                    row = torch_row(args, model, batch, precision, layout)
+                    if row is not None:
+                        rows.append(row)
+                        report(world, row)
     return rows
 
 
-def torch_model(width: int) -> Any:
-    """The default network at ``width``, whose weights PyTorch's twin copies."""
+def torch_model(args: argparse.Namespace) -> Any:
+    """The benchmarked network (``--width`` and any ``--set model.*`` key), whose weights
+    PyTorch's twin copies."""
     from cosmotrain.models import build_model
 
-    return build_model(load_config(None, [f"model.width={width}"]).model, 0)
+    keys = [f"model.width={args.width}",
+            *(key for key in args.overrides if key.startswith("model."))]
+    return build_model(load_config(None, keys).model, 0)
 
 
 def report(world: Any, row: Dict[str, Any]) -> None:
@@ -226,6 +283,8 @@ def report(world: Any, row: Dict[str, Any]) -> None:
     print(f"{row['impl']:18} batch {row['batch']:3} {row['precision']}: "
           f"{row['step_s'] * 1e3:9.1f} ms, {row['samples_per_s']:8.2f} samples/s, "
           f"{row['samples_per_s_per_device']:8.2f} per device{memory}", flush=True)
+    for name, ms in row.get("layers_ms", {}).items():
+        print(f"    {name:32} {ms:9.2f} ms", flush=True)
 
 
 def markdown(rows: List[Dict[str, Any]]) -> str:
@@ -257,7 +316,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         help="config KEY=VALUE, e.g. parallel.depth=2 (repeatable)")
+    parser.add_argument("--input", choices=["host", "device"], default="host",
+                        help="where each step's batch starts: host memory (the trainer's "
+                        "case: the step copies it to the device) or already on the device")
+    parser.add_argument("--layers", action="store_true",
+                        help="also time each layer's forward and backward (device "
+                        "synchronised around each), in extra steps after the timed ones")
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--torch-layouts", nargs="+", default=["ndhwc", "ncdhw"],
+                        choices=["ndhwc", "ncdhw"],
+                        help="PyTorch's memory layouts on the GPU (ndhwc: channels-last)")
     parser.add_argument("--out", type=Path, help="write the rows as JSON")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
@@ -277,7 +345,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         sys.exit(2)
     if world.Get_rank() != 0:
         return
-    print(f"\nsamples/s per device, cosmoflow W={args.width}, {world.Get_size()} rank(s), "
+    name = next((key.split("=", 1)[1] for key in args.overrides
+                 if key.startswith("model.name=")), "cosmoflow")
+    print(f"\nsamples/s per device, {name} W={args.width}, {world.Get_size()} rank(s), "
           f"backend {args.backend}\n")
     print(markdown(rows))
     if args.out:

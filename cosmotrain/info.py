@@ -56,9 +56,46 @@ def visible_gpus() -> list[str]:
 
 def gpu_libraries() -> dict[str, str]:
     """Availability of cupy (its CUDA runtime and devices), cuDNN, NCCL and ml_dtypes:
-    what ``device.backend: gpu``, ``communication: nccl`` and ``precision: bf16`` need."""
+    what ``device.backend: gpu``, ``communication: nccl`` and ``precision: bf16`` need;
+    and which CUDA major version's wheels provide them."""
     return {"cupy": _cupy_status(), "cuda devices": _cuda_devices(), "cudnn": _cudnn_status(),
-            "nccl": _nccl_status(), "ml_dtypes": _module_version("ml_dtypes")}
+            "nccl": _nccl_status(), "ml_dtypes": _module_version("ml_dtypes"),
+            "cuda wheels": cuda_route(installed_cuda_wheels())}
+
+
+#: The wheels of each GPU extra that name a CUDA major version (pyproject.toml).
+CUDA_WHEELS = {"12": ("cupy-cuda12x", "nvidia-cudnn-cu12", "nvidia-nccl-cu12"),
+               "13": ("cupy-cuda13x", "nvidia-cudnn-cu13", "nvidia-nccl-cu13")}
+EXTRA_OF_CUDA = {"12": "gpu", "13": "gpu-cuda13"}
+
+
+def installed_cuda_wheels() -> dict[str, str]:
+    """Version of every installed wheel of :data:`CUDA_WHEELS` (and a source-built
+    ``cupy``), by distribution name."""
+    wanted = {name for names in CUDA_WHEELS.values() for name in names} | {"cupy"}
+    found = {}
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name in wanted:
+            found[name] = dist.version
+    return found
+
+
+def cuda_route(installed: dict[str, str]) -> str:
+    """Which route provides the GPU libraries: the ``gpu`` extra's CUDA 12 wheels, the
+    ``gpu-cuda13`` extra's CUDA 13 wheels, or a site install (cupy built from source,
+    cuDNN and NCCL from CUDA modules).  Wheels of both majors in one environment are
+    named as a problem: cupy loads only its own major's libraries."""
+    majors = [major for major, names in CUDA_WHEELS.items()
+              if any(name in installed for name in names)]
+    listed = ", ".join(f"{name} {installed[name]}" for name in sorted(installed))
+    if not majors:
+        return f"site install ({listed})" if installed else "none"
+    if len(majors) > 1:
+        return (f"mixed CUDA 12 and 13 wheels ({listed}): keep one of the extras "
+                f"gpu (CUDA 12) or gpu-cuda13")
+    major = majors[0]
+    return f"CUDA {major} (extra {EXTRA_OF_CUDA[major]}): {listed}"
 
 
 def _cupy_status() -> str:
@@ -97,7 +134,8 @@ def _nccl_status() -> str:
     if import_cupy()[0] is None:
         return "not available (cupy does not import)"
     if not nccl_loads():
-        return "not loadable (pip install 'nvidia-nccl-cu12>=2.18.1,<3')"
+        return ("not loadable (pip install nvidia-nccl-cu12 or nvidia-nccl-cu13, the "
+                "CUDA major of cupy)")
     from cupy.cuda import nccl  # type: ignore[import-not-found]
 
     version = nccl.get_version()

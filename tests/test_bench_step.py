@@ -1,5 +1,5 @@
 """``benchmarks/bench_step.py``: whole training steps per device, checked on the CPU backend
-(the GPU rows run the same code on cupy; docs/GPU.md lists that as unverified)."""
+(the GPU rows run the same code on cupy; they ran on an H200, docs/PERFORMANCE.md "GPU")."""
 
 from __future__ import annotations
 
@@ -48,6 +48,18 @@ def test_ranks_with_a_spatial_split(tmp_path: Path) -> None:
     (row,) = json.loads(out.read_text())["results"]  # no torch beside several ranks
     assert row["strategy"] == "D2" and row["ranks"] == 2 and row["devices"] == 2
     assert row["samples_per_s_per_device"] == pytest.approx(row["samples_per_s"] / 2)
+
+
+def test_layers_and_input_on_the_device(tmp_path: Path) -> None:
+    out = tmp_path / "layers.json"
+    done = bench(*SMALL, "--precisions", "fp32", "--input", "device", "--layers",
+                 "--no-torch", "--set", "model.name=tiny", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(out.read_text())["results"]
+    layers = row["layers_ms"]
+    assert {"conv1 forward", "conv1 backward", "outside the layers"} <= set(layers)
+    assert all(ms >= 0 for ms in layers.values()) and layers["conv1 backward"] > 0
+    assert "conv1 backward" in done.stdout and "| 2 | fp32 |" in done.stdout
 
 
 def test_gpu_without_cupy_exits_2() -> None:

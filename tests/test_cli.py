@@ -51,6 +51,19 @@ def test_info_json_one_rank(cli) -> None:
     assert set(report["versions"]) >= {"cosmotrain", "python", "numpy", "mpi4py", "h5py"}
     assert "MPI" in report["mpi_library"] or "mpi" in report["mpi_library"].lower()
     assert "GEMM lowerings" in report["cpu_kernels"]
+    assert "cuda wheels" in report["gpu_libraries"]
+
+
+def test_info_names_the_cuda_route() -> None:
+    from cosmotrain.info import cuda_route
+
+    assert cuda_route({}) == "none"
+    assert cuda_route({"cupy-cuda13x": "14.2.0", "nvidia-cudnn-cu13": "9.19.0"}) == \
+        "CUDA 13 (extra gpu-cuda13): cupy-cuda13x 14.2.0, nvidia-cudnn-cu13 9.19.0"
+    assert cuda_route({"cupy-cuda12x": "14.0.1"}).startswith("CUDA 12 (extra gpu)")
+    assert cuda_route({"cupy": "14.0.0"}) == "site install (cupy 14.0.0)"
+    mixed = cuda_route({"cupy-cuda12x": "14.0.1", "nvidia-cudnn-cu13": "9.19.0"})
+    assert mixed.startswith("mixed CUDA 12 and 13 wheels") and "gpu-cuda13" in mixed
 
 
 def test_info_under_two_ranks() -> None:

@@ -127,7 +127,7 @@ def test_nccl_needs_the_library_and_one_gpu_per_rank() -> None:
     nccl = DeviceConfig(backend="gpu", communication="nccl")
     assert decide(nccl, gpu_node("a", 2, 2) + gpu_node("b", 2, 2), 2).communication == "nccl"
     with pytest.raises(ConfigError, match=r"cupy.cuda.nccl does not load on rank 0.*"
-                                          r"nvidia-nccl-cu12"):
+                                          r"nvidia-nccl-cu12 or nvidia-nccl-cu13"):
         decide(nccl, gpu_node("a", 2, 2, nccl=False), 0)
     with pytest.raises(ConfigError, match=r"one GPU per rank.*ranks 0 and 2 share GPU 0 "
                                           r"of host a.*staging"):

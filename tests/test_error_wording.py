@@ -67,7 +67,7 @@ def test_predict_on_a_file_that_is_no_checkpoint_gives_predicts_advice(
 
 
 def test_the_gpu_hint_is_the_readme_install_command() -> None:
-    assert INSTALL_GPU == 'pip install -e ".[gpu]"'
+    assert INSTALL_GPU == 'pip install -e ".[gpu]" (CUDA 12) or -e ".[gpu-cuda13]" (CUDA 13)'
     assert INSTALL_GPU in (REPO / "README.md").read_text()
     for path in [*(REPO / "cosmotrain").rglob("*.py"), *(REPO / "docs").glob("*.md")]:
         assert "cosmotrain[gpu]" not in path.read_text(), path

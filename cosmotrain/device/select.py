@@ -33,7 +33,8 @@ from cosmotrain.precision import storage_dtype
 from .probe import Probe, ml_dtypes_imports, node_position, probe_gpu
 from .xp import import_cupy
 
-INSTALL_GPU = 'pip install -e ".[gpu]"'  # as README.md and docs/GPU.md say
+# as README.md and docs/GPU.md say: the CUDA 12 or the CUDA 13 wheels
+INSTALL_GPU = 'pip install -e ".[gpu]" (CUDA 12) or -e ".[gpu-cuda13]" (CUDA 13)'
 
 
 def bind(local_rank: int, gpus: int) -> int:
@@ -173,8 +174,9 @@ def _check_nccl(probes: Sequence[Probe], gpus: Sequence[tuple[str, str]]) -> Non
         if not probe.nccl:
             raise ConfigError("device.communication", f"nccl, but cupy.cuda.nccl does not "
                               f"load on {_where(rank, probe)}",
-                              "pip install 'nvidia-nccl-cu12>=2.18.1,<3' (part of "
-                              f"{INSTALL_GPU}), or use communication: staging")
+                              "pip install nvidia-nccl-cu12 or nvidia-nccl-cu13, the "
+                              f"CUDA major of cupy (part of {INSTALL_GPU}), or use "
+                              "communication: staging")
     seen: dict[tuple[str, str], int] = {}
     for rank, gpu in enumerate(gpus):
         other = seen.setdefault(gpu, rank)

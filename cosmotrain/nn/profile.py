@@ -1,7 +1,9 @@
 """Per-layer wall-clock timing of forward and backward (benchmarks, trainer metrics).
 
 Wraps the leaf layers' ``forward``/``backward`` of a model instance in timers; the model
-itself is unchanged and :meth:`LayerTimer.remove` restores it.
+itself is unchanged and :meth:`LayerTimer.remove` restores it.  On a GPU the layers only
+queue work: give ``sync`` (the device's synchronize) and each layer's time is its device
+work, at the price of the overlap between layers that the synchronisation removes.
 """
 
 from __future__ import annotations
@@ -17,11 +19,15 @@ from cosmotrain.nn.module import Layer
 class LayerTimer:
     """Accumulates seconds per (layer name, phase) while installed on a model."""
 
-    def __init__(self, model: Layer) -> None:
+    def __init__(self, *models: Layer, sync: Callable[[], None] | None = None) -> None:
+        """Times the leaves of every model given (a hybrid model's parts: its spatial
+        sequence, the redistribution, the head)."""
         self.seconds: dict[tuple[str, str], float] = defaultdict(float)
+        self._sync = sync if sync is not None else (lambda: None)
         self._wrapped: list[Layer] = []
-        for prefix, layer in _named_leaves(model):
-            self._wrap(prefix, layer)
+        for model in models:
+            for prefix, layer in _named_leaves(model):
+                self._wrap(prefix, layer)
 
     def _wrap(self, name: str, layer: Layer) -> None:
         for phase in ("forward", "backward"):
@@ -31,8 +37,10 @@ class LayerTimer:
 
     def _timed(self, name: str, phase: str, call: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any) -> Any:
+            self._sync()
             start = time.perf_counter()
             result = call(*args)
+            self._sync()
             self.seconds[(name, phase)] += time.perf_counter() - start
             return result
 
@@ -49,4 +57,7 @@ class LayerTimer:
 
 
 def _named_leaves(layer: Layer) -> list[tuple[str, Layer]]:
-    return [(name, leaf) for name, leaf in layer.named_layers() if not leaf.children()]
+    """The layers that compute: no children, and not an empty container (a hybrid
+    model's spatial sequence is empty when every layer runs on whole samples)."""
+    return [(name, leaf) for name, leaf in layer.named_layers()
+            if not leaf.children() and type(leaf).children is Layer.children]

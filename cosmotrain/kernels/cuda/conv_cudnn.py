@@ -298,7 +298,9 @@ class CudnnRunner:
                 raise
             workspace = cupy.empty(entry.workspace, dtype=cupy.uint8) if entry.workspace else None
             pointers = {entry.tensors[role]: int(buffers[role].data.ptr) for role in "xwy"}
-            entry.graph.execute(pointers, None if workspace is None else int(workspace.data.ptr),
+            # a null pointer, not None, when the plan needs no workspace: the frontend
+            # (1.20, seen on an H200) reads None as an object to take a DLPack pointer from
+            entry.graph.execute(pointers, 0 if workspace is None else int(workspace.data.ptr),
                                 handle=handle)
 
 
