@@ -10,7 +10,8 @@
 #   TESTS_LIMIT=230 bash benchmarks/gpu_check.sh info bench-quick tests
 #   STEPS=5 WARMUP=2 BENCH_LIMIT=190 bash benchmarks/gpu_check.sh tests bench-paper bench-mlperf
 #   STEPS=4 WARMUP=1 BENCH_LIMIT=45 bash benchmarks/gpu_check.sh test-ir bench-b32-bf16 memory
-# Environment: STEPS, WARMUP, INPUT (host|device), TESTS_LIMIT, BENCH_LIMIT, OUT.
+# Environment: STEPS, WARMUP, INPUT (host|device), AUTOTUNE (true|false: cuDNN plans),
+# TESTS_LIMIT, BENCH_LIMIT, OUT.
 #
 # Set-up: a machine with no package index gets its missing wheels from .whl/ (the cuDNN
 # frontend, mpi4py, mpi-pytest, crc32c, the mpich wheel for mpiexec), installed outside
@@ -53,7 +54,8 @@ bench_w128() {  # bench_w128 MODEL BATCH...: the issue's table for one network
     local model=$1
     shift
     python3 benchmarks/bench_step.py --width 128 --batch "$@" --steps "${STEPS:-10}" --warmup "${WARMUP:-3}" \
-        --input "${INPUT:-host}" --set model.name="$model" --out "$OUT/step_${model}_w128_$(date +%H%M%S).json"
+        --input "${INPUT:-host}" --set device.cudnn_autotune="${AUTOTUNE:-false}" \
+        --set model.name="$model" --out "$OUT/step_${model}_w128_$(date +%H%M%S).json"
 }
 
 run_stage() {
@@ -81,7 +83,8 @@ run_stage() {
     profile)  # where a step's time goes, layer by layer (device synchronised around each)
         stage profile 150 python3 benchmarks/bench_step.py --width 128 --batch 8 \
             --precisions fp32 bf16 --algorithms cudnn --steps 5 --warmup 2 --input device \
-            --layers --torch-layouts ncdhw --out "$OUT/profile_w128_b8.json" ;;
+            --layers --torch-layouts ncdhw --set device.cudnn_autotune="${AUTOTUNE:-false}" \
+            --out "$OUT/profile_w128_b8.json" ;;
     bench-layers)
         stage bench-layers 180 python3 benchmarks/bench_gpu.py --width 128 --batch 8 \
             --precisions bf16 --out "$OUT/layers_w128.json" ;;

@@ -37,6 +37,18 @@ def test_device_section_defaults_and_shorthand() -> None:
     assert load_config(None, ["backend=gpu"]).device.backend == "gpu"
     assert load_config(None, ["backend=cpu", "device.precision=bf16"]).device.backend == "cpu"
     assert load_config(None, ["device.gpus_per_node=2"]).device.gpus_per_node == 2
+    assert load_config(None).device.cudnn_autotune is False
+
+
+def test_cudnn_autotune_reaches_the_convolution_settings() -> None:
+    from cosmotrain.kernels.cuda.settings import settings_for
+
+    tuned = decide(DeviceConfig(backend="gpu", cudnn_autotune=True), gpu_node("a", 1, 1), 0)
+    assert tuned.cudnn_autotune and "cuDNN plans autotuned" in tuned.describe()
+    assert settings_for(tuned).cudnn_plans == "autotune"
+    plain = decide(DeviceConfig(backend="gpu"), gpu_node("a", 1, 1), 0)
+    assert settings_for(plain).cudnn_plans == "heuristic"
+    assert settings_for(plain).cudnn_layout == "ncdhw"  # measured faster (settings.py)
 
 
 def test_device_section_rejects_bad_values_naming_the_key() -> None:
@@ -57,6 +69,7 @@ def test_device_section_rejects_bad_values_naming_the_key() -> None:
     ("device.precision=tf32", "device.precision"),
     ("device.conv_algorithm=cudnn", "device.conv_algorithm"),
     ("device.communication=nccl", "device.communication"),
+    ("device.cudnn_autotune=true", "device.cudnn_autotune"),
 ])
 def test_gpu_only_settings_on_an_explicit_cpu_backend(override: str, key: str) -> None:
     with pytest.raises(ConfigError, match=f"'{key}'.*backend is cpu"):

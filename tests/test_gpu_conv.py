@@ -31,7 +31,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from cosmotrain.kernels.conv3d import (conv3d_backward_data, conv3d_backward_filter,
                                        conv3d_forward)
-from cosmotrain.kernels.cuda import conv, conv_cudnn, conv_gemm, settings
+from cosmotrain.kernels.cuda import conv, conv_cudnn, conv_gemm, cudnn_plans, settings
 from cosmotrain.kernels.cuda.settings import ConvSettings
 from cosmotrain.kernels.geometry import ConvGeometry, normalize_padding
 
@@ -448,16 +448,18 @@ def test_dispatch_runs_cudnn_and_falls_back_to_gemm(monkeypatch, caplog) -> None
     seen = []
     monkeypatch.setattr(conv, "_uses_cudnn", lambda chosen, *arrays: seen.append(chosen) or True)
     monkeypatch.setattr(conv, "default_runner", lambda: runner)
-    chosen = ConvSettings(algorithm="cudnn", math="tf32", cudnn_layout="ncdhw",
-                          graph_cache_size=7)
+    chosen = ConvSettings(algorithm="cudnn", math="tf32", cudnn_layout="ndhwc",
+                          graph_cache_size=7, cudnn_plans="autotune")
     x, w, dy, stride, pad = make_case(CASES[3], seed=6, dtype=np.float32)
     for op in OPS:
         assert rel_error(run_op(conv, op, x, w, dy, stride, pad, settings=chosen),
                          cpu_reference(op, x, w, dy, stride, pad)) < 1e-6
-    assert [(c.math, c.layout) for c in runner.calls] == [("tf32", "ncdhw")] * 3
+    assert [(c.math, c.layout, c.plans) for c in runner.calls] == [
+        ("tf32", "ndhwc", "autotune")] * 3
     assert runner.cache_sizes == [7] * 3 and seen == [chosen] * 3
     run_op(conv, "fprop", x, w, dy, stride, pad)  # no settings: the defaults
-    assert (runner.calls[-1].math, runner.calls[-1].layout) == ("fp32", "ndhwc")
+    assert (runner.calls[-1].math, runner.calls[-1].layout, runner.calls[-1].plans) == (
+        "fp32", "ncdhw", "heuristic")
     assert runner.cache_sizes[-1] == ConvSettings().graph_cache_size
 
     class Unsupported:
@@ -477,6 +479,74 @@ def test_dispatch_runs_cudnn_and_falls_back_to_gemm(monkeypatch, caplog) -> None
     assert sorted(r.message.split(";")[0] for r in caplog.records) == [
         "no engine for dgrad", "no engine for fprop", "no engine for wgrad"]
     assert gemm_settings == [chosen] * 2
+
+
+def test_fastest_plan_skips_plans_that_fail() -> None:
+    times = {0: 3.0, 1: RuntimeError("CUDNN_STATUS_EXECUTION_FAILED"), 2: 1.0, 3: 2.0}
+
+    def seconds_of(index):
+        if isinstance(times[index], Exception):
+            raise times[index]
+        return times[index]
+
+    best, failures = cudnn_plans.fastest_plan(4, seconds_of)
+    assert best == 2 and list(failures) == [1] and "EXECUTION_FAILED" in failures[1]
+    with pytest.raises(conv_cudnn.CudnnUnsupported, match="no plan of 2 ran"):
+        cudnn_plans.fastest_plan(2, lambda index: seconds_of(1))
+
+
+def test_event_seconds_times_the_repeats_after_one_untimed_run() -> None:
+    runs, marks = [], []
+
+    class Event:
+        def record(self):
+            marks.append(len(runs))
+
+        def synchronize(self):
+            pass
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Event=Event, get_elapsed_time=lambda start, end: 10.0 * (marks[1] - marks[0])))
+    seconds = cudnn_plans.event_seconds(fake, lambda: runs.append(1), repeats=3)
+    assert len(runs) == 4 and marks == [1, 4]  # warm run before the first event
+    assert seconds == pytest.approx(0.010)  # 30 ms over 3 runs
+
+
+def test_the_runner_tunes_once_and_remembers_a_graph_with_no_plan(monkeypatch, caplog
+                                                                  ) -> None:
+    """``CudnnRunner._tune`` times every candidate through ``execute_plan_at_index`` and
+    keeps the fastest; when none runs, the key is remembered as unsupported (gemm runs
+    it from then on, without another build)."""
+    executed = []
+
+    class Graph:
+        def execute_plan_at_index(self, pointers, workspace, index, handle=None):
+            executed.append(index)
+            if index == 0:
+                raise RuntimeError("not supported on this device")
+
+        def get_plan_name_at_index(self, index):
+            return f"engine{index}"
+
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace())
+    speed = {1: 2e-3, 2: 5e-4, 3: 9e-4}
+    monkeypatch.setattr(cudnn_plans, "event_seconds",
+                        lambda cupy, run: (run(), speed[executed[-1]])[1])
+    geo = ConvGeometry.create((2, 4, 9, 8, 7), (16, 4, 3, 3, 3), 1, 1)
+    call = conv_cudnn.plan_call("fprop", geo, "float32", "fp32", "ncdhw", "autotune")
+    entry = conv_cudnn.GraphEntry(Graph(), {}, 0, candidates=4)
+    runner = conv_cudnn.CudnnRunner()
+    assert entry.needs_tuning
+    with caplog.at_level(logging.INFO, logger="cosmotrain.kernels.cuda"):
+        runner._tune(entry, call, call.key(), {}, 0, None)
+    assert entry.plan == 2 and not entry.needs_tuning and executed == [0, 1, 2, 3]
+    assert "plan 2 of 4 (engine2); 1 could not run" in caplog.text
+    none_runs = conv_cudnn.GraphEntry(Graph(), {}, 0, candidates=1)
+    with pytest.raises(conv_cudnn.CudnnUnsupported, match="no plan of 1 ran"):
+        runner._tune(none_runs, call, ("key",), {}, 0, None)
+    assert "no plan of 1 ran" in runner.unsupported[("key",)]
+    with pytest.raises(ValueError, match="plans must be one of"):
+        conv_cudnn.plan_call("fprop", geo, "float32", "fp32", "ncdhw", "fastest")
 
 
 def test_describe_graph_matches_the_frontend_ir() -> None:
@@ -611,10 +681,12 @@ def _device_results(cupy, module, case, storage, **kwargs):
         yield op, cupy.asnumpy(ours), cpu_reference(op, x, w, dy, stride, pad)
 
 
-def _check_on_device(cupy, algorithm: str, layout: str = "ndhwc") -> None:
+def _check_on_device(cupy, algorithm: str, layout: str = "ndhwc",
+                     plans: str = "heuristic") -> None:
     """Every case, op and precision through conv.py against the CPU kernels."""
     for storage, mode, tol in _device_dtypes():
-        chosen = ConvSettings(algorithm=algorithm, math=mode, cudnn_layout=layout)
+        chosen = ConvSettings(algorithm=algorithm, math=mode, cudnn_layout=layout,
+                              cudnn_plans=plans)
         for case in CASES + ALIGNED_CASES:
             for op, ours, exact in _device_results(cupy, conv, case, storage, settings=chosen):
                 assert rel_error(ours, exact) < tol, (case, op, storage.name, mode, layout)
@@ -641,6 +713,15 @@ def test_gpu_cudnn_matches_cpu_kernels(cupy) -> None:
     if runner.unsupported:
         warnings.warn("cuDNN had no engine for (gemm ran instead): "
                       + "; ".join(sorted(runner.unsupported.values())))
+
+
+def test_gpu_cudnn_autotuned_plans_match_cpu_kernels(cupy) -> None:
+    """Every plan cuDNN lists is timed and the fastest kept; its results are the CPU's
+    (the output of the last plan timed is overwritten by the chosen one's)."""
+    usable, why = conv.cudnn_status()
+    if not usable:
+        pytest.skip(why)
+    _check_on_device(cupy, "cudnn", "ncdhw", plans="autotune")
 
 
 def test_gpu_cudnn_graphs_are_cached_and_follow_the_stream(cupy) -> None:

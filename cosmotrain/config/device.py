@@ -19,6 +19,8 @@ def check_cpu_settings(cfg: DeviceConfig, why: str = "") -> None:
                  "tf32 is a GPU math mode", "use precision fp32 or bf16"),
                 ("device.conv_algorithm", cfg.conv_algorithm != AUTO,
                  f"{cfg.conv_algorithm} selects GPU convolutions", "leave it auto"),
+                ("device.cudnn_autotune", cfg.cudnn_autotune,
+                 "cudnn_autotune times GPU convolutions", "leave it false"),
                 ("device.communication", cfg.communication != "staging",
                  f"{cfg.communication} moves GPU buffers", "leave it staging"))
     for key, wrong, problem, fix in gpu_only:

@@ -255,6 +255,9 @@ class DeviceConfig:
                           "slow validation emulation)", choices=PRECISIONS)
     conv_algorithm: str = spec(AUTO, "GPU convolutions: cudnn, gemm (im2col + cuBLAS) or "
                                "auto (cudnn when available)", choices=CONV_ALGORITHMS)
+    cudnn_autotune: bool = spec(False, "GPU: time every cuDNN plan of each convolution "
+                                "at its first call and keep the fastest (PyTorch's "
+                                "cudnn.benchmark); false: cuDNN's heuristic choice")
     communication: str = spec("staging", "how GPU buffers cross MPI: staging (through "
                               "pinned host memory; any MPI), cuda-aware (device pointers "
                               "to an MPI built with CUDA support) or nccl (NCCL "

@@ -54,6 +54,7 @@ class Device:
     communication: str = "staging"
     conv_algorithm: str = AUTO
     shared_by: int = 1  # ranks of this node bound to the same GPU
+    cudnn_autotune: bool = False
 
     @property
     def is_gpu(self) -> bool:
@@ -93,7 +94,9 @@ class Device:
             return f"cpu (numpy), precision {self.precision}"
         shared = f", shared by {self.shared_by} ranks" if self.shared_by > 1 else ""
         return (f"gpu {self.index}{shared} (cupy), precision {self.precision}, "
-                f"convolutions {self.conv_algorithm}, communication {self.communication}")
+                f"convolutions {self.conv_algorithm}"
+                f"{' (cuDNN plans autotuned)' if self.cudnn_autotune else ''}, "
+                f"communication {self.communication}")
 
 
 def decide(cfg: DeviceConfig, probes: Sequence[Probe], rank: int) -> Device:
@@ -109,7 +112,7 @@ def decide(cfg: DeviceConfig, probes: Sequence[Probe], rank: int) -> Device:
     if cfg.communication == "nccl":
         _check_nccl(probes, gpus)
     return Device("gpu", indices[rank], cfg.precision, cfg.communication,
-                  cfg.conv_algorithm, shared)
+                  cfg.conv_algorithm, shared, cfg.cudnn_autotune)
 
 
 def _first_without_gpu(probes: Sequence[Probe]) -> tuple[int, Probe] | None:

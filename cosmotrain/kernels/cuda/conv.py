@@ -128,7 +128,8 @@ def _dispatch(op: str, operands: Tuple[Any, Any], *args: Any,
             return getattr(conv_cudnn, op)(*operands, *args, runner=default_runner(),
                                            math=settings.math,
                                            layout=settings.cudnn_layout,
-                                           cache_size=settings.graph_cache_size)
+                                           cache_size=settings.graph_cache_size,
+                                           plans=settings.cudnn_plans)
         except conv_cudnn.CudnnUnsupported as exc:
             _note_fallback(exc)
     return getattr(conv_gemm, op)(*operands, *args, settings=settings)

@@ -11,12 +11,13 @@ stream.
 Layout.  The engine's arrays are NCDHW-contiguous.  cuDNN takes any strides over the
 logical NCDHW dims, but its tensor-core kernels for 3D convolutions want channels-last
 (NDHWC): with NCDHW descriptors cuDNN either picks other engines or transposes
-internally.  ``layout="ndhwc"`` (the default) therefore transposes each operand into a
+internally.  ``layout="ndhwc"`` therefore transposes each operand into a
 channels-last buffer at the boundary (one copy in, one out: for CosmoFlow's conv1 32 MiB
 in and 128 MiB out per sample, well under a millisecond at H100 bandwidth) and describes
 them with channels-last strides (:func:`layout_strides`); ``layout="ncdhw"`` describes the
-engine's arrays as they are and copies nothing.  Which is faster per layer is measured by
-``benchmarks/bench_gpu.py`` (``--layouts``): that is the decision point for the default.
+engine's arrays as they are and copies nothing.  Which is faster is measured by
+``benchmarks/bench_gpu.py`` (``--layouts``): on an H200, ``ncdhw`` (now the default of
+``ConvSettings.cudnn_layout``; these functions keep ``ndhwc`` for direct callers).
 
 Padding.  The kernels' padding is asymmetric (a block with halos is padded only on the
 global boundary).  cuDNN graphs are given symmetric padding ``m = min(lo, hi)`` per
@@ -37,33 +38,41 @@ the engines with the TENSOR_CORE numerical note (TF32 for float io, as PyTorch d
 ``allow_tf32`` is off), ``math="tf32"`` keeps them.  Engines that down-convert inputs or
 reduce in reduced precision are always deselected: accumulation is fp32.
 
+Plans (``plans=``).  ``heuristic`` runs the first plan of cuDNN's heuristics (modes A,
+then FALLBACK).  On the H200 that choice made plain fp32 convolutions 2x slower than the
+gemm path and about 8x slower than PyTorch's autotuned cuDNN (docs/PERFORMANCE.md, "GPU").
+``autotune`` builds every plan the heuristics list and, at the first call of each graph,
+times each on that call's own buffers (CUDA events, one untimed run, two timed) and keeps
+the fastest, as ``torch.backends.cudnn.benchmark`` does; a plan that fails is skipped.
+
 A graph that cuDNN cannot build raises :class:`CudnnUnsupported` (remembered per key, so
 it is not rebuilt); :mod:`.conv` then runs that call on the gemm path.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Protocol, Sequence, Tuple
+from typing import Any, Dict, Mapping, Protocol, Sequence, Tuple
 
 import numpy as np
 
 from cosmotrain.device.xp import array_module
+from cosmotrain.kernels.cuda import cudnn_plans
+from cosmotrain.kernels.cuda.cudnn_plans import (PLAN_CHOICES, CudnnUnsupported, GraphCache,
+                                                 GraphEntry, largest_workspace, plan_name)
 from cosmotrain.kernels.cuda.layouts import empty_buffer, extended_shape, from_layout, to_layout
 from cosmotrain.kernels.cuda.settings import DEFAULT_GRAPH_CACHE_SIZE
 from cosmotrain.kernels.geometry import ConvGeometry, Padding, PaddingLike, Triple
+
+LOG = logging.getLogger("cosmotrain.kernels.cuda")
 
 # cuDNN data type (cudnn.data_type member) of each storage dtype.
 DATA_TYPES = {"float32": "FLOAT", "bfloat16": "BFLOAT16"}
 OPS = ("fprop", "dgrad", "wgrad")
 # The output role of each op; the other two roles are inputs.
 OUTPUT_ROLE = {"fprop": "y", "dgrad": "x", "wgrad": "w"}
-
-
-class CudnnUnsupported(RuntimeError):
-    """cuDNN has no engine for this convolution (after the precision filters)."""
 
 
 @dataclass(frozen=True)
@@ -91,10 +100,11 @@ class ConvCall:
     math: str
     layout: str
     extend: Padding
+    plans: str = "heuristic"  # or "autotune": see :func:`build_graph`
 
     def key(self) -> tuple:
         return (self.op, self.image, self.filter, self.output, self.padding, self.stride,
-                self.dtype, self.math, self.layout)
+                self.dtype, self.math, self.layout, self.plans)
 
 
 def symmetric_padding(padding: Padding) -> Tuple[Triple, Padding]:
@@ -121,16 +131,19 @@ def describe(dims: Sequence[int], layout: str) -> TensorDesc:
     return TensorDesc(dims, layout_strides(dims, layout))
 
 
-def plan_call(op: str, geo: ConvGeometry, dtype: str, math: str, layout: str) -> ConvCall:
+def plan_call(op: str, geo: ConvGeometry, dtype: str, math: str, layout: str,
+              plans: str = "heuristic") -> ConvCall:
     """The :class:`ConvCall` of convolution ``geo`` for ``op`` (fprop, dgrad, wgrad)."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if dtype not in DATA_TYPES:
         raise ValueError(f"cuDNN convolutions take float32 or bfloat16 storage, got {dtype}")
+    if plans not in PLAN_CHOICES:
+        raise ValueError(f"plans must be one of {PLAN_CHOICES}, got {plans!r}")
     sym, extend = symmetric_padding(geo.padding)
     return ConvCall(op, describe(extended_shape(geo.x_shape, extend), layout),
                     describe(geo.w_shape, layout), describe(geo.y_shape, layout),
-                    sym, geo.stride, dtype, math, layout, extend)
+                    sym, geo.stride, dtype, math, layout, extend, plans)
 
 
 def note_filters(call: ConvCall) -> Tuple[str, ...]:
@@ -149,46 +162,11 @@ def note_filters(call: ConvCall) -> Tuple[str, ...]:
 # The graph cache and the runner that executes calls on the GPU.
 
 
-class GraphCache:
-    """Built graphs by key, least recently used evicted beyond ``capacity`` entries."""
-
-    def __init__(self) -> None:
-        self._entries: "OrderedDict[tuple, Any]" = OrderedDict()
-        self.builds = 0
-
-    def get(self, key: tuple, build: Callable[[], Any], capacity: int) -> Any:
-        """The entry for ``key``, built by ``build()`` on first use."""
-        if key in self._entries:
-            self._entries.move_to_end(key)
-            return self._entries[key]
-        entry = build()
-        self.builds += 1
-        self._entries[key] = entry
-        while len(self._entries) > capacity:
-            self._entries.popitem(last=False)
-        return entry
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-
 class Runner(Protocol):
     def run(self, call: ConvCall, buffers: Mapping[str, Any],
             cache_size: int = DEFAULT_GRAPH_CACHE_SIZE) -> None:
         """Execute ``call`` on ``buffers`` (roles x, w, y; the op's output is written),
         keeping at most ``cache_size`` built graphs."""
-
-
-@dataclass
-class GraphEntry:
-    """A built graph, its operand tensors by role and its workspace size in bytes."""
-
-    graph: Any
-    tensors: Dict[str, Any]
-    workspace: int
 
 
 def describe_graph(cudnn: Any, call: ConvCall, handle: Any) -> Tuple[Any, Dict[str, Any]]:
@@ -225,7 +203,9 @@ def describe_graph(cudnn: Any, call: ConvCall, handle: Any) -> Tuple[Any, Dict[s
 
 
 def build_graph(cudnn: Any, call: ConvCall, handle: Any) -> GraphEntry:
-    """Describe, filter by numerical notes, plan and build ``call``'s graph."""
+    """Describe, filter by numerical notes, plan and build ``call``'s graph: the
+    heuristics' first plan, or every plan for :meth:`CudnnRunner.run` to time
+    (``call.plans == "autotune"``)."""
     graph, tensors = describe_graph(cudnn, call, handle)
     try:
         graph.validate()
@@ -234,13 +214,20 @@ def build_graph(cudnn: Any, call: ConvCall, handle: Any) -> GraphEntry:
         graph.deselect_numeric_notes([getattr(cudnn.numerical_note, name)
                                       for name in note_filters(call)])
         graph.check_support()
+        if call.plans == "autotune":
+            graph.build_plans(cudnn.build_plan_policy.ALL)
+            count = int(graph.get_execution_plan_count())
+            return GraphEntry(graph, tensors, largest_workspace(graph, count), count)
         graph.build_plans()
     except cudnn.cudnnGraphNotSupportedError as exc:
-        raise CudnnUnsupported(f"cuDNN cannot run {call.op} {call.image.dims} x "
-                               f"{call.filter.dims} stride {call.stride} padding "
-                               f"{call.padding} {call.dtype}/{call.math}/{call.layout}: "
-                               f"{exc}") from exc
+        raise CudnnUnsupported(_unsupported(call, exc)) from exc
     return GraphEntry(graph, tensors, int(graph.get_workspace_size()))
+
+
+def _unsupported(call: ConvCall, why: Any) -> str:
+    return (f"cuDNN cannot run {call.op} {call.image.dims} x {call.filter.dims} stride "
+            f"{call.stride} padding {call.padding} {call.dtype}/{call.math}/{call.layout}: "
+            f"{why}")
 
 
 class CudnnRunner:
@@ -300,8 +287,34 @@ class CudnnRunner:
             pointers = {entry.tensors[role]: int(buffers[role].data.ptr) for role in "xwy"}
             # a null pointer, not None, when the plan needs no workspace: the frontend
             # (1.20, seen on an H200) reads None as an object to take a DLPack pointer from
-            entry.graph.execute(pointers, 0 if workspace is None else int(workspace.data.ptr),
-                                handle=handle)
+            address = 0 if workspace is None else int(workspace.data.ptr)
+            if entry.needs_tuning:
+                self._tune(entry, call, key, pointers, address, handle)
+            if entry.plan is None:
+                entry.graph.execute(pointers, address, handle=handle)
+            else:
+                entry.graph.execute_plan_at_index(pointers, address, entry.plan,
+                                                  handle=handle)
+
+    def _tune(self, entry: GraphEntry, call: ConvCall, key: tuple, pointers: Dict[Any, int],
+              workspace: int, handle: Any) -> None:
+        """Time every plan of ``entry`` on this call's own buffers and keep the fastest
+        (the output is written again by the chosen plan afterwards)."""
+        import cupy
+
+        def seconds_of(index: int) -> float:
+            return cudnn_plans.event_seconds(cupy, lambda: entry.graph.execute_plan_at_index(
+                pointers, workspace, index, handle=handle))
+
+        try:
+            entry.plan, failures = cudnn_plans.fastest_plan(entry.candidates, seconds_of)
+        except CudnnUnsupported as exc:
+            self._unsupported[key] = _unsupported(call, exc)
+            raise CudnnUnsupported(self._unsupported[key]) from exc
+        LOG.info("cuDNN %s %s x %s %s: plan %d of %d (%s)%s", call.op, call.image.dims,
+                 call.filter.dims, call.dtype, entry.plan, entry.candidates,
+                 plan_name(entry.graph, entry.plan),
+                 f"; {len(failures)} could not run" if failures else "")
 
 
 # ---------------------------------------------------------------------------------------
@@ -330,11 +343,12 @@ def _run(runner: Runner, call: ConvCall, buffers: Dict[str, Any], cache_size: in
 
 def conv3d_forward(x: Any, w: Any, stride: "int | Sequence[int]" = 1,
                    padding: PaddingLike = 0, *, runner: Runner, math: str = "fp32",
-                   layout: str = "ndhwc", cache_size: int = DEFAULT_GRAPH_CACHE_SIZE) -> Any:
+                   layout: str = "ndhwc", cache_size: int = DEFAULT_GRAPH_CACHE_SIZE,
+                   plans: str = "heuristic") -> Any:
     """``y = conv3d(x, w)`` in the dtype of x (w is cast to it)."""
     xp, storage, w = _operands(x, "x", w)
     geo = ConvGeometry.create(x.shape, w.shape, stride, padding)
-    call = plan_call("fprop", geo, storage.name, math, layout)
+    call = plan_call("fprop", geo, storage.name, math, layout, plans)
     out = _run(runner, call, {"x": to_layout(xp, x, layout, call.extend),
                               "w": to_layout(xp, w, layout),
                               "y": empty_buffer(xp, call.output.dims, layout, storage)},
@@ -345,12 +359,13 @@ def conv3d_forward(x: Any, w: Any, stride: "int | Sequence[int]" = 1,
 def conv3d_backward_data(dy: Any, w: Any, x_shape: Sequence[int],
                          stride: "int | Sequence[int]" = 1, padding: PaddingLike = 0, *,
                          runner: Runner, math: str = "fp32", layout: str = "ndhwc",
-                         cache_size: int = DEFAULT_GRAPH_CACHE_SIZE) -> Any:
+                         cache_size: int = DEFAULT_GRAPH_CACHE_SIZE,
+                         plans: str = "heuristic") -> Any:
     """``dL/dx`` of shape ``x_shape`` in the dtype of dy (w is cast to it)."""
     xp, storage, w = _operands(dy, "dy", w)
     geo = ConvGeometry.create(x_shape, w.shape, stride, padding)
     geo.check("dy", dy.shape, geo.y_shape)
-    call = plan_call("dgrad", geo, storage.name, math, layout)
+    call = plan_call("dgrad", geo, storage.name, math, layout, plans)
     out = _run(runner, call, {"y": to_layout(xp, dy, layout), "w": to_layout(xp, w, layout),
                               "x": empty_buffer(xp, call.image.dims, layout, storage)},
                cache_size)
@@ -360,12 +375,13 @@ def conv3d_backward_data(dy: Any, w: Any, x_shape: Sequence[int],
 def conv3d_backward_filter(x: Any, dy: Any, w_shape: Sequence[int],
                            stride: "int | Sequence[int]" = 1, padding: PaddingLike = 0, *,
                            runner: Runner, math: str = "fp32", layout: str = "ndhwc",
-                           cache_size: int = DEFAULT_GRAPH_CACHE_SIZE) -> Any:
+                           cache_size: int = DEFAULT_GRAPH_CACHE_SIZE,
+                           plans: str = "heuristic") -> Any:
     """``dL/dw`` of shape ``w_shape`` in the dtype of x (dy is cast to it)."""
     xp, storage, dy = _operands(x, "x", dy)
     geo = ConvGeometry.create(x.shape, w_shape, stride, padding)
     geo.check("dy", dy.shape, geo.y_shape)
-    call = plan_call("wgrad", geo, storage.name, math, layout)
+    call = plan_call("wgrad", geo, storage.name, math, layout, plans)
     out = _run(runner, call, {"x": to_layout(xp, x, layout, call.extend),
                               "y": to_layout(xp, dy, layout),
                               "w": empty_buffer(xp, call.filter.dims, layout, storage)},

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import numpy as np
 
+from cosmotrain.kernels.cuda.cudnn_plans import PLAN_CHOICES
+
 if TYPE_CHECKING:
     from cosmotrain.device.select import Device
 
@@ -53,20 +55,25 @@ class ConvSettings:
     storage; bf16 storage always multiplies on tensor cores and accumulates in fp32).
     ``cudnn_layout``: memory layout handed to cuDNN, ``ndhwc`` (transpose copies at the
     boundary; the layout of cuDNN's tensor-core kernels) or ``ncdhw`` (the engine's
-    arrays described as they are, no copies); chosen by ``benchmarks/bench_gpu.py``.
+    arrays described as they are, no copies).  ``ncdhw`` by measurement: on an H200 a bf16
+    CosmoFlow step's convolutions took 16.5 ms in it against 20.0 ms in ``ndhwc``
+    (``benchmarks/bench_gpu.py``, batch 8, 2026-11-27).
+    ``cudnn_plans``: ``heuristic`` (cuDNN's first plan) or ``autotune`` (every plan
+    timed at a graph's first call, the fastest kept; ``device.cudnn_autotune``).
     ``gemm_budget_bytes``: bound on one GEMM's column matrix and output (bytes).
     ``graph_cache_size``: built cuDNN graphs kept (least recently used evicted).
     """
 
     algorithm: str = "auto"
     math: str = "fp32"
-    cudnn_layout: str = "ndhwc"
+    cudnn_layout: str = "ncdhw"
+    cudnn_plans: str = "heuristic"
     gemm_budget_bytes: int = DEFAULT_GEMM_BUDGET
     graph_cache_size: int = DEFAULT_GRAPH_CACHE_SIZE
 
     def __post_init__(self) -> None:
         for name, allowed in (("algorithm", ALGORITHMS), ("math", MATH_MODES),
-                              ("cudnn_layout", LAYOUTS)):
+                              ("cudnn_layout", LAYOUTS), ("cudnn_plans", PLAN_CHOICES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ConvSettings.{name} must be one of {', '.join(allowed)}, "
                                  f"got {getattr(self, name)!r}")
@@ -78,10 +85,12 @@ class ConvSettings:
 
 def settings_for(device: Device) -> ConvSettings:
     """The convolution settings of a job on ``device``: its ``device.conv_algorithm``,
-    and TF32 math under ``precision: tf32`` (strict fp32 otherwise; bf16 storage always
-    multiplies on tensor cores)."""
+    TF32 math under ``precision: tf32`` (strict fp32 otherwise; bf16 storage always
+    multiplies on tensor cores), and cuDNN plan autotuning under
+    ``device.cudnn_autotune``."""
     return ConvSettings(algorithm=device.conv_algorithm,
-                        math="tf32" if device.precision == "tf32" else "fp32")
+                        math="tf32" if device.precision == "tf32" else "fp32",
+                        cudnn_plans="autotune" if device.cudnn_autotune else "heuristic")
 
 
 DEFAULT_SETTINGS = ConvSettings()
