@@ -13,10 +13,15 @@ setup(ext_modules=[Extension(
     "cosmotrain.kernels._directconv",
     sources=["cosmotrain/kernels/native/direct.c", "cosmotrain/kernels/native/maxpool.c",
              "cosmotrain/kernels/native/avgpool.c", "cosmotrain/kernels/native/optim.c",
-             "cosmotrain/kernels/native/activation.c"],
+             "cosmotrain/kernels/native/activation.c",
+             "cosmotrain/kernels/native/winograd_weights.c"],
     depends=["cosmotrain/kernels/native/direct_body.h",
              "cosmotrain/kernels/native/winograd_body.h"],
-    # errno is never read: sqrtf may then be one vector instruction (native/optim.c)
-    extra_compile_args=["-fno-math-errno"],
+    # errno is never read: sqrtf may then be one vector instruction (native/optim.c).
+    # -fno-wrapv undoes the -fwrapv of Python's own CFLAGS: with wrapping signed ints GCC
+    # cannot widen the loops' int indices, and the 2x2x2 max pooling ran at half speed
+    # (MLPerf pool1, one core: 59 ms against 27; docs/PERFORMANCE.md).  No loop here
+    # relies on signed overflow.
+    extra_compile_args=["-fno-math-errno", "-fno-wrapv"],
     optional=True,
 )])

@@ -213,8 +213,10 @@ def test_dispatch_rule() -> None:
     assert compiled_choice.winograd_forward(wide_channels, np.float32) == (16 * 8 >= 4 * run)
     assert not compiled_choice.winograd_forward(wide_channels, np.float64)
     few_channels = ConvGeometry.create((1, 16, 4, 64, 64), (32, 16, 3, 3, 3), 1, 1)
-    assert not compiled_choice.winograd_forward(few_channels, np.float32)
-    few_filters = ConvGeometry.create((1, 32, 4, 64, 64), (16, 32, 3, 3, 3), 1, 1)
+    assert compiled_choice.winograd_forward(few_channels, np.float32)  # 16: the bound
+    thin = ConvGeometry.create((1, 8, 4, 64, 64), (32, 8, 3, 3, 3), 1, 1)
+    assert not compiled_choice.winograd_forward(thin, np.float32)
+    few_filters = ConvGeometry.create((1, 32, 4, 64, 64), (8, 32, 3, 3, 3), 1, 1)
     assert not compiled_choice.winograd_forward(few_filters, np.float32)
     small_planes = ConvGeometry.create((1, 256, 8, 8, 8), (512, 256, 3, 3, 3), 1, 1)
     assert not compiled_choice.winograd_forward(small_planes, np.float32)
@@ -277,3 +279,19 @@ def test_a_failed_allocation_in_the_loops_is_an_error() -> None:
     compiled.check(0, "x")
     with pytest.raises(MemoryError, match="Winograd filter gradient: out of memory"):
         compiled.check(-1, "Winograd filter gradient")
+
+
+@pytest.mark.parametrize("tile", [2, 4])
+def test_compiled_weight_transform_is_numpys_to_one_ulp(tile) -> None:
+    """The C transform of the Winograd kernels (double sums, rounded) against the numpy
+    form, filters not a multiple of the block included (the padding filters are 0)."""
+    if winograd._weights_loop() is None:
+        pytest.skip("the compiled loops were not built")
+    w = np.random.default_rng(11).normal(size=(13, 5, 2, 3, 3)).astype(np.float32)
+    ours = winograd.transformed_weights(w, 8, tile)
+    numpy_form = winograd._transformed_weights_numpy(w, 8, tile)
+    assert ours.shape == numpy_form.shape == (tile + 2, 2, 5, 2, 3, 8)
+    np.testing.assert_array_max_ulp(ours, numpy_form, maxulp=1)
+    assert not ours[:, 1, ..., 5:].any()
+    with pytest.raises(ValueError, match="tiles are 2 or 4"):
+        winograd.transformed_weights(w, 8, 3)

@@ -202,6 +202,25 @@ def test_tiled_max_pool_is_the_general_kernel_bit_for_bit(monkeypatch, shape, bl
     assert np.isnan(y).any() and np.isinf(dx).any()
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
+def test_tiled_max_pool_ties_everywhere_keep_the_first_offset(monkeypatch, compiled) -> None:
+    """Windows of three values only (ties between rows, columns and both; rows of 140
+    outputs: more than one span of the compiled loops): the first of equal maxima in
+    offset order, as the general kernel, and each gradient at that offset."""
+    if compiled and maxpool_tiled._loops() is None:
+        pytest.skip("the compiled loops were not built")
+    monkeypatch.setattr(maxpool_tiled, "USE_COMPILED", compiled)
+    x = np.random.default_rng(9).integers(0, 3, size=(1, 2, 4, 6, 280)).astype(np.float32)
+    y, argmax = max_pool3d_forward(x, 2, 2, 0)
+    dy = np.random.default_rng(10).normal(size=y.shape).astype(np.float32)
+    dx = max_pool3d_backward(dy, argmax, x.shape, 2, 2, 0)
+    monkeypatch.setattr(maxpool_tiled, "applies", lambda *args: False)
+    y0, argmax0 = max_pool3d_forward(x, 2, 2, 0)
+    np.testing.assert_array_equal(y, y0)
+    np.testing.assert_array_equal(argmax, argmax0)
+    np.testing.assert_array_equal(dx, max_pool3d_backward(dy, argmax0, x.shape, 2, 2, 0))
+
+
 @pytest.mark.parametrize("kernel, stride, padding, shape", CASES, ids=IDS)
 @pytest.mark.parametrize("max_planes", [1, 2, 5])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])

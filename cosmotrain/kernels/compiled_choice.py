@@ -22,12 +22,18 @@ USE_DIRECT = True
 # Largest share of a row that rounding the output width up to whole runs may waste.
 MAX_DIRECT_WASTE = 1 / 8
 # Winograd F(2,3) along W (:mod:`.winograd`) for 3-wide unit-stride float32 layers with
-# at least this many input and output channels (16 in: its transforms cost more than the
-# products saved, cosmoflow conv2 forward 65 ms against the direct loops' 56; 16 out:
-# cosmoflow conv2's data gradient, 32 -> 16 channels, 68 against 61) ...
-WINOGRAD_MIN_CHANNELS = 32
+# at least this many input and output channels.  It was 32 while the forward read every
+# component's weights once per register run (cosmoflow conv2, 16 -> 32: 65 ms against the
+# direct loops' 56); with the chunked forward (native/winograd_body.h) that layer takes
+# 46 ms against 53, and its data gradient (32 -> 16) 59 against 60.  4 channels
+# (conv1): 95-182 ms against the direct loops' 58-126, hence not below 16 ...
+WINOGRAD_MIN_CHANNELS = 16
 # ... and at least this many register runs of outputs per plane (MLPerf conv5, 8^3: one
-# run a plane, its 19 MB of transformed weights read per run: 44 ms against 26 lowered).
+# run a plane).  With chunks of runs across planes and the weight transform in C, conv5
+# forward takes 22 ms on one core against 26 lowered and its data gradient 35 against 35;
+# but in the 2-thread step (two chunks of 4 planes, each transforming 2 halo planes and
+# reading all 19 MB of weights) conv5 took 17 + 44 ms against 16 + 41 lowered
+# (2026-11-27), so 8^3 planes stay on the lowerings.
 WINOGRAD_MIN_RUNS = 4
 # F(4,3) (2x fewer products, 6 components) rather than F(2,3) for output rows of at least
 # this many (one core, forward / data gradient: MLPerf conv3 88 -> 74 / 92 -> 78 ms,

@@ -42,6 +42,17 @@ static void CAT(input_components, SUFFIX)(
     for (int i = 0; i < RUN; i++) work[(m + 2) * component + i] = 0.0f;
 }
 
+/* Register runs per chunk of the forward (see there): at most CHUNK_RUNS, and as many as
+ * keep one component's inputs of the chunk (c_in kd (rows + kh - 1) T floats) within
+ * CHUNK_BYTES.  One core, AVX-512, ms with 8 / 4 / 2 runs a chunk and before chunking
+ * (one run): MLPerf conv2 forward 156 / 163 / 181 / 216 (c_in 32), conv2 data gradient
+ * 198 / 181 / 184 / 214 (64), conv3 forward 73 / 69 / 72 / 80 (64), its data gradient
+ * 96 / 88 / 81 / 83 (128); the budget: 200 KiB (conv3 forward 66 ms with 4 runs, data
+ * gradient 83 with 2) against 232 (69 with 8, 86 with 4; conv4's data gradient, c_in 256,
+ * 46 with 2 runs against 53 with 1). */
+#define CHUNK_RUNS 8
+#define CHUNK_BYTES (200L << 10)
+
 /* One output tile from its component sums q[i] (A^T), `valid` of its m outputs written. */
 static inline void CAT(output_tile, SUFFIX)(float *out, const float *q, int m, int valid,
                                             float bias) {
@@ -55,6 +66,26 @@ static inline void CAT(output_tile, SUFFIX)(float *out, const float *q, int m, i
     const float y[4] = {q[0] + sum12 + sum34 + bias, diff12 + 2.0f * diff34 + bias,
                         sum12 + 4.0f * sum34 + bias, diff12 + 8.0f * diff34 + q[5] + bias};
     for (int j = 0; j < valid; j++) out[j] = y[j];
+}
+
+/* Runs per chunk of the forward: the most (up to CHUNK_RUNS) whose inputs of one
+ * component fit in CHUNK_BYTES: c_in kd (rows + kh - 1) T floats within a plane, c_in
+ * (planes + kd - 1) planes across planes.  A whole volume of at most CHUNK_RUNS runs is
+ * one chunk whatever its inputs (8^3 planes: one run each, and every run read all of a
+ * component's weights, 19 MB for MLPerf conv5). */
+static int CAT(chunk_runs, SUFFIX)(int c_in, int kd, int kh, int tiles, long outputs,
+                                   long plane, long total_runs) {
+    if (total_runs <= CHUNK_RUNS) return (int)total_runs;
+    int runs = 1;
+    while (runs < CHUNK_RUNS) {
+        const long positions = (runs + 1L) * RUN;
+        const long floats = positions <= outputs
+            ? (long)c_in * kd * ((positions + tiles - 1) / tiles + kh - 1) * tiles
+            : (long)c_in * ((positions + outputs - 1) / outputs + kd - 1) * plane;
+        if (floats * (long)sizeof(float) > CHUNK_BYTES) break;
+        runs++;
+    }
+    return runs;
 }
 
 /* y = conv(s, w) for kernels of width 3, unit stride, with (m + 2) * 9 multiplications
@@ -76,36 +107,54 @@ void CAT(cosmotrain_winograd_w_forward, SUFFIX)(
     const int blocks = (filters + FB - 1) / FB;
     const long block_size = (long)c_in * kd * kh * FB;
     const long outputs = (long)ho * tiles;
-    for (int z = 0; z < nz; z++)
-    for (long p0 = 0; p0 < outputs; p0 += RUN) {
-        const int n = outputs - p0 < RUN ? (int)(outputs - p0) : RUN;
-        long where[RUN];  /* each tile's first output in its plane: m t + h * y_h */
-        int valid[RUN];   /* and how many of its m outputs lie inside the row */
-        for (int k = 0, h = (int)(p0 / tiles), t = (int)(p0 % tiles); k < n; k++) {
-            where[k] = h * y_h + m * t;
-            valid[k] = wo - m * t < m ? wo - m * t : m;
-            if (++t == tiles) { t = 0; h++; }
+    /* Chunks of register runs (CHUNK_RUNS above), taken in (z, position) order across
+     * planes: per filter block and component, one block of transformed weights
+     * (c_in kd kh FB floats) serves every run of the chunk while it is in L1/L2, instead
+     * of every component's weights being read again for each run (MLPerf conv4: 7 MB of
+     * weights per run).  q holds the chunk's component sums until the output transform. */
+    float q[FB][6][CHUNK_RUNS * RUN];
+    long source[CHUNK_RUNS];       /* each run's first position in the flat components */
+    long where[CHUNK_RUNS * RUN];  /* each tile's first output: z y_d + h y_h + m t */
+    int valid[CHUNK_RUNS * RUN];   /* and how many of its m outputs lie inside the row */
+    const long plane_runs = (outputs + RUN - 1) / RUN, total_runs = nz * plane_runs;
+    const int runs_per_chunk = CAT(chunk_runs, SUFFIX)(c_in, kd, kh, tiles, outputs, plane,
+                                                       total_runs);
+    for (long r0 = 0; r0 < total_runs; r0 += runs_per_chunk) {
+        const int runs = total_runs - r0 < runs_per_chunk ? (int)(total_runs - r0)
+                                                          : runs_per_chunk;
+        for (int r = 0; r < runs; r++) {
+            const int z = (int)((r0 + r) / plane_runs);
+            const long p0 = (r0 + r) % plane_runs * RUN;
+            source[r] = z * plane + p0;
+            for (int k = 0; k < RUN; k++) {
+                const long p = p0 + k;
+                const int h = (int)(p / tiles), t = (int)(p % tiles);
+                where[r * RUN + k] = z * y_d + h * y_h + m * t;
+                valid[r * RUN + k] = p >= outputs ? 0 : wo - m * t < m ? wo - m * t : m;
+            }
         }
-        for (int fb = 0; fb < blocks; fb++) {  /* the run's components stay in cache */
+        for (int fb = 0; fb < blocks; fb++) {
             const int nf = filters - fb * FB < FB ? filters - fb * FB : FB;
-            float q[FB][RUN][6];
             for (int i = 0; i < m + 2; i++) {
-                VEC acc[FB][WV];  /* a local block: kept in registers over all taps */
-                CAT(forward_block, SUFFIX)(acc, up + (i * blocks + fb) * block_size,
-                                           work + i * component + z * plane + p0,
-                                           channel, plane, tiles, c_in, kd, kh, 1);
-                for (int f = 0; f < FB; f++) {
-                    float lanes[RUN];
-                    __builtin_memcpy(lanes, acc[f], sizeof lanes);
-                    for (int k = 0; k < RUN; k++) q[f][k][i] = lanes[k];
+                const float *wq = up + (i * blocks + fb) * block_size;
+                for (int r = 0; r < runs; r++) {
+                    VEC acc[FB][WV];  /* a local block: kept in registers over all taps */
+                    CAT(forward_block, SUFFIX)(acc, wq, work + i * component + source[r],
+                                               channel, plane, tiles, c_in, kd, kh, 1);
+                    for (int f = 0; f < FB; f++)
+                        __builtin_memcpy(&q[f][i][r * RUN], acc[f], sizeof(float) * RUN);
                 }
             }
             for (int f = 0; f < nf; f++) {
                 const int o = fb * FB + f;
                 const float b0 = bias ? bias[o] : 0.0f;
-                float *yz = y + o * y_f + z * y_d;
-                for (int k = 0; k < n; k++)
-                    CAT(output_tile, SUFFIX)(yz + where[k], q[f][k], m, valid[k], b0);
+                float *yo = y + o * y_f;
+                for (int k = 0; k < runs * RUN; k++) {
+                    if (!valid[k]) continue;  /* past the plane's last tile */
+                    float sums[6];
+                    for (int i = 0; i < m + 2; i++) sums[i] = q[f][i][k];
+                    CAT(output_tile, SUFFIX)(yo + where[k], sums, m, valid[k], b0);
+                }
             }
         }
     }
