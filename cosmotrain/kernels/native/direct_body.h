@@ -99,11 +99,23 @@ void CAT(cosmotrain_direct_forward, SUFFIX)(
 #ifndef TILE
 #define TILE 1024
 #endif
+typedef int CAT(mask, SUFFIX) __attribute__((vector_size(VL * 4)));
 static inline float CAT(lane_sum, SUFFIX)(VEC v) {
-    float t[VL], total = 0.0f;
-    __builtin_memcpy(t, &v, sizeof t);
-    for (int i = 0; i < VL; i++) total += t[i];
-    return total;
+#if VL == 16
+    v += __builtin_shuffle(v, (CAT(mask, SUFFIX)){8, 9, 10, 11, 12, 13, 14, 15,
+                                                   0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (CAT(mask, SUFFIX)){4, 5, 6, 7, 0, 1, 2, 3,
+                                                   12, 13, 14, 15, 8, 9, 10, 11});
+    v += __builtin_shuffle(v, (CAT(mask, SUFFIX)){2, 3, 0, 1, 6, 7, 4, 5,
+                                                   10, 11, 8, 9, 14, 15, 12, 13});
+    v += __builtin_shuffle(v, (CAT(mask, SUFFIX)){1, 0, 3, 2, 5, 4, 7, 6,
+                                                   9, 8, 11, 10, 13, 12, 15, 14});
+#else
+    v += __builtin_shuffle(v, (CAT(mask, SUFFIX)){4, 5, 6, 7, 0, 1, 2, 3});
+    v += __builtin_shuffle(v, (CAT(mask, SUFFIX)){2, 3, 0, 1, 6, 7, 4, 5});
+    v += __builtin_shuffle(v, (CAT(mask, SUFFIX)){1, 0, 3, 2, 5, 4, 7, 6});
+#endif
+    return v[0];
 }
 
 /* One tap block: FB filters x NE taps (input offsets e * estride apart: 1 for taps
