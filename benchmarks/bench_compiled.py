@@ -67,7 +67,8 @@ def candidates(x, w, dy, geo, tgeo, flipped) -> Dict[str, Dict[str, Optional[Cal
             "lowered": lambda: lowered(
                 lambda: conv3d.conv3d_backward_filter(x, dy, w.shape, 1, 1)),
             "direct": (lambda: direct.filter_grad(x, dy, geo)) if fits else None,
-            "winograd": lambda: winograd.filter_grad(x, dy, geo)},
+            "winograd": lambda: winograd.filter_grad(x, dy, geo,
+                                                     compiled_choice.winograd_tile(geo))},
     }
 
 

@@ -91,13 +91,13 @@ def check_forward(module, case, *options) -> None:
     _close(y, expected)
 
 
-def check_filter_gradient(module, case) -> None:
+def check_filter_gradient(module, case, *tile) -> None:
     """``module.filter_grad`` against the float64 numpy kernel, and the dot test against
     the float64 reference forward."""
     x, w, pad, geo = _data(case)
     r = np.random.default_rng(1).standard_normal(geo.y_shape)
     exact = conv.conv3d_backward_filter(x, r, w.shape, 1, pad)  # float64 numpy kernels
-    ours = module.filter_grad(x.astype(np.float32), r.astype(np.float32), geo)
+    ours = module.filter_grad(x.astype(np.float32), r.astype(np.float32), geo, *tile)
     assert ours.shape == w.shape
     _close(ours, exact)
     assert np.vdot(reference_conv3d(x, w, 1, pad), r) == pytest.approx(
@@ -164,9 +164,11 @@ def test_winograd_forward(case, isa, tile) -> None:
     check_forward(winograd, case, tile)
 
 
+@pytest.mark.parametrize("tile", [2, 4])
 @pytest.mark.parametrize("case", WINOGRAD_CASES, ids=WINOGRAD_IDS)
-def test_winograd_filter_gradient(case, isa) -> None:
-    check_filter_gradient(winograd, case)
+def test_winograd_filter_gradient(case, isa, tile) -> None:
+    """F(2,3) and F(4,3): the dy components of a last tile past the row are zeros."""
+    check_filter_gradient(winograd, case, tile)
 
 
 @pytest.mark.parametrize("case", WINOGRAD_CASES, ids=WINOGRAD_IDS)

@@ -284,7 +284,7 @@ def conv3d_backward_filter(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int]
     geo.check("dy", dy.shape, geo.y_shape)
     kernel = compiled_choice.filter_grad_kernel(geo, x.dtype)
     if kernel == "winograd":
-        return winograd.filter_grad(x, dy, geo)
+        return winograd.filter_grad(x, dy, geo, compiled_choice.winograd_tile(geo))
     if kernel == "direct":
         return direct.filter_grad(x, dy, geo)
     if _thin(geo):

@@ -13,7 +13,7 @@ a chunk's zero-padded slab into its m + 2 component planes, convolve each over (
 with the transformed kernel in the direct loops' register blocks, and write the output
 transform (F(2,3): ``y0 = m0 + m1 + m2``, ``y1 = m1 - m2 - m3``) into the output rows.
 The data gradient of a unit-stride layer is the forward of the flipped kernel, so it
-takes the same loops; the filter gradient has its own F(2,3) form.  Which tile, and
+takes the same loops; the filter gradient has its own F(2,3) and F(4,3) forms.  Which tile, and
 whether Winograd at all: :mod:`.compiled_choice`.
 
 Accuracy: F(2,3)'s transforms add and subtract (coefficients 1 and 1/2), F(4,3)'s scale
@@ -127,23 +127,26 @@ def _grad_chunk_planes(geo: ConvGeometry, tiles: int) -> int:
     return max(1, min(wanted, spread, geo.out[0]))
 
 
-def filter_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry) -> np.ndarray:
-    """``dL/dw`` ``(F, C, kD, kH, 3)`` float32 (unit stride, kernel width 3); chunk
-    partials are summed in chunk order."""
+def filter_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry, tile: int = 2
+                ) -> np.ndarray:
+    """``dL/dw`` ``(F, C, kD, kH, 3)`` float32 (unit stride, kernel width 3) by F(tile, 3),
+    ``tile`` 2 or 4; chunk partials are summed in chunk order."""
     loops = direct.active_loops()
-    assert loops is not None and supports(geo, x.dtype)
+    assert loops is not None and supports(geo, x.dtype) and tile in _G
     kd, kh, _ = geo.kernel
     _, ho, wo = geo.out
-    tiles = -(-wo // 2)
+    tiles = -(-wo // tile)
+    parts = tile + 2
     dplane = -(-ho * tiles // loops.lanes) * loops.lanes
 
     def work(chunk) -> np.ndarray:
         n, z0, z1 = chunk
-        block = direct.slab(geo, x[n], z0, z1, 2 * tiles + 2)
+        block = direct.slab(geo, x[n], z0, z1, tile * tiles + 2)
         depth, hp = block.shape[1:3]
         grad = dy[n, :, z0:z1]
-        size = (4 * geo.channels * depth * hp * tiles + loops.run
-                + 4 * geo.filters * (z1 - z0) * dplane + 4 * geo.filters * geo.channels * kd * kh)
+        size = (parts * geo.channels * depth * hp * tiles + loops.run
+                + parts * geo.filters * (z1 - z0) * dplane
+                + parts * geo.filters * geo.channels * kd * kh)
         scratch = _parallel.scratch("winograd_grad", (size,), np.float32)
         part = np.zeros(geo.w_shape, np.float32)
         sc, sd, sh = compiled.element_strides(block)[:3]
@@ -151,7 +154,7 @@ def filter_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry) -> np.ndarray:
         compiled.check(loops.winograd_filter_grad(
             compiled.address(block), sc, sd, sh, geo.channels, kd, kh,
             compiled.address(grad), fs, ds, hs, geo.filters, compiled.address(part),
-            z1 - z0, ho, wo, compiled.address(scratch)), "Winograd filter gradient")
+            z1 - z0, ho, wo, compiled.address(scratch), tile), "Winograd filter gradient")
         return part
 
     chunks = plan_chunks(geo.batch, geo.out[0], _grad_chunk_planes(geo, tiles))

@@ -163,45 +163,61 @@ void CAT(cosmotrain_winograd_w_forward, SUFFIX)(
 /* Filter gradient of the same form, g[f][c][a][b][e] += dL/dw for kernels of width 3:
  * the transpose of y_j = sum_i A^T[j][i] (G[i] . g) V_i gives
  *     dL/dg_e = sum_i G[i][e] M_i,  M_i[f][c][a][b] = sum_{z,p} D_i[f][z][p] V_i[c][z+a][p + b T]
- * with the dy components D_0 = dy0, D_1 = dy0 + dy1, D_2 = dy0 - dy1, D_3 = -dy1 of each
- * output pair (dy1 = 0 past an odd wo): 4 products per pair and tap instead of 6.  The
- * M_i are the plain filter gradient's register blocks over flat planes (taps b a shift by
- * T apart), in segments of about TILE outputs (part of a plane, or the whole planes of a
- * few z) whose D_i are packed per filter block.
- * work: 4 * c_in * depth * hp * T + RUN floats (components), then 4 * filters * nz *
- * roundup(ho * T, VL) (D) and 4 * filters * c_in * kd * kh (M). */
+ * with the dy components D_i = sum_j A^T[j][i] dy_j of each output tile (dy_j = 0 past
+ * wo).  F(2,3): D_0 = dy0, D_1 = dy0 + dy1, D_2 = dy0 - dy1, D_3 = -dy1: 4 products per
+ * pair and tap instead of 6.  F(4,3): D_0 = dy0, D_1,2 = dy0 +- dy1 + dy2 +- dy3,
+ * D_3,4 = dy0 +- 2 dy1 + 4 dy2 +- 8 dy3, D_5 = dy3: 6 per 4 outputs instead of 12.  The
+ * M_i are the plain filter gradient's register blocks over flat planes (taps b a shift
+ * by T apart), in segments of about TILE outputs (part of a plane, or the whole planes
+ * of a few z) whose D_i are packed per filter block.
+ * work: (m + 2) * c_in * depth * hp * T + RUN floats (components), then
+ * (m + 2) * filters * nz * roundup(ho * T, VL) (D) and (m + 2) * filters * c_in * kd * kh
+ * (M). */
 int CAT(cosmotrain_winograd_w_filter_grad, SUFFIX)(
         const float *s, long s_c, long s_d, long s_h,
         int c_in, int kd, int kh,
         const float *dy, long dy_f, long dy_d, long dy_h, int filters,
-        float *g, int nz, int ho, int wo, float *work) {
-    const int tiles = (wo + 1) / 2, depth = nz + kd - 1, hp = ho + kh - 1;
+        float *g, int nz, int ho, int wo, float *work, int m) {
+    const int tiles = (wo + m - 1) / m, depth = nz + kd - 1, hp = ho + kh - 1;
+    const int parts = m + 2;
     const long plane = (long)hp * tiles, channel = depth * plane;
     const long component = c_in * channel;
-    CAT(input_components, SUFFIX)(s, s_c, s_d, s_h, c_in, depth, hp, tiles, 2, work);
+    CAT(input_components, SUFFIX)(s, s_c, s_d, s_h, c_in, depth, hp, tiles, m, work);
     const int vectors = (int)(((long)ho * tiles + VL - 1) / VL);
     const long dplane = (long)vectors * VL, dcomp = (long)filters * nz * dplane;
-    float *dt = work + 4 * component + RUN;
+    float *dt = work + parts * component + RUN;
     for (int f = 0; f < filters; f++)
     for (int z = 0; z < nz; z++) {
         float *out = dt + (f * nz + z) * dplane;
         for (int h = 0; h < ho; h++) {
             const float *row = dy + f * dy_f + z * dy_d + h * dy_h;
             for (int t = 0; t < tiles; t++) {
-                const float d0 = row[2 * t], d1 = 2 * t + 1 < wo ? row[2 * t + 1] : 0.0f;
                 const long p = (long)h * tiles + t;
-                out[p] = d0;
-                out[dcomp + p] = d0 + d1;
-                out[2 * dcomp + p] = d0 - d1;
-                out[3 * dcomp + p] = -d1;
+                float d[4];
+                for (int j = 0; j < m; j++) d[j] = m * t + j < wo ? row[m * t + j] : 0.0f;
+                if (m == 2) {
+                    out[p] = d[0];
+                    out[dcomp + p] = d[0] + d[1];
+                    out[2 * dcomp + p] = d[0] - d[1];
+                    out[3 * dcomp + p] = -d[1];
+                    continue;
+                }
+                const float even = d[0] + d[2], odd = d[1] + d[3];
+                const float even4 = d[0] + 4.0f * d[2], odd8 = 2.0f * d[1] + 8.0f * d[3];
+                out[p] = d[0];
+                out[dcomp + p] = even + odd;
+                out[2 * dcomp + p] = even - odd;
+                out[3 * dcomp + p] = even4 + odd8;
+                out[4 * dcomp + p] = even4 - odd8;
+                out[5 * dcomp + p] = d[3];
             }
         }
         for (long p = (long)ho * tiles; p < dplane; p++)
-            for (int i = 0; i < 4; i++) out[i * dcomp + p] = 0.0f;
+            for (int i = 0; i < parts; i++) out[i * dcomp + p] = 0.0f;
     }
     const long taps = (long)c_in * kd * kh;
-    float *m = dt + 4 * dcomp;
-    for (long k = 0; k < 4 * filters * taps; k++) m[k] = 0.0f;
+    float *msum = dt + parts * dcomp;
+    for (long k = 0; k < parts * filters * taps; k++) msum[k] = 0.0f;
     /* Segments of about TILE outputs: part of a plane, or whole planes of a few z. */
     int seg = TILE / VL;
     if (seg < 1) seg = 1;
@@ -214,7 +230,7 @@ int CAT(cosmotrain_winograd_w_filter_grad, SUFFIX)(
     for (int v0 = 0; v0 < vectors; v0 += vseg) {
         const int nzr = nz - z < zrows ? nz - z : zrows;
         const int nv = vectors - v0 < vseg ? vectors - v0 : vseg;
-        for (int i = 0; i < 4; i++)
+        for (int i = 0; i < parts; i++)
         for (int f0 = 0; f0 < filters; f0 += FB) {
             const int nf = filters - f0 < FB ? filters - f0 : FB;
             for (int r = 0; r < nzr; r++)
@@ -235,20 +251,31 @@ int CAT(cosmotrain_winograd_w_filter_grad, SUFFIX)(
                 const long tap = ((long)c * kd + a) * kh + b0;
                 for (int f = 0; f < nf; f++)
                     for (int b = 0; b < nb; b++)
-                        m[(i * filters + f0 + f) * taps + tap + b] +=
+                        msum[(i * filters + f0 + f) * taps + tap + b] +=
                             CAT(lane_sum, SUFFIX)(acc[f][b]);
             }
         }
     }
     free(pack);
+    /* dL/dg_e = sum_i G[i][e] M_i: F(2,3) G = (1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1),
+     * F(4,3) G = (1/4 0 0; -1/6 -1/6 -1/6; -1/6 1/6 -1/6; 1/24 1/12 1/6;
+     * 1/24 -1/12 1/6; 0 0 1) */
     for (int f = 0; f < filters; f++)
     for (long k = 0; k < taps; k++) {
-        const float m0 = m[f * taps + k], m1 = m[(filters + f) * taps + k];
-        const float m2 = m[(2 * filters + f) * taps + k], m3 = m[(3 * filters + f) * taps + k];
+        float q[6];
+        for (int i = 0; i < parts; i++) q[i] = msum[(i * filters + f) * taps + k];
         float *out = g + (f * taps + k) * 3;
-        out[0] += m0 + 0.5f * (m1 + m2);
-        out[1] += 0.5f * (m1 - m2);
-        out[2] += m3 + 0.5f * (m1 + m2);
+        if (m == 2) {
+            out[0] += q[0] + 0.5f * (q[1] + q[2]);
+            out[1] += 0.5f * (q[1] - q[2]);
+            out[2] += q[3] + 0.5f * (q[1] + q[2]);
+            continue;
+        }
+        const float sum12 = q[1] + q[2], diff12 = q[2] - q[1];
+        const float sum34 = q[3] + q[4], diff34 = q[3] - q[4];
+        out[0] += 0.25f * q[0] - sum12 / 6.0f + sum34 / 24.0f;
+        out[1] += diff12 / 6.0f + diff34 / 12.0f;
+        out[2] += -sum12 / 6.0f + sum34 / 6.0f + q[5];
     }
     return 0;
 }
