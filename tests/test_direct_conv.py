@@ -205,6 +205,31 @@ def test_results_do_not_depend_on_chunks_or_workers(monkeypatch) -> None:
     assert all(np.array_equal(runs[0], run) for run in runs[1:])
 
 
+@pytest.mark.parametrize("tile", [2, 4])
+def test_winograd_filter_groups_are_the_plane_chunks_bit_for_bit(monkeypatch, tile) -> None:
+    """A small sample split among workers by filter blocks (27 filters: groups of whole
+    blocks and a short last one, with a bias) gives the plane chunks' results exactly."""
+    if not direct.available():
+        pytest.skip("no direct loops")
+    x, w, pad, geo = _data((2, 6, 27, (4, 5, 8), 3, 1))
+    x32, w32 = x.astype(np.float32), w.astype(np.float32)
+    bias = np.random.default_rng(3).normal(size=27).astype(np.float32)
+    runs = []
+    for split_runs, workers in [(0, 1), (0, 3), (100, 3), (100, 2)]:
+        monkeypatch.setattr(winograd, "FILTER_SPLIT_RUNS", split_runs)
+        _parallel.set_num_workers(workers)
+        try:
+            loops = direct.active_loops()
+            groups = winograd._filter_groups(geo, geo.out[1] * -(-geo.out[2] // tile), loops)
+            assert len(groups) == (min(workers, 4) if split_runs else 1)
+            runs.append(winograd.forward(x32, w32, geo, np.empty(geo.y_shape, np.float32),
+                                         bias, tile))
+        finally:
+            _parallel.set_num_workers(None)
+    assert all(np.array_equal(runs[0], run) for run in runs[1:])
+    _close(runs[0] - bias[:, None, None, None], conv.conv3d_forward(x, w, 1, pad))
+
+
 def test_dispatch_rule() -> None:
     """float32 unit-stride layers with wide rows take the loops; float64, strided or
     narrow ones keep the lowerings; wide layers with large planes take Winograd."""
@@ -221,7 +246,8 @@ def test_dispatch_rule() -> None:
     few_filters = ConvGeometry.create((1, 32, 4, 64, 64), (8, 32, 3, 3, 3), 1, 1)
     assert not compiled_choice.winograd_forward(few_filters, np.float32)
     small_planes = ConvGeometry.create((1, 256, 8, 8, 8), (512, 256, 3, 3, 3), 1, 1)
-    assert not compiled_choice.winograd_forward(small_planes, np.float32)
+    assert compiled_choice.winograd_forward(small_planes, np.float32)  # one run a plane
+    assert compiled_choice.filter_grad_kernel(small_planes, np.float32) == "lowered"
     assert compiled_choice.filter_grad_kernel(few_channels, np.float32) == "winograd"
     assert compiled_choice.winograd_tile(wide_channels) == 4
     assert compiled_choice.winograd_tile(small_planes) == 2

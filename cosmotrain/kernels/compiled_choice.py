@@ -28,13 +28,13 @@ MAX_DIRECT_WASTE = 1 / 8
 # 46 ms against 53, and its data gradient (32 -> 16) 59 against 60.  4 channels
 # (conv1): 95-182 ms against the direct loops' 58-126, hence not below 16 ...
 WINOGRAD_MIN_CHANNELS = 16
-# ... and at least this many register runs of outputs per plane (MLPerf conv5, 8^3: one
-# run a plane).  With chunks of runs across planes and the weight transform in C, conv5
-# forward takes 22 ms on one core against 26 lowered and its data gradient 35 against 35;
-# but in the 2-thread step (two chunks of 4 planes, each transforming 2 halo planes and
-# reading all 19 MB of weights) conv5 took 17 + 44 ms against 16 + 41 lowered
-# (2026-11-27), so 8^3 planes stay on the lowerings.
-WINOGRAD_MIN_RUNS = 4
+# ... and at least this many register runs of outputs per plane.  It was 4 while each run
+# read all the transformed weights and numpy transformed them (MLPerf conv5, 8^3, one run
+# a plane: 44 ms against 26 lowered on one core).  Now runs are chunked across planes,
+# the transform is compiled and a small sample is shared among workers by filters
+# (winograd.FILTER_SPLIT_RUNS): conv5 forward 22 / 13 ms on 1 / 2 cores against 26 / 15
+# lowered, data gradient 35 / 18 against 35 / 22 (2026-11-27).
+WINOGRAD_MIN_RUNS = 1
 # F(4,3) (2x fewer products, 6 components) rather than F(2,3) for output rows of at least
 # this many (one core, forward / data gradient: MLPerf conv3 88 -> 74 / 92 -> 78 ms,
 # conv4 42 -> 33 / 50 -> 52, conv2 202 -> 198 / 214 -> 194; 8^3 planes: slower).

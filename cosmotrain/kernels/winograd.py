@@ -89,21 +89,31 @@ def _transformed_weights_numpy(w: np.ndarray, filter_block: int, tile: int) -> n
     return np.ascontiguousarray(packed.transpose(0, 1, 3, 4, 5, 2))
 
 
+# A sample with at most this many register runs of output tiles in all its planes is
+# split among the workers by filters rather than by planes: its chunks of planes would
+# each transform kD - 1 extra input planes and read every transformed weight (MLPerf
+# conv5, 8^3 x 256 channels: 19 MB a chunk), where a filter group transforms the few
+# planes again (0.4 M floats) and reads only its own weights.
+FILTER_SPLIT_RUNS = 8
+
+
 def forward(x: np.ndarray, w: np.ndarray, geo: ConvGeometry, y: np.ndarray,
             bias: Optional[np.ndarray] = None, tile: int = 2) -> np.ndarray:
     """``y = conv(x, w) + bias`` (float32, unit stride, kernel width 3) into ``y`` by
     F(tile, 3), ``tile`` 2 or 4."""
     loops = direct.active_loops()
     assert loops is not None and supports(geo, x.dtype) and tile in _G
-    packed = transformed_weights(w, loops.filter_block, tile)
     kd, kh, _ = geo.kernel
     _, ho, wo = geo.out
     tiles = -(-wo // tile)
-    bias_ptr = compiled.address(bias) if bias is not None else None
+    groups = _filter_groups(geo, ho * tiles, loops)
+    packed = transformed_weights(w, loops.filter_block, tile) if len(groups) == 1 else None
     fs, ds, hs = compiled.element_strides(y)[1:4]
 
     def work(chunk) -> None:
-        n, z0, z1 = chunk
+        n, z0, z1, f0, f1 = chunk
+        weights = packed if packed is not None else transformed_weights(
+            w[f0:f1], loops.filter_block, tile)
         block = direct.slab(geo, x[n], z0, z1, tile * tiles + 2)
         depth, hp = block.shape[1:3]
         scratch = _parallel.scratch(
@@ -111,12 +121,31 @@ def forward(x: np.ndarray, w: np.ndarray, geo: ConvGeometry, y: np.ndarray,
             ((tile + 2) * geo.channels * depth * hp * tiles + loops.run,), np.float32)
         sc, sd, sh = compiled.element_strides(block)[:3]
         loops.winograd_forward(compiled.address(block), sc, sd, sh, geo.channels, kd, kh,
-                               compiled.address(packed), geo.filters, bias_ptr,
-                               compiled.address(y[n, :, z0]), fs, ds, hs, z1 - z0, ho, wo,
+                               compiled.address(weights), f1 - f0,
+                               None if bias is None else compiled.address(bias[f0:f1]),
+                               compiled.address(y[n, f0, z0]), fs, ds, hs, z1 - z0, ho, wo,
                                compiled.address(scratch), tile)
 
-    _parallel.map_chunks(work, plan_chunks(geo.batch, geo.out[0], direct.CHUNK_PLANES))
+    if len(groups) == 1:
+        chunks = [(n, z0, z1, 0, geo.filters)
+                  for n, z0, z1 in plan_chunks(geo.batch, geo.out[0], direct.CHUNK_PLANES)]
+    else:
+        chunks = [(n, 0, geo.out[0], f0, f1) for n in range(geo.batch) for f0, f1 in groups]
+    _parallel.map_chunks(work, chunks)
     return y
+
+
+def _filter_groups(geo: ConvGeometry, plane_tiles: int, loops) -> list:
+    """``[(f0, f1), ...]``: one group of all filters, or whole filter blocks shared among
+    the workers when a sample's tiles are at most ``FILTER_SPLIT_RUNS`` register runs."""
+    workers = _parallel.num_workers()
+    blocks = -(-geo.filters // loops.filter_block)
+    if (workers < 2 or blocks < 2
+            or geo.out[0] * plane_tiles > FILTER_SPLIT_RUNS * loops.run):
+        return [(0, geo.filters)]
+    count = min(workers, blocks)
+    edges = [loops.filter_block * (blocks * k // count) for k in range(count + 1)]
+    return [(e0, min(e1, geo.filters)) for e0, e1 in zip(edges, edges[1:])]
 
 
 def _grad_chunk_planes(geo: ConvGeometry, tiles: int) -> int:
