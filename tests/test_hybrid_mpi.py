@@ -2,7 +2,8 @@
 
 One 8-rank launch.  For tiny, cosmoflow (small W) and resnet3d, batch norm on and off,
 uneven blocks included, and every strategy of the issue (N2, D2, H2, W2, D2H2, D2H2W2,
-N2D2, N2H2W2), the distributed run must reproduce the single-process run in float32:
+N2D2, N2H2W2), and for the MLPerf network at a width the compiled convolutions take (D2,
+W2, N2H2W2), the distributed run must reproduce the single-process run in float32:
 
 * the predictions and loss of the first step, every parameter gradient (after the
   bucketed allreduce) and the batch-norm running statistics;
@@ -57,6 +58,12 @@ EXTRA = [  # (model, strategy, extra overrides): spatial layers on empty blocks,
     ("tiny-bn", "N2D2", ["parallel.spatial_until=flatten", "train.seed=3"]),
 ]
 ADAM64 = [("resnet3d-bn", "N2D2"), ("cosmoflow", "D2H2")]
+# A width at which the compiled loops take the layers (the models above are too small for
+# their rules): MLPerf W=32, conv1 by the direct loops, conv2 by Winograd F(4,3) (F(2,3)
+# on W-split blocks) and its filter gradient, conv3 (8^3) by Winograd F(2,3), on depth-,
+# width- and 3-way-split blocks.  7 s more.
+COMPILED = {"mlperf-32": ["model.name=cosmoflow-mlperf", "model.width=32"]}
+COMPILED_STRATEGIES = ["D2", "W2", "N2H2W2"]
 
 
 @pytest.mark.parallel(nprocs=8)
@@ -73,6 +80,11 @@ def test_hybrid_training_matches_one_process() -> None:
         for name, over in STRATEGIES.items():
             cfg = make_config(MODELS[model], over)
             cases.append((ranks_of(over), f"{model} {name}", cfg, model))
+    configs.update({m: make_config(COMPILED[m]) for m in COMPILED})
+    for model in COMPILED:
+        for name in COMPILED_STRATEGIES:
+            cases.append((ranks_of(STRATEGIES[name]), f"{model} {name}",
+                          make_config(COMPILED[model], STRATEGIES[name]), model))
     for model, name, extra in EXTRA:
         cases.append((ranks_of(STRATEGIES[name]), f"{model} {name} {extra}",
                       make_config(MODELS[model], STRATEGIES[name] + extra),
