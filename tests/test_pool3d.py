@@ -27,6 +27,9 @@ CASES = [  # kernel, stride, padding ((lo, hi) per dim), spatial shape
     ((3, 3, 3), (2, 1, 3), ((2, 1), (1, 2), (0, 1)), (4, 5, 7)),
     ((4, 2, 5), (3, 1, 2), ((1, 2), (1, 0), (4, 0)), (9, 4, 8)),
     ((1, 1, 1), (2, 3, 1), ((0, 0),) * 3, (5, 7, 4)),
+    # rows long enough for the compiled stride-2 spread's interior pairs (even and odd W)
+    ((3, 3, 3), (2, 2, 2), ((1, 1),) * 3, (4, 5, 20)),
+    ((3, 2, 5), (2, 2, 2), ((1, 1), (0, 1), (2, 1)), (3, 4, 21)),
 ]
 IDS = [f"case{i}" for i in range(len(CASES))]
 

@@ -53,7 +53,7 @@ def forward(x: np.ndarray, pool) -> np.ndarray:
     """``avg_pool3d_forward`` of the C-contiguous float32 ``x`` (``pool``: its _Pool),
     bit for bit the numpy kernel's result."""
     y = np.empty(pool.y_shape, np.float32)
-    _run(0, x, y, pool, pool.x_shape[2:] + pool.out, pool.x_shape[3] * pool.x_shape[4])
+    _run(0, x, y, pool, pool.x_shape[2:] + pool.out, (pool.x_shape[3] + 1) * pool.x_shape[4])
     return y
 
 
@@ -62,7 +62,8 @@ def backward(dy: np.ndarray, pool) -> np.ndarray:
     kernel's result (its order of additions and of the scaling, whole-volume or plane by
     plane as it would choose), which the spatial layers' halo sums rely on."""
     dx = np.empty(pool.x_shape, np.float32)
-    _run(1, dy, dx, pool, pool.out + pool.x_shape[2:], (pool.out[1] + 1) * pool.out[2])
+    _run(1, dy, dx, pool, pool.out + pool.x_shape[2:],
+         (pool.out[1] + 1) * pool.out[2] + 2 * pool.x_shape[4])
     return dx
 
 

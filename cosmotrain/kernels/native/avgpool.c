@@ -85,7 +85,7 @@ static void window_table(int k, int s, int lo, int n_in, int n_out, int *table, 
  * path, `whole`, else in ascending order as its plane-by-plane path does), then the
  * rows of each output row's window and the W taps, each in `_window`'s order, then
  * scaled.  Every output keeps that order on any block holding its window.
- * work: h_in * w_in floats.  Returns -1 when out of memory. */
+ * work: (h_in + 1) * w_in floats.  Returns -1 when out of memory. */
 int cosmotrain_avgpool_forward(
         const float *x, long x_c, long x_d, long x_h,
         float *y, long y_c, long y_d, long y_h, int channels,
@@ -110,7 +110,7 @@ int cosmotrain_avgpool_forward(
     }
     window_table(kh, sh, hl, h_in, h_out, htab, hn);
     window_table(kw, sw, wl, w_in, w_out, wtab, wn);
-    float *plane = work;
+    float *plane = work, *rowsum = work + (long)h_in * w_in;
     for (int c = 0; c < channels; c++)
     for (int z = 0; z < d_out; z++) {
         const float *xc = x + c * x_c;
@@ -126,22 +126,82 @@ int cosmotrain_avgpool_forward(
                 for (int w = 0; w < w_in; w++) dst[w] += xc[ps[q] * x_d + r * x_h + w];
         }
         for (int h = 0; h < h_out; h++) {
-            const int *rs = htab + h * kh, nr = hn[h];
+            /* the window's rows summed for every input column at once (contiguous), then
+             * the W taps of those sums: each column's sum is the one numpy forms */
+            sum_rows(rowsum, plane, w_in, htab + h * kh, hn[h], w_in);
             float *out = y + c * y_c + z * y_d + h * y_h;
             for (int w = 0; w < w_out; w++) {
                 const int *is = wtab + w * kw, ni = wn[w];
-                float total = 0.0f;
-                for (int q = 0; q < ni; q++) {  /* the W taps of the rows' sums */
-                    float column = nr ? plane[(long)rs[0] * w_in + is[q]] : 0.0f;
-                    for (int t = 1; t < nr; t++) column += plane[(long)rs[t] * w_in + is[q]];
-                    total = q ? total + column : column;
-                }
+                float total = ni ? rowsum[is[0]] : 0.0f;
+                for (int q = 1; q < ni; q++) total += rowsum[is[q]];
                 out[w] = total * scale;
             }
         }
     }
     free(dtab);
     return 0;
+}
+
+/* The W spread of one input column: its outputs' values in `_spread`'s order. */
+static inline float spread_sum(const float *t, const int *js, int n) {
+    float total = n ? t[js[0]] : 0.0f;
+    for (int q = 1; q < n; q++) total += t[js[q]];
+    return total;
+}
+
+/* Stride 2 (CosmoFlow's pooling): away from the edges every even input column takes the
+ * same outputs relative to it, in the same order, and so does every odd one, so a row's
+ * spread is two contiguous sums over the outputs and one interleaving store, each column
+ * adding exactly what `spread_sum` adds.  Pairs (2m, 2m + 1) for lo <= m < hi qualify. */
+typedef struct {
+    int lo, hi, n[2], off[2][8];
+} Pairs;
+
+static Pairs stride2_pairs(int kw, int sw, int w_in, const int *wtab, const int *wn) {
+    Pairs pairs = {0, 0, {0, 0}, {{0}}};
+    if (sw != 2 || kw > 8 || w_in < 8) return pairs;
+    const int mid = w_in / 4;  /* the pair (2 mid, 2 mid + 1): interior */
+    for (int e = 0; e < 2; e++) {
+        const int i = 2 * mid + e;
+        pairs.n[e] = wn[i];
+        for (int q = 0; q < wn[i]; q++) pairs.off[e][q] = wtab[i * kw + q] - mid;
+    }
+    int lo = mid, hi = mid;
+    #define PAIR_MATCHES(m) ({ int ok = 2 * (m) + 1 < w_in; \
+        for (int e = 0; ok && e < 2; e++) { const int i = 2 * (m) + e; \
+            ok = wn[i] == pairs.n[e]; \
+            for (int q = 0; ok && q < pairs.n[e]; q++) \
+                ok = wtab[i * kw + q] == (m) + pairs.off[e][q]; } ok; })
+    while (lo > 0 && PAIR_MATCHES(lo - 1)) lo--;
+    while (PAIR_MATCHES(hi)) hi++;
+    #undef PAIR_MATCHES
+    pairs.lo = lo;
+    pairs.hi = hi;
+    return pairs;
+}
+
+static void spread_pairs(float *out, const float *t, const Pairs *pairs, float *even,
+                         float *odd) {
+    const int lo = pairs->lo, n = pairs->hi - lo;
+    float *v[2] = {even, odd};
+    for (int e = 0; e < 2; e++) {
+        const int count = pairs->n[e];
+        if (!count) {
+            for (int m = 0; m < n; m++) v[e][m] = 0.0f;
+            continue;
+        }
+        const float *first = t + lo + pairs->off[e][0];
+        for (int m = 0; m < n; m++) v[e][m] = first[m];
+        for (int q = 1; q < count; q++) {
+            const float *next = t + lo + pairs->off[e][q];
+            for (int m = 0; m < n; m++) v[e][m] += next[m];
+        }
+    }
+    float *o = out + 2 * lo;
+    for (int m = 0; m < n; m++) {
+        o[2 * m] = even[m];
+        o[2 * m + 1] = odd[m];
+    }
 }
 
 /* Backward, bit for bit numpy's (pool3d.avg_pool3d_backward): per input plane the
@@ -151,7 +211,8 @@ int cosmotrain_avgpool_forward(
  * `_spread`'s order.  Matching numpy's grouping matters beyond its bits: the spatial
  * layers add their halo gradients per dimension, and this separable order is what gives
  * one process's results on the splits (tests/test_hybrid_mpi.py).  The call covers all
- * d_in input planes.  work: (h_out + 1) * w_out floats.  Returns -1 when out of memory. */
+ * d_in input planes.  work: (h_out + 1) * w_out + 2 w_in floats.  Returns -1 when out of
+ * memory. */
 int cosmotrain_avgpool_backward(
         const float *dy, long y_c, long y_d, long y_h,
         float *dx, long x_c, long x_d, long x_h, int channels,
@@ -177,6 +238,8 @@ int cosmotrain_avgpool_backward(
     spread_table(kh, sh, hl, h_in, h_out, htab, hn);
     spread_table(kw, sw, wl, w_in, w_out, wtab, wn);
     float *g = work, *t = work + (long)h_out * w_out;
+    float *even = t + w_out, *odd = even + w_in;
+    const Pairs pairs = stride2_pairs(kw, sw, w_in, wtab, wn);
     for (int c = 0; c < channels; c++)
     for (int p = 0; p < d_in; p++) {
         const int *zs = ztab + p * kd, nz = zn[p];
@@ -200,12 +263,13 @@ int cosmotrain_avgpool_backward(
         for (int r = 0; r < h_in; r++) {
             sum_rows(t, g, w_out, htab + r * kh, hn[r], w_out);
             float *out = dx + c * x_c + p * x_d + r * x_h;
-            for (int w = 0; w < w_in; w++) {
-                const int *js = wtab + w * kw, nw = wn[w];
-                float total = nw ? t[js[0]] : 0.0f;
-                for (int q = 1; q < nw; q++) total += t[js[q]];
-                out[w] = total;
+            int w = 0;
+            if (pairs.hi > pairs.lo) {
+                for (; w < 2 * pairs.lo; w++) out[w] = spread_sum(t, wtab + w * kw, wn[w]);
+                spread_pairs(out, t, &pairs, even, odd);
+                w = 2 * pairs.hi;
             }
+            for (; w < w_in; w++) out[w] = spread_sum(t, wtab + w * kw, wn[w]);
         }
     }
     free(ztab);
