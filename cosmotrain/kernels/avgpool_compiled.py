@@ -53,7 +53,7 @@ def forward(x: np.ndarray, pool) -> np.ndarray:
     """``avg_pool3d_forward`` of the C-contiguous float32 ``x`` (``pool``: its _Pool),
     bit for bit the numpy kernel's result."""
     y = np.empty(pool.y_shape, np.float32)
-    _run(0, x, y, pool, pool.x_shape[2:] + pool.out, (pool.x_shape[3] + 1) * pool.x_shape[4])
+    _run(0, x, y, pool, pool.x_shape[2:] + pool.out, (pool.x_shape[3] + 2) * pool.x_shape[4] + 1)
     return y
 
 

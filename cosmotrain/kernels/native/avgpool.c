@@ -80,12 +80,69 @@ static void window_table(int k, int s, int lo, int n_in, int n_out, int *table, 
         counts[j] = window_order(k, s, lo, n_in, n_out, j, table + j * k);
 }
 
+/* The W taps of one output: its window's column sums in `_window`'s order. */
+static inline float window_sum(const float *rowsum, const int *is, int n) {
+    float total = n ? rowsum[is[0]] : 0.0f;
+    for (int q = 1; q < n; q++) total += rowsum[is[q]];
+    return total;
+}
+
+/* Stride 2: away from the edges every output takes the same taps relative to 2 w, in the
+ * same order, so with the column sums split into even and odd columns its W stage is a
+ * few contiguous adds, each output adding exactly what `window_sum` adds.  Outputs
+ * lo <= w < hi qualify. */
+typedef struct {
+    int lo, hi, n, off[8];  /* tap q reads column 2 w + off[q] */
+} Taps;
+
+static Taps stride2_taps(int kw, int sw, int w_out, const int *wtab, const int *wn) {
+    Taps taps = {0, 0, 0, {0}};
+    if (sw != 2 || kw > 8 || w_out < 4) return taps;
+    const int mid = w_out / 2;
+    taps.n = wn[mid];
+    for (int q = 0; q < taps.n; q++) taps.off[q] = wtab[mid * kw + q] - 2 * mid;
+    #define TAPS_MATCH(w) ({ int ok = (w) < w_out && wn[w] == taps.n; \
+        for (int q = 0; ok && q < taps.n; q++) ok = wtab[(w) * kw + q] == 2 * (w) + taps.off[q]; \
+        ok; })
+    int lo = mid, hi = mid;
+    while (lo > 0 && TAPS_MATCH(lo - 1)) lo--;
+    while (TAPS_MATCH(hi)) hi++;
+    #undef TAPS_MATCH
+    taps.lo = lo;
+    taps.hi = hi;
+    return taps;
+}
+
+static void window_taps(float *out, const float *rowsum, const Taps *taps, float *even,
+                        float *odd, int w_in, float scale) {
+    for (int i = 0; i < w_in / 2; i++) {
+        even[i] = rowsum[2 * i];
+        odd[i] = rowsum[2 * i + 1];
+    }
+    if (w_in % 2) even[w_in / 2] = rowsum[w_in - 1];
+    const int lo = taps->lo, n = taps->hi - lo;
+    float *o = out + lo;
+    if (!taps->n) {
+        for (int m = 0; m < n; m++) o[m] = 0.0f;
+        return;
+    }
+    const float *src[8];
+    for (int q = 0; q < taps->n; q++) {  /* column 2 w + off = 2 (w + floor(off / 2)) + parity */
+        const int off = taps->off[q], half = off >= 0 ? off / 2 : -((1 - off) / 2);
+        src[q] = (off - 2 * half ? odd : even) + lo + half;
+    }
+    for (int m = 0; m < n; m++) o[m] = src[0][m];
+    for (int q = 1; q < taps->n; q++)
+        for (int m = 0; m < n; m++) o[m] += src[q][m];
+    for (int m = 0; m < n; m++) o[m] *= scale;
+}
+
 /* Forward, bit for bit numpy's (pool3d.avg_pool3d_forward): for each output plane the
  * input planes of its window are summed (in `_window`'s order on numpy's whole-volume
  * path, `whole`, else in ascending order as its plane-by-plane path does), then the
  * rows of each output row's window and the W taps, each in `_window`'s order, then
  * scaled.  Every output keeps that order on any block holding its window.
- * work: (h_in + 1) * w_in floats.  Returns -1 when out of memory. */
+ * work: (h_in + 2) * w_in + 1 floats.  Returns -1 when out of memory. */
 int cosmotrain_avgpool_forward(
         const float *x, long x_c, long x_d, long x_h,
         float *y, long y_c, long y_d, long y_h, int channels,
@@ -111,6 +168,8 @@ int cosmotrain_avgpool_forward(
     window_table(kh, sh, hl, h_in, h_out, htab, hn);
     window_table(kw, sw, wl, w_in, w_out, wtab, wn);
     float *plane = work, *rowsum = work + (long)h_in * w_in;
+    float *even = rowsum + w_in, *odd = even + (w_in + 1) / 2;
+    const Taps taps = stride2_taps(kw, sw, w_out, wtab, wn);
     for (int c = 0; c < channels; c++)
     for (int z = 0; z < d_out; z++) {
         const float *xc = x + c * x_c;
@@ -130,12 +189,13 @@ int cosmotrain_avgpool_forward(
              * the W taps of those sums: each column's sum is the one numpy forms */
             sum_rows(rowsum, plane, w_in, htab + h * kh, hn[h], w_in);
             float *out = y + c * y_c + z * y_d + h * y_h;
-            for (int w = 0; w < w_out; w++) {
-                const int *is = wtab + w * kw, ni = wn[w];
-                float total = ni ? rowsum[is[0]] : 0.0f;
-                for (int q = 1; q < ni; q++) total += rowsum[is[q]];
-                out[w] = total * scale;
+            int w = 0;
+            if (taps.hi > taps.lo) {
+                for (; w < taps.lo; w++) out[w] = window_sum(rowsum, wtab + w * kw, wn[w]) * scale;
+                window_taps(out, rowsum, &taps, even, odd, w_in, scale);
+                w = taps.hi;
             }
+            for (; w < w_out; w++) out[w] = window_sum(rowsum, wtab + w * kw, wn[w]) * scale;
         }
     }
     free(dtab);
