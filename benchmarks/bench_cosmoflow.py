@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cosmotrain.device.heap import reuse_freed_memory  # noqa: E402
 
 from cosmotrain.config.schema import ModelConfig  # noqa: E402
-from cosmotrain.kernels import compiled_choice  # noqa: E402
+from cosmotrain.kernels import _parallel, compiled_choice  # noqa: E402
 from cosmotrain.kernels.loss import mse_backward, mse_sum  # noqa: E402
 from cosmotrain.models import build_model  # noqa: E402
 from cosmotrain.nn.module import Context  # noqa: E402
@@ -103,7 +103,7 @@ def peak_step_memory(model, x: np.ndarray, y: np.ndarray) -> int:
     return peak - base
 
 
-def torch_stepper(model, x: np.ndarray, y: np.ndarray):
+def torch_stepper(model, x: np.ndarray, y: np.ndarray, threads: int = 2):
     """``(timed step, per-layer seconds, hooks)`` of the ``torch.nn`` twin (after a
     warm-up step), or None without torch."""
     try:
@@ -112,7 +112,7 @@ def torch_stepper(model, x: np.ndarray, y: np.ndarray):
         return None
     from torch_mirror import torch_twin
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     twin = torch_twin(model, activation_first=True)  # as the MLPerf reference writes it
     opt = torch.optim.Adam(twin.parameters(), lr=1e-4)
     tx, ty = torch.from_numpy(x), torch.from_numpy(y)
@@ -190,11 +190,15 @@ def main() -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory step")
     parser.add_argument("--reuse-freed-memory", action="store_true",
                         help="keep freed memory in glibc's heap (see the module docstring)")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="threads of each side (cosmotrain: BLAS and kernel workers); 1 "
+                        "is what each rank of the 2-rank bench_ddp.py runs")
     parser.add_argument("--no-direct", action="store_true",
                         help="GEMM lowerings only: no compiled direct convolution loops "
                         "(cosmotrain/kernels/direct.py), for A/B runs")
     args = parser.parse_args()
     compiled_choice.USE_DIRECT = not args.no_direct
+    _parallel.set_blas_threads(args.threads)
     if args.reuse_freed_memory:
         print(f"# glibc heap reuse: {'on' if reuse_freed_memory() else 'not available'}")
     print(f"# {args.model} W={args.width} on {platform.node()} ({platform.processor() or 'cpu'})"
@@ -206,7 +210,7 @@ def main() -> None:
         x, y = make_batch(batch, args.width)
         _, flops = training_flops(model, x.shape)
         steppers = {"ours": cosmotrain_stepper(model, x, y)}
-        torch_side = None if args.no_torch else torch_stepper(model, x, y)
+        torch_side = None if args.no_torch else torch_stepper(model, x, y, args.threads)
         if torch_side is not None:
             steppers["torch"] = torch_side
         times = run_steps({k: v[0] for k, v in steppers.items()}, args.repeats,
