@@ -80,6 +80,16 @@ static void window_table(int k, int s, int lo, int n_in, int n_out, int *table, 
         counts[j] = window_order(k, s, lo, n_in, n_out, j, table + j * k);
 }
 
+/* Whether a window / spread table's row i holds exactly n entries base + off[q], in
+ * order: the rows the vectorised stride-2 paths below may take. */
+static int row_is(const int *table, const int *counts, int k, int i, int n, const int *off,
+                  int base) {
+    if (counts[i] != n) return 0;
+    for (int q = 0; q < n; q++)
+        if (table[i * k + q] != base + off[q]) return 0;
+    return 1;
+}
+
 /* The W taps of one output: its window's column sums in `_window`'s order. */
 static inline float window_sum(const float *rowsum, const int *is, int n) {
     float total = n ? rowsum[is[0]] : 0.0f;
@@ -101,15 +111,11 @@ static Taps stride2_taps(int kw, int sw, int w_out, const int *wtab, const int *
     const int mid = w_out / 2;
     taps.n = wn[mid];
     for (int q = 0; q < taps.n; q++) taps.off[q] = wtab[mid * kw + q] - 2 * mid;
-    #define TAPS_MATCH(w) ({ int ok = (w) < w_out && wn[w] == taps.n; \
-        for (int q = 0; ok && q < taps.n; q++) ok = wtab[(w) * kw + q] == 2 * (w) + taps.off[q]; \
-        ok; })
-    int lo = mid, hi = mid;
-    while (lo > 0 && TAPS_MATCH(lo - 1)) lo--;
-    while (TAPS_MATCH(hi)) hi++;
-    #undef TAPS_MATCH
-    taps.lo = lo;
-    taps.hi = hi;
+    taps.lo = taps.hi = mid;
+    while (taps.lo > 0 && row_is(wtab, wn, kw, taps.lo - 1, taps.n, taps.off, 2 * (taps.lo - 1)))
+        taps.lo--;
+    while (taps.hi < w_out && row_is(wtab, wn, kw, taps.hi, taps.n, taps.off, 2 * taps.hi))
+        taps.hi++;
     return taps;
 }
 
@@ -217,6 +223,11 @@ typedef struct {
     int lo, hi, n[2], off[2][8];
 } Pairs;
 
+static int pair_is(const int *wtab, const int *wn, int kw, const Pairs *pairs, int m) {
+    return row_is(wtab, wn, kw, 2 * m, pairs->n[0], pairs->off[0], m)
+           && row_is(wtab, wn, kw, 2 * m + 1, pairs->n[1], pairs->off[1], m);
+}
+
 static Pairs stride2_pairs(int kw, int sw, int w_in, const int *wtab, const int *wn) {
     Pairs pairs = {0, 0, {0, 0}, {{0}}};
     if (sw != 2 || kw > 8 || w_in < 8) return pairs;
@@ -226,17 +237,9 @@ static Pairs stride2_pairs(int kw, int sw, int w_in, const int *wtab, const int 
         pairs.n[e] = wn[i];
         for (int q = 0; q < wn[i]; q++) pairs.off[e][q] = wtab[i * kw + q] - mid;
     }
-    int lo = mid, hi = mid;
-    #define PAIR_MATCHES(m) ({ int ok = 2 * (m) + 1 < w_in; \
-        for (int e = 0; ok && e < 2; e++) { const int i = 2 * (m) + e; \
-            ok = wn[i] == pairs.n[e]; \
-            for (int q = 0; ok && q < pairs.n[e]; q++) \
-                ok = wtab[i * kw + q] == (m) + pairs.off[e][q]; } ok; })
-    while (lo > 0 && PAIR_MATCHES(lo - 1)) lo--;
-    while (PAIR_MATCHES(hi)) hi++;
-    #undef PAIR_MATCHES
-    pairs.lo = lo;
-    pairs.hi = hi;
+    pairs.lo = pairs.hi = mid;
+    while (pairs.lo > 0 && pair_is(wtab, wn, kw, &pairs, pairs.lo - 1)) pairs.lo--;
+    while (2 * pairs.hi + 1 < w_in && pair_is(wtab, wn, kw, &pairs, pairs.hi)) pairs.hi++;
     return pairs;
 }
 
