@@ -16,7 +16,8 @@ setup(ext_modules=[Extension(
              "cosmotrain/kernels/native/activation.c",
              "cosmotrain/kernels/native/winograd_weights.c"],
     depends=["cosmotrain/kernels/native/direct_body.h",
-             "cosmotrain/kernels/native/winograd_body.h"],
+             "cosmotrain/kernels/native/winograd_body.h",
+             "cosmotrain/kernels/native/isa_loops.h"],
     # errno is never read: sqrtf may then be one vector instruction (native/optim.c).
     # -fno-wrapv undoes the -fwrapv of Python's own CFLAGS: with wrapping signed ints GCC
     # cannot widen the loops' int indices, and the 2x2x2 max pooling ran at half speed

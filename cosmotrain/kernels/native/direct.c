@@ -23,14 +23,7 @@
 #define FB 8
 #define WV 2
 #define SUFFIX avx512
-#include "direct_body.h"
-#include "winograd_body.h"
-#undef RUN
-#undef VEC
-#undef VL
-#undef FB
-#undef WV
-#undef SUFFIX
+#include "isa_loops.h"
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -39,14 +32,7 @@
 #define FB 4
 #define WV 3
 #define SUFFIX avx2
-#include "direct_body.h"
-#include "winograd_body.h"
-#undef RUN
-#undef VEC
-#undef VL
-#undef FB
-#undef WV
-#undef SUFFIX
+#include "isa_loops.h"
 #pragma GCC pop_options
 
 /* 2: AVX-512 loops (vectors of 16, blocks of 8 filters), 1: AVX2 (8 and 4), 0: none. */

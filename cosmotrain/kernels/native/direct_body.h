@@ -157,6 +157,19 @@ static inline __attribute__((always_inline)) void CAT(tap_blocks, SUFFIX)(
         CAT(tap_block, SUFFIX)(acc, pack, row0, s_h, nrows, vectors, 1, estride);
 }
 
+/* A filter block's dy for one tile, packed as pack[row][vector][f][lane]: row r's vector
+ * v of filter f read from src + f f_stride + r r_stride + v VL; filters past nf repeat
+ * the block's first (their sums are never stored). */
+static inline void CAT(pack_filters, SUFFIX)(float *pack, const float *src, long f_stride,
+                                             long r_stride, int rows, int vectors, int nf) {
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < vectors; v++)
+            for (int f = 0; f < FB; f++)
+                __builtin_memcpy(pack + ((r * vectors + v) * FB + f) * VL,
+                                 src + (f < nf ? f : 0) * f_stride + r * r_stride + v * VL,
+                                 sizeof(VEC));
+}
+
 int CAT(cosmotrain_direct_filter_grad, SUFFIX)(
         const float *s, long s_c, long s_d, long s_h,
         int c_in, int kd, int kh, int kw,
@@ -174,12 +187,8 @@ int CAT(cosmotrain_direct_filter_grad, SUFFIX)(
         const int nrows = h0 + rows < ho ? rows : ho - h0;
         for (int f0 = 0; f0 < filters; f0 += FB) {
             const int nf = filters - f0 < FB ? filters - f0 : FB;
-            for (int r = 0; r < nrows; r++)
-                for (int v = 0; v < vectors; v++)
-                    for (int f = 0; f < FB; f++)
-                        __builtin_memcpy(pack + ((r * vectors + v) * FB + f) * VL,
-                                         dy + (f0 + (f < nf ? f : 0)) * dy_f + z * dy_d
-                                            + (h0 + r) * dy_h + v * VL, sizeof(VEC));
+            CAT(pack_filters, SUFFIX)(pack, dy + f0 * dy_f + z * dy_d + h0 * dy_h, dy_f,
+                                      dy_h, nrows, vectors, nf);
             for (int c = 0; c < c_in; c++)
             for (int a = 0; a < kd; a++)
             for (int b = 0; b < kh; b++)
@@ -199,4 +208,4 @@ int CAT(cosmotrain_direct_filter_grad, SUFFIX)(
     return 0;
 }
 
-/* RUN and VEC stay defined for winograd_body.h; direct.c undefines them. */
+/* RUN and VEC stay defined for winograd_body.h; isa_loops.h undefines them. */

@@ -233,13 +233,9 @@ int CAT(cosmotrain_winograd_w_filter_grad, SUFFIX)(
         for (int i = 0; i < parts; i++)
         for (int f0 = 0; f0 < filters; f0 += FB) {
             const int nf = filters - f0 < FB ? filters - f0 : FB;
-            for (int r = 0; r < nzr; r++)
-                for (int v = 0; v < nv; v++)
-                    for (int f = 0; f < FB; f++)
-                        __builtin_memcpy(pack + ((r * nv + v) * FB + f) * VL,
-                                         dt + i * dcomp
-                                            + ((f0 + (f < nf ? f : 0)) * nz + z + r) * dplane
-                                            + (long)(v0 + v) * VL, sizeof(VEC));
+            CAT(pack_filters, SUFFIX)(pack, dt + i * dcomp + ((long)f0 * nz + z) * dplane
+                                                + (long)v0 * VL,
+                                      nz * dplane, dplane, nzr, nv, nf);
             for (int c = 0; c < c_in; c++)
             for (int a = 0; a < kd; a++)
             for (int b0 = 0; b0 < kh; b0 += 3) {
