@@ -503,7 +503,7 @@ def test_event_seconds_times_the_repeats_after_one_untimed_run() -> None:
             marks.append(len(runs))
 
         def synchronize(self):
-            pass
+            """Nothing is queued: the stand-in runs each call at once."""
 
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
         Event=Event, get_elapsed_time=lambda start, end: 10.0 * (marks[1] - marks[0])))
