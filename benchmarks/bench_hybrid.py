@@ -33,12 +33,11 @@ import numpy as np
 from mpi4py import MPI
 
 from cosmotrain.comm.grid import ProcessGrid
-from cosmotrain.comm.threads import configure_threads
+from cosmotrain.comm.threads import job_threads
 from cosmotrain.comm.timers import PHASES
 from cosmotrain.config.load import load_config
 from cosmotrain.config.layout import resolve_parallel
-from cosmotrain.device.heap import reuse_freed_memory
-from cosmotrain.kernels._parallel import set_blas_threads
+from cosmotrain.kernels._parallel import KernelThreads
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.train.step import HybridStep, hybrid_step_from_config, job_runtime
@@ -115,24 +114,20 @@ def compare(full: dict, path: str) -> float:
 def setup(world: Any, args: argparse.Namespace) -> tuple[Any, HybridStep, DistTensor]:
     """BLAS threads (``--threads``), the config (``--config``, ``--set``), the model step
     on the grid it asks for, and this rank's input block."""
-    if args.threads is None:
-        configure_threads(world)
-    else:
-        set_blas_threads(args.threads)
+    threads = job_threads(world) if args.threads is None else KernelThreads(args.threads)
     cfg = load_config(args.config, args.overrides)
-    step, x = build_step(world, cfg)
+    step, x = build_step(world, cfg, threads)
     return cfg, step, x
 
 
-def build_step(world: Any, cfg: Any) -> tuple[HybridStep, DistTensor]:
+def build_step(world: Any, cfg: Any, threads: KernelThreads | None = None
+               ) -> tuple[HybridStep, DistTensor]:
     """The trainer's step for ``cfg`` on the grid and device it asks for, and this rank's
-    input block.  The host heap follows ``device.reuse_freed_memory`` as in ``cosmotrain
-    train`` (without it every step faults its large arrays in afresh: MLPerf pool1's
-    backward took 339 ms instead of 17 on a D2 rank)."""
-    if cfg.device.reuse_freed_memory:
-        reuse_freed_memory()
+    input block.  With ``threads`` the step's runtime is a job's, as ``cosmotrain train``
+    builds it: the threads applied and the host heap following
+    ``device.reuse_freed_memory``; None leaves both to the caller (``bench_ddp.py``)."""
     grid = ProcessGrid(world, resolve_parallel(cfg, world.Get_size()))
-    step = hybrid_step_from_config(cfg, grid, job_runtime(cfg, grid))
+    step = hybrid_step_from_config(cfg, grid, job_runtime(cfg, grid, threads=threads))
     width = cfg.model.width
     dist, coord = step.model.input_distribution((cfg.train.batch_size, cfg.model.channels,
                                                  width, width, width))

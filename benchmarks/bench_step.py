@@ -51,8 +51,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from bench_hybrid import build_step, targets  # noqa: E402
 
-from cosmotrain.comm.threads import configure_threads  # noqa: E402
+from cosmotrain.comm.threads import job_threads  # noqa: E402
 from cosmotrain.config.load import load_config  # noqa: E402
+from cosmotrain.kernels._parallel import KernelThreads  # noqa: E402
 from cosmotrain.errors import UserError  # noqa: E402
 from cosmotrain.nn.module import Context  # noqa: E402
 from cosmotrain.nn.profile import LayerTimer  # noqa: E402
@@ -123,13 +124,13 @@ def devices_used(step: HybridStep, world: Any) -> int:
 
 
 def cosmotrain_row(world: Any, args: argparse.Namespace, batch: int, precision: str,
-                   algorithm: str) -> Dict[str, Any]:
+                   algorithm: str, threads: KernelThreads) -> Dict[str, Any]:
     """One timed configuration; 'out of memory' when it does not fit."""
     row: Dict[str, Any] = {"impl": f"cosmotrain {algorithm}" if args.backend == "gpu"
                            else "cosmotrain numpy", "batch": batch, "precision": precision}
     try:
         cfg = load_config(None, overrides(args, batch, precision, algorithm))
-        step, x = build_step(world, cfg)
+        step, x = build_step(world, cfg, threads)
         seconds = time_steps(step, x, targets(batch, cfg.model.outputs), args.steps,
                              args.warmup, world, on_device=args.input == "device")
     except MemoryError:
@@ -162,11 +163,11 @@ def layer_times(step: HybridStep, x: DistTensor, y: np.ndarray, args: argparse.N
     model = step.model
     timer = LayerTimer(model.spatial, model.to_samples, model.head, sync=synchronizer(step))
     try:
-        seconds = time_steps(step, x, y, args.steps, 1, world,
+        seconds = time_steps(step, x, y, args.steps, 0, world,  # warm from the timed steps
                              on_device=args.input == "device")
     finally:
         timer.remove()
-    per_step = {f"{name} {phase}": 1e3 * total / (args.steps + 1)
+    per_step = {f"{name} {phase}": 1e3 * total / args.steps
                 for (name, phase), total in timer.seconds.items()}
     per_step["outside the layers"] = max(
         0.0, 1e3 * statistics.mean(seconds) - sum(per_step.values()))
@@ -243,13 +244,15 @@ def measure(world: Any, args: argparse.Namespace) -> List[Dict[str, Any]]:
     its parameters would count in every cosmotrain row's peak resident set."""
     rows = []
     model = None
+    threads = job_threads(world)  # applied with the heap setting by each step's job runtime
     algorithms = args.algorithms if args.backend == "gpu" else ["numpy"]
     for batch in args.batch:
         for precision in args.precisions:
             if precision == "tf32" and args.backend == "cpu":
                 continue  # TF32 is a tensor-core mode: the CPU refuses it
             for algorithm in algorithms:
-                rows.append(cosmotrain_row(world, args, batch, precision, algorithm))
+                rows.append(cosmotrain_row(world, args, batch, precision, algorithm,
+                                           threads))
                 report(world, rows[-1])
             if not args.no_torch and world.Get_size() == 1:
                 model = model if model is not None else torch_model(args)
@@ -336,7 +339,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     world = MPI.COMM_WORLD
-    configure_threads(world)
     try:
         rows = measure(world, args)
     except UserError as err:  # e.g. --backend gpu without cupy or a device
