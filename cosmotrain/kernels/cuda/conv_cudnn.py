@@ -39,8 +39,9 @@ the engines with the TENSOR_CORE numerical note (TF32 for float io, as PyTorch d
 reduce in reduced precision are always deselected: accumulation is fp32.
 
 Plans (``plans=``).  ``heuristic`` runs the first plan of cuDNN's heuristics (modes A,
-then FALLBACK).  On the H200 that choice made plain fp32 convolutions 2x slower than the
-gemm path and about 8x slower than PyTorch's autotuned cuDNN (docs/PERFORMANCE.md, "GPU").
+then FALLBACK).  On the H200 a plain fp32 step with it ran 2x slower than with the gemm
+path and about 8x slower than PyTorch's with autotuned cuDNN (docs/PERFORMANCE.md, "GPU");
+the plan choice is the suspect.
 ``autotune`` builds every plan the heuristics list and, at the first call of each graph,
 times each on that call's own buffers (CUDA events, one untimed run, two timed) and keeps
 the fastest, as ``torch.backends.cudnn.benchmark`` does; a plan that fails is skipped.
