@@ -197,6 +197,8 @@ def main() -> None:
                         help="GEMM lowerings only: no compiled direct convolution loops "
                         "(cosmotrain/kernels/direct.py), for A/B runs")
     args = parser.parse_args()
+    if args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
     compiled_choice.USE_DIRECT = not args.no_direct
     _parallel.set_blas_threads(args.threads)
     if args.reuse_freed_memory:
