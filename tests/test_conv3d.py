@@ -41,8 +41,9 @@ IDS = [f"case{i}" for i in range(len(CASES))]
 # gradient algorithm): plain or split lowerings; one plane per chunk and per GEMM, or
 # whole samples in one GEMM; 1 or 2 threads; depth windows (one output row per GEMM and
 # one plane per chunk, or whole planes and samples) instead of the lowerings; the data
-# gradient of unsplit layers with F > C scatters (col2im, DGRAD_SCATTER) except under
-# "gather", whose GEMMs take several planes (MIN_GEMM_COLUMNS)
+# gradient of unsplit layers with F > C or few outputs scatters (col2im, DGRAD_SCATTER,
+# SCATTER_MAX_OUTPUTS) except under "gather", whose GEMMs take several planes
+# (MIN_GEMM_COLUMNS)
 POLICIES = {
     "plain-planes-2w": (0.0, 1 << 10, 1, 2, "lowering"),
     "split-planes-2w": (10.0, 1 << 10, 1, 2, "lowering"),
@@ -65,6 +66,8 @@ def policy(request, monkeypatch):
     monkeypatch.setattr(conv, "MIN_GEMM_COLUMNS", 100 if algorithm == "gather" else 1)
     monkeypatch.setattr(conv, "SCATTER_BYTES", budget)
     monkeypatch.setattr(conv, "DGRAD_SCATTER", algorithm != "gather")
+    if algorithm == "gather":  # small cases would otherwise scatter (SCATTER_MAX_OUTPUTS)
+        monkeypatch.setattr(conv, "SCATTER_MAX_OUTPUTS", 0)
     monkeypatch.setattr(conv, "MIN_WINDOW_PLANE", 1 if algorithm == "windows" else 1 << 30)
     monkeypatch.setattr(conv, "MAX_WINDOW_CHANNELS", 1 << 30)
     monkeypatch.setattr(depth_lowering, "CHUNK_PLANES", 1 if chunks > 1 else 1 << 10)

@@ -27,6 +27,22 @@ def test_adam_first_step_moves_by_lr() -> None:
     assert np.allclose(p.data, [0.99, -1.99], atol=1e-6)
 
 
+def test_adam_keeps_its_moment_arrays_across_steps(monkeypatch) -> None:
+    """The moments are allocated once: a zeroed pair per parameter and step would cost a
+    write of twice the model's size every step (``dict.setdefault``'s default)."""
+    p = Parameter(np.ones(4, dtype=np.float32))
+    opt = Adam(lr=0.01)
+    p.grad = np.full(4, 0.5, dtype=np.float32)
+    opt.step([("p", p)])
+    moments = opt.state["p"]["exp_avg"], opt.state["p"]["exp_avg_sq"]
+    calls = []
+    monkeypatch.setattr(np, "zeros_like", lambda *a, **k: calls.append(a) or None)
+    opt.step([("p", p)])
+    assert not calls
+    assert opt.state["p"]["exp_avg"] is moments[0] and opt.state["p"]["exp_avg_sq"] is moments[1]
+    assert opt.state["p"]["step"] == 2
+
+
 @pytest.mark.parametrize("name, wd", [("sgd", 0.0), ("sgd", 1e-2), ("adam", 0.0),
                                       ("adam", 1e-2)])
 def test_matches_torch_optim_over_steps(name: str, wd: float) -> None:

@@ -98,6 +98,13 @@ DGRAD_SCATTER = False
 # sample into 2-plane GEMMs (128 columns); 16 MiB was the best of 4 / 16 / 64 MiB in
 # two (noisy) runs.
 SCATTER_BYTES = 16 << 20
+# Unit-stride data gradients of at most this many output positions per sample scatter
+# whatever F and C: the gather's weights are a flipped, transposed copy of the whole
+# kernel (7 MB for 256 x 256 x 3^3), which outweighs a GEMM over 8-64 positions.  2026-11-27,
+# median ms, gather against scatter, 2 / 1 threads: 256->256 at 2^3 2.33 / 1.84 against
+# 1.11 / 1.15; 128->256 at 4^3 2.45 / 2.44 against 1.63 / 1.91; 256->512 at 4^3 7.2 / 8.3
+# against 3.9 / 5.7; at 8^3 the two are level (256->512) or the gather ahead (128->256).
+SCATTER_MAX_OUTPUTS = 64
 # Fewest GEMM columns per GEMM (a group of planes), even past ``CHUNK_BYTES``: plain
 # im2col on 16^3 and 8^3 planes got 256 or 64-128 columns within 4 MiB, where OpenBLAS
 # packs the weights for little work (1 thread: 512x6912 @ N=128 81, N=1024 93 GFLOP/s;
@@ -336,6 +343,7 @@ def conv3d_backward_data(dy: np.ndarray, w: np.ndarray, x_shape: Sequence[int],
     if kernel == "direct":
         return direct.forward(dy, flipped, tgeo, dx)
     low = choose_lowering(tgeo, max_shift=DGRAD_MAX_SHIFT)
-    if DGRAD_SCATTER and low.shift == 0 and geo.filters > geo.channels:
+    tiny = int(np.prod(geo.out)) <= SCATTER_MAX_OUTPUTS
+    if low.shift == 0 and (tiny or DGRAD_SCATTER and geo.filters > geo.channels):
         return backward_data_scatter(dy, w, geo, SCATTER_BYTES, dx)
     return _run_lowered(dy, low.weights(flipped), low, dx)

@@ -49,8 +49,15 @@ def linear_backward_data(dy: Any, weight: Any, *, settings: ConvSettings | None 
 
 def linear_backward_weight(x: Any, dy: Any, *, settings: ConvSettings | None = None
                            ) -> tuple[Any, Any]:
-    """(dW, db) for this block of samples (to be summed over the sample replicas)."""
+    """(dW, db) for this block of samples (to be summed over the sample replicas).
+
+    One sample on the CPU: an outer product, the same single products as the GEMM (no sums
+    to order differently).  OpenBLAS's sgemm with an inner dimension of 1 took 4.9 ms for
+    the paper network's fc1 (2048 x 2048) on the 2-core machine, ``np.outer`` 1.5-1.7 ms.
+    """
     if is_bf16(dy):
         return linear_backward_weight(widen(x), widen(dy), settings=settings)
+    if dy.shape[0] == 1 and isinstance(dy, np.ndarray):
+        return np.outer(dy[0], x[0]), dy.sum(axis=0)
     with _math(dy, settings):
         return dy.T @ x, dy.sum(axis=0)

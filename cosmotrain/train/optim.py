@@ -83,8 +83,10 @@ class Adam(Optimizer):
 
     def update(self, name: str, data: Any, grad: Any, lr: float) -> None:
         xp = array_module(data)
-        slot = self.state.setdefault(name, {"step": 0, "exp_avg": xp.zeros_like(data),
-                                            "exp_avg_sq": xp.zeros_like(data)})
+        slot = self.state.get(name)
+        if slot is None:  # not setdefault: its default would allocate two zeroed arrays a call
+            slot = self.state[name] = {"step": 0, "exp_avg": xp.zeros_like(data),
+                                       "exp_avg_sq": xp.zeros_like(data)}
         slot["step"] += 1
         t = slot["step"]
         dtype = data.dtype.type
