@@ -72,6 +72,7 @@ from cosmotrain.device.xp import array_module, is_device_array
 from cosmotrain.precision import is_bf16, narrow, widen
 
 from . import _parallel, compiled_choice, depth_lowering, direct, winograd
+from .activation import leaky_relu_forward
 from .conv3d_dgrad import backward_data_scatter
 from .cuda import conv as cuda_conv
 from .cuda.settings import ConvSettings
@@ -229,17 +230,22 @@ def _run_lowered(src: np.ndarray, wmat: np.ndarray, low: Lowering, y: np.ndarray
 def conv3d_forward(x: np.ndarray, w: np.ndarray, stride: "int | Sequence[int]" = 1,
                    padding: PaddingLike = 0, *, out: Optional[np.ndarray] = None,
                    settings: Optional[ConvSettings] = None,
-                   bias: Optional[np.ndarray] = None) -> np.ndarray:
+                   bias: Optional[np.ndarray] = None,
+                   activation: Optional[float] = None) -> np.ndarray:
     """``y = conv3d(x, w) + bias``: x (N,C,D,H,W), w (F,C,kD,kH,kW), bias (F,) or None
-    -> y (N,F,Do,Ho,Wo).
+    -> y (N,F,Do,Ho,Wo); then LeakyReLU with slope ``activation`` unless it is None.
 
     ``out``: optional C-contiguous result buffer (reusing one saves the page faults of a
     fresh allocation, about 5 ms per 128 MiB here).  ``bias``: added by the CPU kernels
     to each chunk's output while it is in cache (the same float adds as ``y += bias``
     afterwards, which cost a pass over the output: 40 ms on the MLPerf conv1's 2 x 32 x
     128^3); other devices and bf16 storage add it afterwards, in the output's dtype.
+    ``activation``: the following LeakyReLU layer's forward (:mod:`.activation`), which
+    the compiled loops apply to each register run while it is in cache instead of in a
+    pass of its own over the output (paper network, batch 1: 8.5 ms of act1), with the
+    same arithmetic, so the same bits; the other paths run that pass after the output.
     """
-    if x.shape[0] == 0:
+    if x.shape[0] == 0:  # zeros: LeakyReLU leaves them
         return _no_samples(x, ConvGeometry.create(x.shape, w.shape, stride, padding).y_shape,
                            out)
     if _elsewhere(out, x, w):
@@ -249,7 +255,7 @@ def conv3d_forward(x: np.ndarray, w: np.ndarray, stride: "int | Sequence[int]" =
             y = narrow(conv3d_forward(widen(x), widen(w), stride, padding))
         if bias is not None:
             y += bias.astype(y.dtype, copy=False).reshape(1, -1, 1, 1, 1)
-        return y
+        return y if activation is None else leaky_relu_forward(y, activation)
     x = as_float_array(x, "x")
     w = as_float_array(w, "w", x.dtype)
     geo = ConvGeometry.create(x.shape, w.shape, stride, padding)
@@ -259,14 +265,17 @@ def conv3d_forward(x: np.ndarray, w: np.ndarray, stride: "int | Sequence[int]" =
         geo.check("bias", bias.shape, (geo.filters,))
     kernel = compiled_choice.forward_kernel(geo, x.dtype)
     if kernel == "winograd":
-        return winograd.forward(x, w, geo, y, bias, compiled_choice.winograd_tile(geo))
+        return winograd.forward(x, w, geo, y, bias, compiled_choice.winograd_tile(geo),
+                                slope=activation)
     if kernel == "direct":
-        return direct.forward(x, w, geo, y, bias)
+        return direct.forward(x, w, geo, y, bias, slope=activation)
     if _thin(geo):
         win = depth_lowering.DepthWindows(geo)
-        return depth_lowering.forward(x, win.weights(w), win, y, bias)
-    low = choose_lowering(geo, max_shift=1)
-    return _run_lowered(x, low.weights(w), low, y, bias)
+        y = depth_lowering.forward(x, win.weights(w), win, y, bias)
+    else:
+        low = choose_lowering(geo, max_shift=1)
+        y = _run_lowered(x, low.weights(w), low, y, bias)
+    return y if activation is None else leaky_relu_forward(y, activation)
 
 
 def conv3d_backward_filter(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int],

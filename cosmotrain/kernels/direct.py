@@ -38,11 +38,13 @@ from .lowering import fill_slab
 CHUNK_PLANES = 4
 
 _c_long, _c_int, _ptr = compiled.LONG, compiled.INT, compiled.POINTER
+_c_float = compiled.FLOAT
 _FORWARD_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int, _c_int,
-                 _ptr, _c_int, _ptr, _ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int]
+                 _ptr, _c_int, _ptr, _ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int,
+                 _c_int, _c_float]
 _WINOGRAD_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int,
                   _ptr, _c_int, _ptr, _ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int,
-                  _ptr, _c_int]
+                  _ptr, _c_int, _c_int, _c_float]
 _WINOGRAD_FILTER_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int,
                          _ptr, _c_long, _c_long, _c_long, _c_int, _ptr, _c_int, _c_int, _c_int,
                          _ptr, _c_int]
@@ -159,8 +161,9 @@ def _row_width(geo: ConvGeometry, run: int) -> int:
 
 
 def forward(x: np.ndarray, w: np.ndarray, geo: ConvGeometry, y: np.ndarray,
-            bias: Optional[np.ndarray] = None) -> np.ndarray:
-    """``y = conv(x, w) + bias`` (float32, unit stride) into the C-contiguous ``y``."""
+            bias: Optional[np.ndarray] = None, slope: Optional[float] = None) -> np.ndarray:
+    """``y = conv(x, w) + bias`` (float32, unit stride) into the C-contiguous ``y``, then
+    LeakyReLU(``slope``) unless ``slope`` is None (each register run while in cache)."""
     loops = active_loops()
     assert loops is not None and supports(geo, x.dtype)
     packed = pack_weights(w)
@@ -175,7 +178,8 @@ def forward(x: np.ndarray, w: np.ndarray, geo: ConvGeometry, y: np.ndarray,
         sc, sd, sh = compiled.element_strides(block)[:3]
         loops.forward(compiled.address(block), sc, sd, sh, geo.channels, kd, kh, kw,
                       compiled.address(packed), geo.filters, bias_ptr,
-                      compiled.address(y[n, :, z0]), fs, ds, hs, z1 - z0, ho, wo)
+                      compiled.address(y[n, :, z0]), fs, ds, hs, z1 - z0, ho, wo,
+                      slope is not None, 0.0 if slope is None else slope)
 
     _parallel.map_chunks(work, plan_chunks(geo.batch, geo.out[0], CHUNK_PLANES))
     return y

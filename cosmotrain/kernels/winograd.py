@@ -98,9 +98,10 @@ FILTER_SPLIT_RUNS = 8
 
 
 def forward(x: np.ndarray, w: np.ndarray, geo: ConvGeometry, y: np.ndarray,
-            bias: Optional[np.ndarray] = None, tile: int = 2) -> np.ndarray:
+            bias: Optional[np.ndarray] = None, tile: int = 2,
+            slope: Optional[float] = None) -> np.ndarray:
     """``y = conv(x, w) + bias`` (float32, unit stride, kernel width 3) into ``y`` by
-    F(tile, 3), ``tile`` 2 or 4."""
+    F(tile, 3), ``tile`` 2 or 4, then LeakyReLU(``slope``) unless ``slope`` is None."""
     loops = direct.active_loops()
     assert loops is not None and supports(geo, x.dtype) and tile in _G
     kd, kh, _ = geo.kernel
@@ -124,7 +125,8 @@ def forward(x: np.ndarray, w: np.ndarray, geo: ConvGeometry, y: np.ndarray,
                                compiled.address(weights), f1 - f0,
                                None if bias is None else compiled.address(bias[f0:f1]),
                                compiled.address(y[n, f0, z0]), fs, ds, hs, z1 - z0, ho, wo,
-                               compiled.address(scratch), tile)
+                               compiled.address(scratch), tile,
+                               slope is not None, 0.0 if slope is None else slope)
 
     if len(groups) == 1:
         chunks = [(n, z0, z1, 0, geo.filters)

@@ -50,6 +50,10 @@ class ChannelConv3d(Conv3d):
     volume: dict = field(default_factory=lambda: {"allgather": 0, "reduce_scatter": 0})
     elements_per_channel: tuple[int, int] = (0, 0)
 
+    def take_activation(self, slope: float | None) -> bool:
+        """Never: the inner convolution's outputs are partial sums (reduce-scattered)."""
+        return False
+
     def forward(self, x: DistTensor, ctx: Context) -> DistTensor:  # type: ignore[override]
         out_dist = x.dist.with_shape(self.output_shape(x.dist.global_shape))
         gathered = self._allgather(self.filter_comm, x.data, self.blocks.input_pieces())

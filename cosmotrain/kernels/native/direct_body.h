@@ -58,15 +58,25 @@ static inline __attribute__((always_inline)) void CAT(forward_block, SUFFIX)(
     }
 }
 
+/* LeakyReLU of `count` outputs just stored (in L1): max(v, slope v) as
+ * native/activation.c computes it, so the same bits as the separate pass it replaces. */
+static inline void CAT(leaky_run, SUFFIX)(float *out, int count, float slope) {
+    for (int i = 0; i < count; i++) {
+        const float v = out[i], sv = v * slope;
+        out[i] = v > sv ? v : sv;
+    }
+}
+
 /* y[f][z][h][w] = sum_{c,a,b,e} wp[f/FB][c][a][b][e][f%FB] * s[c][z+a][h+b][w+e] + bias[f]
- * for z < nz, h < ho, w < wo (unit stride).  Summation order: c, a, b, e ascending, the
- * same for every output, whatever the chunking. */
+ * for z < nz, h < ho, w < wo (unit stride), then LeakyReLU(slope) when `leaky` (the next
+ * layer's pass over the output, done while each run is in cache).  Summation order: c,
+ * a, b, e ascending, the same for every output, whatever the chunking. */
 void CAT(cosmotrain_direct_forward, SUFFIX)(
         const float *s, long s_c, long s_d, long s_h,
         int c_in, int kd, int kh, int kw,
         const float *wp, int filters, const float *bias,
         float *y, long y_f, long y_d, long y_h,
-        int nz, int ho, int wo) {
+        int nz, int ho, int wo, int leaky, float slope) {
     const int blocks = (filters + FB - 1) / FB;
     const long block_size = (long)c_in * kd * kh * kw * FB;
     for (int z = 0; z < nz; z++)
@@ -85,7 +95,10 @@ void CAT(cosmotrain_direct_forward, SUFFIX)(
                 const int o = fb * FB + f;
                 if (bias)
                     for (int v = 0; v < WV; v++) acc[f][v] += bias[o];
-                CAT(store_run, SUFFIX)(y + o * y_f + z * y_d + h * y_h + w0, acc[f], wo - w0);
+                float *out = y + o * y_f + z * y_d + h * y_h + w0;
+                CAT(store_run, SUFFIX)(out, acc[f], wo - w0);
+                if (leaky)
+                    CAT(leaky_run, SUFFIX)(out, wo - w0 < RUN ? wo - w0 : RUN, slope);
             }
         }
     }

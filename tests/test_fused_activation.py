@@ -1,0 +1,130 @@
+"""A LeakyReLU applied by the convolution before it (``Layer.take_activation``) gives the
+bits of its own pass, on every kernel path, and a network trains to the same bits with
+the fusion on and off."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cosmotrain.config.schema import ModelConfig
+from cosmotrain.kernels import _parallel, compiled_choice, conv3d, direct
+from cosmotrain.kernels.activation import leaky_relu_forward
+from cosmotrain.kernels.loss import mse_backward
+from cosmotrain.models import build_model
+from cosmotrain.nn import containers
+from cosmotrain.nn.layers import Conv3d, LeakyReLU
+from cosmotrain.nn.module import Context
+from cosmotrain.precision import narrow, widen
+
+SLOPE = 0.01
+# (input shape, filters, dtype, compiled loops on): the kernel each one reaches on an
+# AVX-512 machine is named; without the loops all are the lowerings, still checked.
+PATHS = {
+    "winograd-f4": ((1, 16, 6, 5, 40), 16, np.float32, True),
+    "winograd-f2": ((2, 16, 4, 8, 9), 20, np.float32, True),
+    "direct": ((1, 4, 5, 4, 64), 12, np.float32, True),
+    "lowered": ((2, 6, 5, 7, 9), 5, np.float32, False),
+    "depth-windows": ((1, 4, 4, 40, 40), 8, np.float32, False),
+    "float64": ((2, 3, 5, 6, 7), 4, np.float64, True),
+}
+
+
+def _case(shape, filters, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(dtype)
+    w = (rng.standard_normal((filters, shape[1], 3, 3, 3)) * 0.2).astype(dtype)
+    bias = rng.standard_normal(filters).astype(dtype)
+    return x, w, bias
+
+
+@pytest.fixture
+def two_workers():
+    _parallel.set_num_workers(2)
+    yield
+    _parallel.set_num_workers(None)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_activation_is_the_separate_pass_bit_for_bit(path, with_bias, monkeypatch,
+                                                           two_workers) -> None:
+    shape, filters, dtype, loops = PATHS[path]
+    monkeypatch.setattr(compiled_choice, "USE_DIRECT", loops)
+    x, w, bias = _case(shape, filters, dtype)
+    b = bias if with_bias else None
+    separate = leaky_relu_forward(conv3d.conv3d_forward(x, w, 1, 1, bias=b), SLOPE)
+    fused = conv3d.conv3d_forward(x, w, 1, 1, bias=b, activation=SLOPE)
+    assert (separate < 0).any() and (separate > 0).any()  # both branches taken
+    np.testing.assert_array_equal(fused, separate)
+
+
+def test_each_named_path_takes_its_kernel() -> None:
+    """The cases above reach the kernels they are named after (where the loops exist)."""
+    if not direct.available():
+        pytest.skip("compiled loops not built")
+    from cosmotrain.kernels.geometry import ConvGeometry
+    for path in ("winograd-f4", "winograd-f2", "direct"):
+        shape, filters, dtype, _ = PATHS[path]
+        geo = ConvGeometry.create(shape, (filters, shape[1], 3, 3, 3), 1, 1)
+        kernel = compiled_choice.forward_kernel(geo, dtype)
+        assert kernel == path.split("-")[0], (path, kernel)
+        if kernel == "winograd":
+            assert compiled_choice.winograd_tile(geo) == int(path[-1])
+    geo = ConvGeometry.create(PATHS["depth-windows"][0], (8, 4, 3, 3, 3), 1, 1)
+    assert conv3d._thin(geo)
+
+
+def test_fused_activation_in_bf16_rounds_as_the_separate_layers() -> None:
+    """bf16: the convolution's bf16 output, then the activation on it (not on float32)."""
+    x, w, _ = _case((1, 3, 5, 6, 7), 4, np.float32)
+    xb, wb = narrow(x), narrow(w)
+    separate = leaky_relu_forward(conv3d.conv3d_forward(xb, wb, 1, 1), SLOPE)
+    fused = conv3d.conv3d_forward(xb, wb, 1, 1, activation=SLOPE)
+    np.testing.assert_array_equal(widen(fused), widen(separate))
+
+
+def _train_step(model, x, y):
+    ctx = Context(training=True, global_batch=x.shape[0])
+    pred = model.forward(x.copy(), ctx)
+    model.backward(mse_backward(pred, y, pred.size), ctx)
+    grads = {name: p.grad.copy() for name, p in model.named_parameters()}
+    for _, p in model.named_parameters():
+        p.grad = None
+    return pred, grads
+
+
+@pytest.mark.parametrize("name, width", [("cosmoflow", 32), ("tiny", 13)])
+def test_network_trains_to_the_same_bits_with_and_without_fusion(name, width, monkeypatch,
+                                                                  two_workers) -> None:
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 4, width, width, width)).astype(np.float32)
+    y = rng.standard_normal((2, 4)).astype(np.float32)
+    results = {}
+    for fuse in (False, True):
+        monkeypatch.setattr(containers, "FUSE_ACTIVATIONS", fuse)
+        model = build_model(ModelConfig(name=name, width=width), seed=0)
+        results[fuse] = _train_step(model, x, y)
+        if fuse and name == "cosmoflow":
+            layers = dict(model.named_layers())
+            assert layers["conv1"]._activation == SLOPE and layers["act1"]._applied
+            assert layers["act_fc1"]._applied is False  # fc1 is no convolution
+    (pred0, grads0), (pred1, grads1) = results[False], results[True]
+    np.testing.assert_array_equal(pred1, pred0)
+    assert grads0.keys() == grads1.keys()
+    for key in grads0:
+        np.testing.assert_array_equal(grads1[key], grads0[key], err_msg=key)
+
+
+def test_fusion_is_asked_again_at_every_forward(monkeypatch) -> None:
+    """A layer order that changes (or the switch turned off) leaves no stale fusion."""
+    conv = Conv3d(name="c", in_channels=1, out_channels=1)
+    assert conv.take_activation(0.1) and conv._activation == 0.1
+    assert not conv.take_activation(None) and conv._activation is None
+    assert not conv.take_activation(1.5)  # outside [0, 1]: the activation's own error
+    act = LeakyReLU(name="a", slope=0.1)
+    act.set_applied_by_previous(True)
+    x = np.array([-1.0, 2.0])
+    assert act.forward(x, Context()) is x and x[0] == -1.0  # applied before: untouched
+    act.set_applied_by_previous(False)
+    np.testing.assert_array_equal(act.forward(x, Context()), [-0.1, 2.0])
