@@ -41,7 +41,7 @@ from cosmotrain.kernels.conv3d import (conv3d_backward_data, conv3d_backward_fil
                                        conv3d_forward)
 from cosmotrain.kernels.pool3d import (avg_pool3d_backward, avg_pool3d_forward,
                                        max_pool3d_backward, max_pool3d_forward)
-from cosmotrain.nn.layers import channel_sums
+from cosmotrain.kernels.channel_sums import channel_sums
 
 try:
     import torch

@@ -47,9 +47,9 @@ _WINOGRAD_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int,
                   _ptr, _c_int, _c_int, _c_float]
 _WINOGRAD_FILTER_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int,
                          _ptr, _c_long, _c_long, _c_long, _c_int, _ptr, _c_int, _c_int, _c_int,
-                         _ptr, _c_int]
+                         _ptr, _c_int, _ptr]
 _FILTER_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int, _c_int,
-                _ptr, _c_long, _c_long, _c_long, _c_int, _ptr, _c_int, _c_int, _c_int]
+                _ptr, _c_long, _c_long, _c_long, _c_int, _ptr, _c_int, _c_int, _c_int, _ptr]
 
 
 @dataclass(frozen=True)
@@ -188,6 +188,14 @@ def forward(x: np.ndarray, w: np.ndarray, geo: ConvGeometry, y: np.ndarray,
 def filter_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry) -> np.ndarray:
     """``dL/dw`` ``(F, C, kD, kH, kW)`` float32 (unit stride); chunk partials are summed
     in chunk order."""
+    return filter_and_bias_grad(x, dy, geo, bias=False)[0]
+
+
+def filter_and_bias_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry, bias: bool = True
+                         ) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """``(dL/dw, dL/db)``: the filter gradient and, when ``bias``, the per-filter sums of
+    ``dy`` (float32; None otherwise), taken from the loops' packed dy tiles while they
+    are in cache rather than in a pass over dy of their own; partials in chunk order."""
     loops = active_loops()
     assert loops is not None and supports(geo, x.dtype)
     kd, kh, kw = geo.kernel
@@ -205,12 +213,15 @@ def filter_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry) -> np.ndarray:
             grad = rows
         sc, sd, sh = compiled.element_strides(block)[:3]
         fs, ds, hs = compiled.element_strides(grad)[:3]
-        part = np.zeros(geo.w_shape, np.float32)
+        part = np.zeros(size + (geo.filters if bias else 0), np.float32)
         compiled.check(loops.filter_grad(
             compiled.address(block), sc, sd, sh, geo.channels, kd, kh, kw,
             compiled.address(grad), fs, ds, hs, geo.filters,
-            compiled.address(part), z1 - z0, ho, wo), "direct filter gradient")
+            compiled.address(part), z1 - z0, ho, wo,
+            compiled.address(part[size:]) if bias else None), "direct filter gradient")
         return part
 
-    return _parallel.sum_in_order(
+    size = int(np.prod(geo.w_shape))
+    total = _parallel.sum_in_order(
         _parallel.map_chunks(work, plan_chunks(geo.batch, geo.out[0], CHUNK_PLANES)))
+    return total[:size].reshape(geo.w_shape), total[size:] if bias else None

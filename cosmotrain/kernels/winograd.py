@@ -162,6 +162,14 @@ def filter_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry, tile: int = 2
                 ) -> np.ndarray:
     """``dL/dw`` ``(F, C, kD, kH, 3)`` float32 (unit stride, kernel width 3) by F(tile, 3),
     ``tile`` 2 or 4; chunk partials are summed in chunk order."""
+    return filter_and_bias_grad(x, dy, geo, tile, bias=False)[0]
+
+
+def filter_and_bias_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry, tile: int = 2,
+                         bias: bool = True) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """``(dL/dw, dL/db)``: :func:`filter_grad` and, when ``bias``, the per-filter sums of
+    ``dy`` (None otherwise), summed from the loops' dy components (each tile's D_1 is
+    its dy sum) while they are in cache."""
     loops = direct.active_loops()
     assert loops is not None and supports(geo, x.dtype) and tile in _G
     kd, kh, _ = geo.kernel
@@ -179,14 +187,17 @@ def filter_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry, tile: int = 2
                 + parts * geo.filters * (z1 - z0) * dplane
                 + parts * geo.filters * geo.channels * kd * kh)
         scratch = _parallel.scratch("winograd_grad", (size,), np.float32)
-        part = np.zeros(geo.w_shape, np.float32)
+        part = np.zeros(weights + (geo.filters if bias else 0), np.float32)
         sc, sd, sh = compiled.element_strides(block)[:3]
         fs, ds, hs = compiled.element_strides(grad)[:3]
         compiled.check(loops.winograd_filter_grad(
             compiled.address(block), sc, sd, sh, geo.channels, kd, kh,
             compiled.address(grad), fs, ds, hs, geo.filters, compiled.address(part),
-            z1 - z0, ho, wo, compiled.address(scratch), tile), "Winograd filter gradient")
+            z1 - z0, ho, wo, compiled.address(scratch), tile,
+            compiled.address(part[weights:]) if bias else None), "Winograd filter gradient")
         return part
 
+    weights = int(np.prod(geo.w_shape))
     chunks = plan_chunks(geo.batch, geo.out[0], _grad_chunk_planes(geo, tiles))
-    return _parallel.sum_in_order(_parallel.map_chunks(work, chunks))
+    total = _parallel.sum_in_order(_parallel.map_chunks(work, chunks))
+    return total[:weights].reshape(geo.w_shape), total[weights:] if bias else None

@@ -23,10 +23,11 @@ import numpy as np
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.comm.runtime import Runtime
 from cosmotrain.device.xp import array_module
+from cosmotrain.kernels.channel_sums import channel_sums
 from cosmotrain.layers.channel_plan import LayerChoice
 from cosmotrain.layers.conv import SpatialConv3d
 from cosmotrain.layers.shards import Shard
-from cosmotrain.nn.layers import Conv3d, channel_sums
+from cosmotrain.nn.layers import Conv3d
 from cosmotrain.nn.module import Context, Parameter
 from cosmotrain.tensor.channel_collectives import allgather_channels, reduce_scatter_channels
 from cosmotrain.tensor.channel_split import ChannelBlocks

@@ -34,10 +34,11 @@ from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.comm.runtime import Runtime
 from cosmotrain.device.xp import array_module
 from cosmotrain.kernels import conv3d
+from cosmotrain.kernels.channel_sums import channel_sums
 from cosmotrain.layers.window import (SpatialWindow, WindowGeometry, finish_halo_grads,
                                       halo_buffer, restore_extended, save_margins,
                                       scatter_halo_grads)
-from cosmotrain.nn.layers import Conv3d, channel_sums
+from cosmotrain.nn.layers import Conv3d
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.tensor.boxes import Box
@@ -71,9 +72,10 @@ class SpatialConv3d(SpatialWindow, Conv3d):
         grad = pending = None
         if self.needs_input_grad:  # margins travel ...
             grad, pending = scatter_halo_grads(self._data_grad(dy, x, geo), x, geo)
-        self.params["weight"].accumulate(self._weight_grad(x, margins, dy, geo))  # ... meanwhile
-        if self.bias:
-            self.params["bias"].accumulate(channel_sums(dy.data))
+        dw, db = self._weight_grad(x, margins, dy, geo)  # ... meanwhile
+        self.params["weight"].accumulate(dw)
+        if db is not None:
+            self.params["bias"].accumulate(db)
         if pending is None:
             return None
         return finish_halo_grads(grad, pending, x, geo)
@@ -125,13 +127,18 @@ class SpatialConv3d(SpatialWindow, Conv3d):
                                            geo.padding, settings=self.conv_settings)
 
     def _weight_grad(self, x: DistTensor, margins: Margins, dy: DistTensor,
-                     geo: WindowGeometry) -> Any:
+                     geo: WindowGeometry) -> tuple[Any, Any]:
+        """``(dL/dw, dL/db)`` of this block (``dL/db`` None without a bias)."""
         weight = self.params["weight"]
         if not geo.has_output:
-            return array_module(x.data).zeros(weight.shape, dtype=weight.data.dtype)
-        return conv3d.conv3d_backward_filter(restore_extended(x, margins, geo), dy.data,
-                                             weight.shape, self.stride, geo.padding,
-                                             settings=self.conv_settings)
+            zeros = array_module(x.data).zeros(weight.shape, dtype=weight.data.dtype)
+            return zeros, channel_sums(dy.data) if self.bias else None
+        ext = restore_extended(x, margins, geo)
+        if self.bias:
+            return conv3d.conv3d_backward_filter_bias(ext, dy.data, weight.shape, self.stride,
+                                                      geo.padding, settings=self.conv_settings)
+        return conv3d.conv3d_backward_filter(ext, dy.data, weight.shape, self.stride,
+                                             geo.padding, settings=self.conv_settings), None
 
 
 def spatial_conv(layer: Conv3d, grid: ProcessGrid, runtime: Runtime | None = None

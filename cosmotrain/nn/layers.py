@@ -24,7 +24,6 @@ from cosmotrain.kernels.geometry import Padding, Triple, output_size
 from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
 from cosmotrain.kernels.batchnorm import (bn_backward_apply, bn_backward_local_sums,
                                           bn_local_sums, bn_normalize, bn_statistics)
-from cosmotrain.kernels.channel_sums import channel_sums  # also the layers' bias gradient
 from cosmotrain.kernels.cuda.settings import ConvSettings
 from cosmotrain.kernels.dropout import dropout_backward, dropout_forward, dropout_keep_mask
 from cosmotrain.kernels.linear import (linear_backward_data, linear_backward_weight,
@@ -73,11 +72,16 @@ class Conv3d(Layer):
         weight = self.params["weight"]
         if x.shape[0] == 0:
             return self._empty_backward(x)
-        weight.accumulate(conv3d.conv3d_backward_filter(x, dy, weight.shape, self.stride,
+        if self.bias:  # both from one pass over dy where the kernels can
+            dw, db = conv3d.conv3d_backward_filter_bias(x, dy, weight.shape, self.stride,
                                                         self.padding,
-                                                        settings=self.conv_settings))
-        if self.bias:
-            self.params["bias"].accumulate(channel_sums(dy))
+                                                        settings=self.conv_settings)
+            weight.accumulate(dw)
+            self.params["bias"].accumulate(db)
+        else:
+            weight.accumulate(conv3d.conv3d_backward_filter(x, dy, weight.shape, self.stride,
+                                                            self.padding,
+                                                            settings=self.conv_settings))
         if not self.needs_input_grad:
             return None
         return conv3d.conv3d_backward_data(dy, weight.like(dy), x.shape, self.stride,

@@ -185,6 +185,8 @@ void CAT(cosmotrain_winograd_w_forward, SUFFIX)(
  * M_i are the plain filter gradient's register blocks over flat planes (taps b a shift
  * by T apart), in segments of about TILE outputs (part of a plane, or the whole planes
  * of a few z) whose D_i are packed per filter block.
+ * With gb not NULL, also the bias gradient gb[f] += sum dy[f], as the sums of D_1
+ * (F(2,3): dy0 + dy1, F(4,3): dy0 + dy1 + dy2 + dy3) while each plane of it is in cache.
  * work: (m + 2) * c_in * depth * hp * T + RUN floats (components), then
  * (m + 2) * filters * nz * roundup(ho * T, VL) (D) and (m + 2) * filters * c_in * kd * kh
  * (M). */
@@ -192,7 +194,7 @@ int CAT(cosmotrain_winograd_w_filter_grad, SUFFIX)(
         const float *s, long s_c, long s_d, long s_h,
         int c_in, int kd, int kh,
         const float *dy, long dy_f, long dy_d, long dy_h, int filters,
-        float *g, int nz, int ho, int wo, float *work, int m) {
+        float *g, int nz, int ho, int wo, float *work, int m, float *gb) {
     const int tiles = (wo + m - 1) / m, depth = nz + kd - 1, hp = ho + kh - 1;
     const int parts = m + 2;
     const long plane = (long)hp * tiles, channel = depth * plane;
@@ -229,6 +231,15 @@ int CAT(cosmotrain_winograd_w_filter_grad, SUFFIX)(
         }
         for (long p = (long)ho * tiles; p < dplane; p++)
             for (int i = 0; i < parts; i++) out[i * dcomp + p] = 0.0f;
+        if (gb) {  /* the bias gradient: D_1 is each tile's dy sum, the plane just written */
+            VEC acc[4] = {{0}, {0}, {0}, {0}};
+            const float *d1 = out + dcomp;
+            int v = 0;
+            for (; v + 4 <= vectors; v += 4)
+                for (int u = 0; u < 4; u++) acc[u] += CAT(load, SUFFIX)(d1 + (long)(v + u) * VL);
+            for (; v < vectors; v++) acc[0] += CAT(load, SUFFIX)(d1 + (long)v * VL);
+            gb[f] += CAT(lane_sum, SUFFIX)((acc[0] + acc[1]) + (acc[2] + acc[3]));
+        }
     }
     const long taps = (long)c_in * kd * kh;
     float *msum = dt + parts * dcomp;
