@@ -9,7 +9,7 @@ import pytest
 
 from cosmotrain.config.schema import ModelConfig
 from cosmotrain.kernels import _parallel, compiled_choice, conv3d, direct
-from cosmotrain.kernels.activation import leaky_relu_forward
+from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
 from cosmotrain.kernels.loss import mse_backward
 from cosmotrain.models import build_model
 from cosmotrain.nn import containers
@@ -84,6 +84,24 @@ def test_fused_activation_in_bf16_rounds_as_the_separate_layers() -> None:
     np.testing.assert_array_equal(widen(fused), widen(separate))
 
 
+@pytest.mark.parametrize("width, loops", [(64, True), (60, True), (9, False)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_activation_backward_in_the_filter_gradient_is_its_own_pass_bit_for_bit(
+        width, loops, with_bias, monkeypatch, two_workers) -> None:
+    """The first convolution runs the next LeakyReLU's backward: in the direct loops'
+    packing of dy (rows of whole vectors: 64), else (60: padded rows; the lowerings) as
+    the activation's own pass first; the same bits either way."""
+    monkeypatch.setattr(compiled_choice, "USE_DIRECT", loops)
+    x, w, bias = _case((2, 4, 5, 4, width), 12, np.float32)
+    y = conv3d.conv3d_forward(x, w, 1, 1, activation=SLOPE)
+    dy = np.random.default_rng(3).standard_normal(y.shape).astype(np.float32)
+    fn = conv3d.conv3d_backward_filter_bias if with_bias else conv3d.conv3d_backward_filter
+    expected = fn(x, leaky_relu_backward(dy.copy(), y, SLOPE), w.shape, 1, 1)
+    fused = fn(x, dy.copy(), w.shape, 1, 1, activation=(y, SLOPE))
+    for got, want in zip(fused if with_bias else [fused], expected if with_bias else [expected]):
+        np.testing.assert_array_equal(got, want)
+
+
 def _train_step(model, x, y):
     ctx = Context(training=True, global_batch=x.shape[0])
     pred = model.forward(x.copy(), ctx)
@@ -100,11 +118,19 @@ def test_network_trains_to_the_same_bits_with_and_without_fusion(name, width, mo
     rng = np.random.default_rng(1)
     x = rng.standard_normal((2, 4, width, width, width)).astype(np.float32)
     y = rng.standard_normal((2, 4)).astype(np.float32)
-    results = {}
+    results, backwards = {}, []
+    original = LeakyReLU.backward
+    monkeypatch.setattr(LeakyReLU, "backward",
+                        lambda self, dy, ctx: backwards.append(self.name) or original(self, dy,
+                                                                                     ctx))
     for fuse in (False, True):
         monkeypatch.setattr(containers, "FUSE_ACTIVATIONS", fuse)
         model = build_model(ModelConfig(name=name, width=width), seed=0)
+        backwards.clear()
         results[fuse] = _train_step(model, x, y)
+        acts = [n for n, layer in model.named_layers() if isinstance(layer, LeakyReLU)]
+        # conv1 (no input gradient) runs act1's backward when fused
+        assert acts[0] == "act1" and backwards == (acts[::-1][:-1] if fuse else acts[::-1])
         if fuse and name == "cosmoflow":
             layers = dict(model.named_layers())
             assert layers["conv1"]._activation == SLOPE and layers["act1"]._applied

@@ -72,7 +72,7 @@ from cosmotrain.device.xp import array_module, is_device_array
 from cosmotrain.precision import is_bf16, narrow, widen
 
 from . import _parallel, compiled_choice, depth_lowering, direct, winograd
-from .activation import leaky_relu_forward
+from .activation import leaky_relu_backward, leaky_relu_forward
 from .channel_sums import channel_sums
 from .conv3d_dgrad import backward_data_scatter
 from .cuda import conv as cuda_conv
@@ -281,11 +281,16 @@ def conv3d_forward(x: np.ndarray, w: np.ndarray, stride: "int | Sequence[int]" =
 
 def conv3d_backward_filter(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int],
                            stride: "int | Sequence[int]" = 1, padding: PaddingLike = 0, *,
+                           activation: Optional[tuple[np.ndarray, float]] = None,
                            settings: Optional[ConvSettings] = None) -> np.ndarray:
     """``dL/dw`` from the input x and the output gradient dy; shape ``w_shape``.
 
     bf16 (CPU emulation): computed in float32, returned as bf16 like the GPU kernel.
-    No sample (``N = 0``): zeros, the empty sum."""
+    No sample (``N = 0``): zeros, the empty sum.  ``activation``: ``(y, slope)`` of the
+    LeakyReLU after this layer, whose backward comes first (dy times its factor of y):
+    inside the direct loops' packing of dy where they run, else as its own pass over
+    dy, in place (what the activation layer would have done)."""
+    dy, activation = _activation_grad_first(x, dy, w_shape, stride, padding, activation)
     if x.shape[0] == 0:
         geo = ConvGeometry.create(x.shape, w_shape, stride, padding)
         geo.check("dy", dy.shape, geo.y_shape)
@@ -303,13 +308,14 @@ def conv3d_backward_filter(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int]
     if kernel == "winograd":
         return winograd.filter_grad(x, dy, geo, compiled_choice.winograd_tile(geo))
     if kernel == "direct":
-        return direct.filter_grad(x, dy, geo)
+        return direct.filter_grad(x, dy, geo, activation)
     return _lowered_filter_grad(x, dy, geo)
 
 
 def conv3d_backward_filter_bias(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int],
                                 stride: "int | Sequence[int]" = 1, padding: PaddingLike = 0,
-                                *, settings: Optional[ConvSettings] = None
+                                *, activation: Optional[tuple[np.ndarray, float]] = None,
+                                settings: Optional[ConvSettings] = None
                                 ) -> tuple[np.ndarray, np.ndarray]:
     """``(dL/dw, dL/db)``: :func:`conv3d_backward_filter` and the bias gradient (``dy``
     summed over every axis but 1).
@@ -317,8 +323,10 @@ def conv3d_backward_filter_bias(x: np.ndarray, dy: np.ndarray, w_shape: Sequence
     The compiled loops sum dy from the tiles they pack anyway, while those are in cache;
     the other paths run :func:`.channel_sums.channel_sums`, a pass over dy of its own
     (MLPerf conv1, 32 x 128^3: 20 ms on one core).  The loops' sums go tile by tile in
-    vector lanes, so their last bits differ from numpy's pairwise sums.
+    vector lanes, so their last bits differ from numpy's pairwise sums.  ``activation``:
+    as :func:`conv3d_backward_filter` (both gradients from the activated dy).
     """
+    dy, activation = _activation_grad_first(x, dy, w_shape, stride, padding, activation)
     if (x.shape[0] == 0 or _elsewhere(None, x, dy) or not isinstance(x, np.ndarray)
             or x.dtype != np.float32 or dy.dtype != np.float32):
         return (conv3d_backward_filter(x, dy, w_shape, stride, padding, settings=settings),
@@ -329,8 +337,28 @@ def conv3d_backward_filter_bias(x: np.ndarray, dy: np.ndarray, w_shape: Sequence
     if kernel == "winograd":
         return winograd.filter_and_bias_grad(x, dy, geo, compiled_choice.winograd_tile(geo))
     if kernel == "direct":
-        return direct.filter_and_bias_grad(x, dy, geo)
+        return direct.filter_and_bias_grad(x, dy, geo, activation=activation)
     return _lowered_filter_grad(x, dy, geo), channel_sums(dy)
+
+
+def _activation_grad_first(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int],
+                           stride: "int | Sequence[int]", padding: PaddingLike,
+                           activation: Optional[tuple[np.ndarray, float]]
+                           ) -> tuple[np.ndarray, Optional[tuple[np.ndarray, float]]]:
+    """``(dy, activation)``: unchanged where the direct loops will run the activation's
+    backward in their packing of dy (float32 numpy arrays, y laid out as dy, rows read in
+    place), else dy times the activation's factor now (in place) and no activation."""
+    if activation is None:
+        return dy, None
+    y, slope = activation
+    arrays = (x, dy, y)
+    if (all(isinstance(a, np.ndarray) and a.dtype == np.float32 for a in arrays)
+            and x.shape[0] > 0 and y.shape == dy.shape and y.strides == dy.strides):
+        geo = ConvGeometry.create(x.shape, w_shape, stride, padding)
+        if (compiled_choice.filter_grad_kernel(geo, x.dtype) == "direct"
+                and direct.packs_activation(geo)):
+            return dy, activation
+    return leaky_relu_backward(dy, y, slope), None
 
 
 def _lowered_filter_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry) -> np.ndarray:

@@ -31,6 +31,7 @@ from typing import Optional
 import numpy as np
 
 from . import _parallel, compiled
+from .activation import backward_factors
 from .geometry import ConvGeometry, plan_chunks
 from .lowering import fill_slab
 
@@ -49,7 +50,8 @@ _WINOGRAD_FILTER_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int
                          _ptr, _c_long, _c_long, _c_long, _c_int, _ptr, _c_int, _c_int, _c_int,
                          _ptr, _c_int, _ptr]
 _FILTER_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int, _c_int,
-                _ptr, _c_long, _c_long, _c_long, _c_int, _ptr, _c_int, _c_int, _c_int, _ptr]
+                _ptr, _c_long, _c_long, _c_long, _c_int, _ptr, _c_int, _c_int, _c_int, _ptr,
+                _ptr, _c_long, _c_long, _c_long, _c_float, _c_float]
 
 
 @dataclass(frozen=True)
@@ -185,27 +187,46 @@ def forward(x: np.ndarray, w: np.ndarray, geo: ConvGeometry, y: np.ndarray,
     return y
 
 
-def filter_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry) -> np.ndarray:
+def filter_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry,
+                activation: Optional[tuple[np.ndarray, float]] = None) -> np.ndarray:
     """``dL/dw`` ``(F, C, kD, kH, kW)`` float32 (unit stride); chunk partials are summed
-    in chunk order."""
-    return filter_and_bias_grad(x, dy, geo, bias=False)[0]
+    in chunk order.  ``activation``: see :func:`filter_and_bias_grad`."""
+    return filter_and_bias_grad(x, dy, geo, bias=False, activation=activation)[0]
 
 
-def filter_and_bias_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry, bias: bool = True
+def packs_activation(geo: ConvGeometry) -> bool:
+    """Whether the filter gradient can multiply dy by an activation's factor as it packs
+    it: dy's rows are read in place (whole vectors), not copied into padded rows."""
+    loops = active_loops()
+    return loops is not None and geo.out[2] % loops.lanes == 0
+
+
+def filter_and_bias_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry, bias: bool = True,
+                         activation: Optional[tuple[np.ndarray, float]] = None
                          ) -> tuple[np.ndarray, Optional[np.ndarray]]:
     """``(dL/dw, dL/db)``: the filter gradient and, when ``bias``, the per-filter sums of
     ``dy`` (float32; None otherwise), taken from the loops' packed dy tiles while they
-    are in cache rather than in a pass over dy of their own; partials in chunk order."""
+    are in cache rather than in a pass over dy of their own; partials in chunk order.
+
+    ``activation``: ``(y, slope)`` of a LeakyReLU after this layer, whose backward the
+    packing then runs (dy times its factor of y, the bits of its own pass,
+    :func:`.activation.leaky_relu_backward`); y float32, laid out as dy, and
+    :func:`packs_activation` true."""
     loops = active_loops()
     assert loops is not None and supports(geo, x.dtype)
     kd, kh, kw = geo.kernel
     _, ho, wo = geo.out
     padded_w = -(-wo // loops.lanes) * loops.lanes
 
+    up, down = backward_factors(activation[1]) if activation is not None else (0.0, 0.0)
+    assert activation is None or (packs_activation(geo) and activation[0].shape == dy.shape)
+
     def work(chunk) -> np.ndarray:
         n, z0, z1 = chunk
         block = slab(geo, x[n], z0, z1, _row_width(geo, loops.run))
         grad = dy[n, :, z0:z1]
+        ya = activation[0][n, :, z0:z1] if activation is not None else None
+        ys = compiled.element_strides(ya)[:3] if ya is not None else (0, 0, 0)
         if padded_w != wo:  # the loops read whole vectors: zeros past the row's end
             rows = _parallel.scratch("direct_dy", grad.shape[:3] + (padded_w,), np.float32)
             rows[..., wo:] = 0
@@ -218,7 +239,9 @@ def filter_and_bias_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry, bias:
             compiled.address(block), sc, sd, sh, geo.channels, kd, kh, kw,
             compiled.address(grad), fs, ds, hs, geo.filters,
             compiled.address(part), z1 - z0, ho, wo,
-            compiled.address(part[size:]) if bias else None), "direct filter gradient")
+            compiled.address(part[size:]) if bias else None,
+            compiled.address(ya) if ya is not None else None, *ys, up, down),
+            "direct filter gradient")
         return part
 
     size = int(np.prod(geo.w_shape))

@@ -55,6 +55,10 @@ class ChannelConv3d(Conv3d):
         """Never: the inner convolution's outputs are partial sums (reduce-scattered)."""
         return False
 
+    def accepts_activation_grad(self) -> bool:
+        """Never: its output gradient is all-gathered first (no kernel sees it whole)."""
+        return False
+
     def forward(self, x: DistTensor, ctx: Context) -> DistTensor:  # type: ignore[override]
         out_dist = x.dist.with_shape(self.output_shape(x.dist.global_shape))
         gathered = self._allgather(self.filter_comm, x.data, self.blocks.input_pieces())

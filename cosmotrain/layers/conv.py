@@ -68,11 +68,12 @@ class SpatialConv3d(SpatialWindow, Conv3d):
 
     def backward(self, dy: DistTensor, ctx: Context) -> DistTensor | None:  # type: ignore[override]
         (x, margins), self._saved = self._saved, None
+        act, self._activation_grad = self._activation_grad, None
         geo = self.geometry(x)
         grad = pending = None
         if self.needs_input_grad:  # margins travel ...
             grad, pending = scatter_halo_grads(self._data_grad(dy, x, geo), x, geo)
-        dw, db = self._weight_grad(x, margins, dy, geo)  # ... meanwhile
+        dw, db = self._weight_grad(x, margins, dy, geo, act)  # ... meanwhile
         self.params["weight"].accumulate(dw)
         if db is not None:
             self.params["bias"].accumulate(db)
@@ -127,18 +128,22 @@ class SpatialConv3d(SpatialWindow, Conv3d):
                                            geo.padding, settings=self.conv_settings)
 
     def _weight_grad(self, x: DistTensor, margins: Margins, dy: DistTensor,
-                     geo: WindowGeometry) -> tuple[Any, Any]:
-        """``(dL/dw, dL/db)`` of this block (``dL/db`` None without a bias)."""
+                     geo: WindowGeometry, act: Any = None) -> tuple[Any, Any]:
+        """``(dL/dw, dL/db)`` of this block (``dL/db`` None without a bias); ``act``: the
+        following LeakyReLU's ``(output block, slope)`` when this layer runs its backward
+        (:meth:`take_activation_grad`)."""
         weight = self.params["weight"]
-        if not geo.has_output:
+        if not geo.has_output:  # no output here: dy is empty, so is its activation's
             zeros = array_module(x.data).zeros(weight.shape, dtype=weight.data.dtype)
             return zeros, channel_sums(dy.data) if self.bias else None
         ext = restore_extended(x, margins, geo)
         if self.bias:
             return conv3d.conv3d_backward_filter_bias(ext, dy.data, weight.shape, self.stride,
-                                                      geo.padding, settings=self.conv_settings)
+                                                      geo.padding, activation=act,
+                                                      settings=self.conv_settings)
         return conv3d.conv3d_backward_filter(ext, dy.data, weight.shape, self.stride,
-                                             geo.padding, settings=self.conv_settings), None
+                                             geo.padding, activation=act,
+                                             settings=self.conv_settings), None
 
 
 def spatial_conv(layer: Conv3d, grid: ProcessGrid, runtime: Runtime | None = None

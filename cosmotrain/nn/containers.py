@@ -9,8 +9,10 @@ from cosmotrain.nn.module import Context, Layer
 
 # A layer followed by a LeakyReLU may apply it to its own output (Layer.take_activation):
 # convolutions then do it in their kernels' output loops, saving the activation's pass
-# (paper network, batch 1: act1's 8.5 ms forward).  False: every activation makes its own
-# pass (A/B runs; the results are the same bits, tests/test_fused_activation.py).
+# (paper network, batch 1: act1's 8.5 ms forward); and a first convolution may run its
+# backward (Layer.take_activation_grad) in its filter gradient's packing of dy (act1's
+# 10 ms backward).  False: every activation makes its own passes (A/B runs; the results
+# are the same bits, tests/test_fused_activation.py).
 FUSE_ACTIVATIONS = True
 
 
@@ -43,11 +45,25 @@ class Sequential(Layer):
         return x
 
     def backward(self, dy: Any, ctx: Context) -> Any:
-        for layer in reversed(self.items):
+        for index in range(len(self.items) - 1, -1, -1):
+            layer = self.items[index]
+            if index and self._hand_over(layer, self.items[index - 1]):
+                continue  # the layer before runs this activation's backward
             dy = layer.backward(dy, ctx)
             if ctx.on_grad_ready is not None and layer.params:
                 ctx.on_grad_ready(layer)
         return dy
+
+    @staticmethod
+    def _hand_over(layer: Layer, before: Layer) -> bool:
+        """Give a LeakyReLU's backward to the layer before it where that layer can run it
+        in its own kernels (the first convolution: its filter gradient's dy packing);
+        True when given."""
+        slope = layer.activation_slope()
+        if not FUSE_ACTIVATIONS or slope is None or not before.accepts_activation_grad():
+            return False
+        before.take_activation_grad(layer.hand_over_output(), slope)
+        return True
 
     def output_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         for layer in self.items:

@@ -53,10 +53,18 @@ class Conv3d(Layer):
     conv_settings: ConvSettings = field(default_factory=ConvSettings, repr=False)
     _activation = None  # the following LeakyReLU's slope when this layer applies it
 
+    _activation_grad = None  # (y, slope) of the LeakyReLU after it, for this backward
+
     def take_activation(self, slope: float | None) -> bool:
         """The kernels apply a LeakyReLU to each output chunk while it is in cache."""
         self._activation = slope if slope is not None and 0.0 <= slope <= 1.0 else None
         return self._activation is not None
+
+    def accepts_activation_grad(self) -> bool:
+        return not self.needs_input_grad
+
+    def take_activation_grad(self, y: Any, slope: float) -> None:
+        self._activation_grad = (y, slope)
 
     def forward(self, x: Any, ctx: Context) -> Any:
         self._x = x
@@ -69,18 +77,19 @@ class Conv3d(Layer):
 
     def backward(self, dy: Any, ctx: Context) -> Any:
         x, self._x = self._x, None
+        act, self._activation_grad = self._activation_grad, None
         weight = self.params["weight"]
         if x.shape[0] == 0:
             return self._empty_backward(x)
         if self.bias:  # both from one pass over dy where the kernels can
             dw, db = conv3d.conv3d_backward_filter_bias(x, dy, weight.shape, self.stride,
-                                                        self.padding,
+                                                        self.padding, activation=act,
                                                         settings=self.conv_settings)
             weight.accumulate(dw)
             self.params["bias"].accumulate(db)
         else:
             weight.accumulate(conv3d.conv3d_backward_filter(x, dy, weight.shape, self.stride,
-                                                            self.padding,
+                                                            self.padding, activation=act,
                                                             settings=self.conv_settings))
         if not self.needs_input_grad:
             return None
@@ -149,6 +158,10 @@ class LeakyReLU(Layer):
     def forward(self, x: Any, ctx: Context) -> Any:
         self._y = x if self._applied else leaky_relu_forward(x, self.slope, inplace=True)
         return self._y
+
+    def hand_over_output(self) -> Any:
+        y, self._y = self._y, None
+        return y
 
     def backward(self, dy: Any, ctx: Context) -> Any:
         y, self._y = self._y, None

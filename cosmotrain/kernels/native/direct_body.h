@@ -183,6 +183,30 @@ static inline void CAT(pack_filters, SUFFIX)(float *pack, const float *src, long
                                  sizeof(VEC));
 }
 
+/* pack_filters of dy times the LeakyReLU factor of the activation output y beside it
+ * (up where y > 0, down elsewhere: native/activation.c's backward, the same products),
+ * y read with the same layout as dy (y_f, y_r): the activation's backward done in the
+ * pack, for a layer whose output gradient serves only its filter gradient. */
+static inline void CAT(pack_filters_masked, SUFFIX)(float *pack, const float *src,
+                                                    long f_stride, long r_stride,
+                                                    const float *y, long y_f, long y_r,
+                                                    int rows, int vectors, int nf,
+                                                    float up, float down) {
+    const VEC zero = {0}, upv = zero + up, downv = zero + down;
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < vectors; v++)
+            for (int f = 0; f < FB; f++) {
+                const int g = f < nf ? f : 0;
+                const VEC d = CAT(load, SUFFIX)(src + g * f_stride + r * r_stride + v * VL);
+                const VEC yv = CAT(load, SUFFIX)(y + g * y_f + r * y_r + v * VL);
+                const CAT(mask, SUFFIX) positive = yv > zero;
+                const VEC factor = (VEC)(((CAT(mask, SUFFIX))upv & positive)
+                                         | ((CAT(mask, SUFFIX))downv & ~positive));
+                const VEC out = d * factor;
+                __builtin_memcpy(pack + ((r * vectors + v) * FB + f) * VL, &out, sizeof(VEC));
+            }
+}
+
 /* gb[f0 + f] += the sum of a packed tile's dy for each of its nf filters (the bias
  * gradient, read from the pack while it is in L1 instead of in a pass over dy of its
  * own: 20 ms of the MLPerf network's conv1 backward on one core).  Lanes past wo hold
@@ -199,12 +223,15 @@ static void CAT(pack_sums, SUFFIX)(float *gb, const float *pack, int count, int 
     }
 }
 
-/* The filter gradient, and when gb is not NULL the bias gradient gb[f] += sum dy[f]. */
+/* The filter gradient, and when gb is not NULL the bias gradient gb[f] += sum dy[f].
+ * With ya not NULL, dy is first multiplied by the LeakyReLU factor of ya (the activation
+ * output after this layer, laid out as dy: ya_f, ya_d, ya_h), in the pack. */
 int CAT(cosmotrain_direct_filter_grad, SUFFIX)(
         const float *s, long s_c, long s_d, long s_h,
         int c_in, int kd, int kh, int kw,
         const float *dy, long dy_f, long dy_d, long dy_h, int filters,
-        float *g, int nz, int ho, int wo, float *gb) {
+        float *g, int nz, int ho, int wo, float *gb,
+        const float *ya, long ya_f, long ya_d, long ya_h, float up, float down) {
     const long taps = (long)c_in * kd * kh * kw;
     const int vectors = (wo + VL - 1) / VL;
     int rows = TILE / (vectors * VL);
@@ -217,8 +244,14 @@ int CAT(cosmotrain_direct_filter_grad, SUFFIX)(
         const int nrows = h0 + rows < ho ? rows : ho - h0;
         for (int f0 = 0; f0 < filters; f0 += FB) {
             const int nf = filters - f0 < FB ? filters - f0 : FB;
-            CAT(pack_filters, SUFFIX)(pack, dy + f0 * dy_f + z * dy_d + h0 * dy_h, dy_f,
-                                      dy_h, nrows, vectors, nf);
+            if (ya)
+                CAT(pack_filters_masked, SUFFIX)(pack, dy + f0 * dy_f + z * dy_d + h0 * dy_h,
+                                                 dy_f, dy_h,
+                                                 ya + f0 * ya_f + z * ya_d + h0 * ya_h, ya_f,
+                                                 ya_h, nrows, vectors, nf, up, down);
+            else
+                CAT(pack_filters, SUFFIX)(pack, dy + f0 * dy_f + z * dy_d + h0 * dy_h, dy_f,
+                                          dy_h, nrows, vectors, nf);
             if (gb) CAT(pack_sums, SUFFIX)(gb + f0, pack, nrows * vectors, nf);
             for (int c = 0; c < c_in; c++)
             for (int a = 0; a < kd; a++)
