@@ -11,6 +11,8 @@ apart from conv3d so that the rules and their numbers read in one place.
 
 from __future__ import annotations
 
+import numpy as np
+
 from . import direct, winograd
 from .geometry import ConvGeometry
 
@@ -105,3 +107,13 @@ def filter_grad_kernel(geo: ConvGeometry, dtype) -> str:
     if winograd_filter_grad(geo, dtype):
         return "winograd"
     return "direct" if direct_loops(geo, dtype) else "lowered"
+
+
+def packs_activation_grad(geo: ConvGeometry, x, dy, y) -> bool:
+    """Whether the filter gradient runs the backward of the LeakyReLU after the layer
+    (output ``y``) as it packs dy: the direct loops, on float32 numpy arrays with y laid
+    out as dy and dy's rows read in place (:func:`.direct.packs_activation`)."""
+    return (all(isinstance(a, np.ndarray) and a.dtype == np.float32 for a in (x, dy, y))
+            and y.shape == dy.shape and y.strides == dy.strides
+            and filter_grad_kernel(geo, np.float32) == "direct"
+            and direct.packs_activation(geo))

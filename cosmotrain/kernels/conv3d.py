@@ -290,26 +290,7 @@ def conv3d_backward_filter(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int]
     LeakyReLU after this layer, whose backward comes first (dy times its factor of y):
     inside the direct loops' packing of dy where they run, else as its own pass over
     dy, in place (what the activation layer would have done)."""
-    dy, activation = _activation_grad_first(x, dy, w_shape, stride, padding, activation)
-    if x.shape[0] == 0:
-        geo = ConvGeometry.create(x.shape, w_shape, stride, padding)
-        geo.check("dy", dy.shape, geo.y_shape)
-        return _no_samples(x, geo.w_shape)
-    if _elsewhere(None, x, dy):
-        if is_device_array(x):
-            return cuda_conv.conv3d_backward_filter(x, dy, w_shape, stride, padding,
-                                                    settings=settings)
-        return narrow(conv3d_backward_filter(widen(x), widen(dy), w_shape, stride, padding))
-    x = as_float_array(x, "x")
-    dy = as_float_array(dy, "dy", x.dtype)
-    geo = ConvGeometry.create(x.shape, w_shape, stride, padding)
-    geo.check("dy", dy.shape, geo.y_shape)
-    kernel = compiled_choice.filter_grad_kernel(geo, x.dtype)
-    if kernel == "winograd":
-        return winograd.filter_grad(x, dy, geo, compiled_choice.winograd_tile(geo))
-    if kernel == "direct":
-        return direct.filter_grad(x, dy, geo, activation)
-    return _lowered_filter_grad(x, dy, geo)
+    return _filter_grads(x, dy, w_shape, stride, padding, False, activation, settings)[0]
 
 
 def conv3d_backward_filter_bias(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int],
@@ -317,48 +298,44 @@ def conv3d_backward_filter_bias(x: np.ndarray, dy: np.ndarray, w_shape: Sequence
                                 *, activation: Optional[tuple[np.ndarray, float]] = None,
                                 settings: Optional[ConvSettings] = None
                                 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(dL/dw, dL/db)``: :func:`conv3d_backward_filter` and the bias gradient (``dy``
-    summed over every axis but 1).
+    """``(dL/dw, dL/db)``: :func:`conv3d_backward_filter` and the bias gradient (dy summed
+    over every axis but 1), which the compiled loops take from the dy tiles they pack
+    anyway, in cache; other paths run :func:`.channel_sums.channel_sums`, a pass of its own
+    (MLPerf conv1: 20 ms on one core).  The loops sum tile by tile in vector lanes: their
+    last bits differ from numpy's pairwise sums."""
+    return _filter_grads(x, dy, w_shape, stride, padding, True, activation, settings)
 
-    The compiled loops sum dy from the tiles they pack anyway, while those are in cache;
-    the other paths run :func:`.channel_sums.channel_sums`, a pass over dy of its own
-    (MLPerf conv1, 32 x 128^3: 20 ms on one core).  The loops' sums go tile by tile in
-    vector lanes, so their last bits differ from numpy's pairwise sums.  ``activation``:
-    as :func:`conv3d_backward_filter` (both gradients from the activated dy).
-    """
-    dy, activation = _activation_grad_first(x, dy, w_shape, stride, padding, activation)
-    if (x.shape[0] == 0 or _elsewhere(None, x, dy) or not isinstance(x, np.ndarray)
-            or x.dtype != np.float32 or dy.dtype != np.float32):
-        return (conv3d_backward_filter(x, dy, w_shape, stride, padding, settings=settings),
-                channel_sums(dy))
+
+def _filter_grads(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int],
+                  stride: "int | Sequence[int]", padding: PaddingLike, bias: bool,
+                  activation: Optional[tuple[np.ndarray, float]],
+                  settings: Optional[ConvSettings]) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """``(dL/dw, dL/db or None)`` of the two functions above."""
+    if activation is not None and not (x.shape[0] and compiled_choice.packs_activation_grad(
+            ConvGeometry.create(x.shape, w_shape, stride, padding), x, dy, activation[0])):
+        dy, activation = leaky_relu_backward(dy, *activation), None  # its own pass, in place
+    if x.shape[0] == 0:
+        geo = ConvGeometry.create(x.shape, w_shape, stride, padding)
+        geo.check("dy", dy.shape, geo.y_shape)
+        return _no_samples(x, geo.w_shape), channel_sums(dy) if bias else None
+    if _elsewhere(None, x, dy):
+        if is_device_array(x):
+            dw = cuda_conv.conv3d_backward_filter(x, dy, w_shape, stride, padding,
+                                                  settings=settings)
+        else:
+            dw = narrow(conv3d_backward_filter(widen(x), widen(dy), w_shape, stride, padding))
+        return dw, channel_sums(dy) if bias else None
+    x = as_float_array(x, "x")
+    dy = as_float_array(dy, "dy", x.dtype)
     geo = ConvGeometry.create(x.shape, w_shape, stride, padding)
     geo.check("dy", dy.shape, geo.y_shape)
     kernel = compiled_choice.filter_grad_kernel(geo, x.dtype)
     if kernel == "winograd":
-        return winograd.filter_and_bias_grad(x, dy, geo, compiled_choice.winograd_tile(geo))
+        return winograd.filter_and_bias_grad(x, dy, geo, compiled_choice.winograd_tile(geo),
+                                             bias)
     if kernel == "direct":
-        return direct.filter_and_bias_grad(x, dy, geo, activation=activation)
-    return _lowered_filter_grad(x, dy, geo), channel_sums(dy)
-
-
-def _activation_grad_first(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int],
-                           stride: "int | Sequence[int]", padding: PaddingLike,
-                           activation: Optional[tuple[np.ndarray, float]]
-                           ) -> tuple[np.ndarray, Optional[tuple[np.ndarray, float]]]:
-    """``(dy, activation)``: unchanged where the direct loops will run the activation's
-    backward in their packing of dy (float32 numpy arrays, y laid out as dy, rows read in
-    place), else dy times the activation's factor now (in place) and no activation."""
-    if activation is None:
-        return dy, None
-    y, slope = activation
-    arrays = (x, dy, y)
-    if (all(isinstance(a, np.ndarray) and a.dtype == np.float32 for a in arrays)
-            and x.shape[0] > 0 and y.shape == dy.shape and y.strides == dy.strides):
-        geo = ConvGeometry.create(x.shape, w_shape, stride, padding)
-        if (compiled_choice.filter_grad_kernel(geo, x.dtype) == "direct"
-                and direct.packs_activation(geo)):
-            return dy, activation
-    return leaky_relu_backward(dy, y, slope), None
+        return direct.filter_and_bias_grad(x, dy, geo, bias, activation)
+    return _lowered_filter_grad(x, dy, geo), channel_sums(dy) if bias else None
 
 
 def _lowered_filter_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry) -> np.ndarray:
