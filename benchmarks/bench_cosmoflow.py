@@ -166,7 +166,10 @@ def layer_table(ours: LayerTimer, theirs: dict | None) -> list[str]:
     names = list(dict.fromkeys(name for name, _ in ours.seconds))
     lines = ["| layer | fwd ms | bwd ms | torch fwd ms | torch bwd ms |", "|---|---|---|---|---|"]
     for name in names:
-        f, b = ours.seconds[(name, "forward")] * 1e3, ours.seconds[(name, "backward")] * 1e3
+        # an activation run inside its neighbour (nn/containers.py, FUSE_ACTIVATIONS) has
+        # no call of its own that way: its time is in the convolution's row
+        f = ours.seconds.get((name, "forward"), 0.0) * 1e3
+        b = ours.seconds.get((name, "backward"), 0.0) * 1e3
         if f + b < 0.5:
             continue
         tf = tb = float("nan")
