@@ -53,32 +53,19 @@ static void CAT(input_components, SUFFIX)(
 #define CHUNK_RUNS 8
 #define CHUNK_BYTES (200L << 10)
 
-/* max(v, slope v) as native/activation.c computes it (the same bits). */
-static inline float CAT(leaky, SUFFIX)(float v, float slope) {
-    const float sv = v * slope;
-    return v > sv ? v : sv;
-}
-
-/* One output tile from its component sums q[i] (A^T), `valid` of its m outputs written,
- * each through LeakyReLU(slope) when `leaky`. */
+/* One output tile from its component sums q[i] (A^T), `valid` of its m outputs written. */
 static inline void CAT(output_tile, SUFFIX)(float *out, const float *q, int m, int valid,
-                                            float bias, int leaky, float slope) {
-    float y[4];
+                                            float bias) {
     if (m == 2) {
-        y[0] = q[0] + q[1] + q[2] + bias;
-        y[1] = q[1] - q[2] - q[3] + bias;
-    } else {
-        const float sum12 = q[1] + q[2], diff12 = q[1] - q[2];
-        const float sum34 = q[3] + q[4], diff34 = q[3] - q[4];
-        y[0] = q[0] + sum12 + sum34 + bias;
-        y[1] = diff12 + 2.0f * diff34 + bias;
-        y[2] = sum12 + 4.0f * sum34 + bias;
-        y[3] = diff12 + 8.0f * diff34 + q[5] + bias;
+        out[0] = q[0] + q[1] + q[2] + bias;
+        if (valid > 1) out[1] = q[1] - q[2] - q[3] + bias;
+        return;
     }
-    if (leaky)
-        for (int j = 0; j < valid; j++) out[j] = CAT(leaky, SUFFIX)(y[j], slope);
-    else
-        for (int j = 0; j < valid; j++) out[j] = y[j];
+    const float sum12 = q[1] + q[2], diff12 = q[1] - q[2];
+    const float sum34 = q[3] + q[4], diff34 = q[3] - q[4];
+    const float y[4] = {q[0] + sum12 + sum34 + bias, diff12 + 2.0f * diff34 + bias,
+                        sum12 + 4.0f * sum34 + bias, diff12 + 8.0f * diff34 + q[5] + bias};
+    for (int j = 0; j < valid; j++) out[j] = y[j];
 }
 
 /* Runs per chunk of the forward: the most (up to CHUNK_RUNS) whose inputs of one
@@ -105,7 +92,8 @@ static int CAT(chunk_runs, SUFFIX)(int c_in, int kd, int kh, int tiles, long out
  * per m outputs instead of 27 m (F(2,3): 1.5x fewer, F(4,3): 2x): each component plane
  * is convolved over (C, D, H) with its transformed kernel up[i] (G g: F(2,3) g0,
  * (g0+g1+g2)/2, (g0-g1+g2)/2, g2) packed as (blocks, C, kd, kh, FB), and the outputs are
- * A^T of the sums, plus bias, then LeakyReLU(slope) when `leaky` (as the direct forward).
+ * A^T of the sums, plus bias, then LeakyReLU(slope) when `leaky` (as the direct forward;
+ * y must then be C-contiguous per filter, as conv3d's output buffers are).
  * work: (m + 2) * c_in * depth * hp * T + RUN floats.  The slab's rows
  * hold m T + 2 floats. */
 void CAT(cosmotrain_winograd_w_forward, SUFFIX)(
@@ -163,13 +151,20 @@ void CAT(cosmotrain_winograd_w_forward, SUFFIX)(
                 const int o = fb * FB + f;
                 const float b0 = bias ? bias[o] : 0.0f;
                 float *yo = y + o * y_f;
+                long first = -1, end = 0;
                 for (int k = 0; k < runs * RUN; k++) {
                     if (!valid[k]) continue;  /* past the plane's last tile */
                     float sums[6];
                     for (int i = 0; i < m + 2; i++) sums[i] = q[f][i][k];
-                    CAT(output_tile, SUFFIX)(yo + where[k], sums, m, valid[k], b0, leaky,
-                                             slope);
+                    CAT(output_tile, SUFFIX)(yo + where[k], sums, m, valid[k], b0);
+                    if (first < 0) first = where[k];
+                    end = where[k] + valid[k];
                 }
+                /* The chunk's outputs of this filter: consecutive tiles of whole rows, one
+                 * span of a C-contiguous y (y_h == wo, y_d == ho wo), still in cache.  Per
+                 * tile instead (inside the loop above) the forward ran 30% slower. */
+                if (leaky && first >= 0)
+                    CAT(leaky_run, SUFFIX)(yo + first, (int)(end - first), slope);
             }
         }
     }
