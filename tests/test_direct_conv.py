@@ -153,6 +153,7 @@ WINOGRAD_CASES = [
     (1, 2, 9, (4, 5, 12), (2, 1, 3), ((1, 0), (0, 0), (0, 2))),
     (2, 6, 8, (3, 40, 40), 3, 1),  # planes of several register runs
     (2, 5, 9, (10, 4, 6), 3, 1),   # small planes: a filter gradient sums several z at once
+    (1, 70, 9, (3, 4, 10), (2, 3, 3), 1),  # 70 channels: blocks of 32, 32 and 6 (forward)
 ]
 WINOGRAD_IDS = [f"case{i}" for i in range(len(WINOGRAD_CASES))]
 

@@ -34,11 +34,23 @@ static void CAT(store_run, SUFFIX)(float *out, const VEC *acc, int valid) {
 /* One register block: acc[f][v] = sum_{c,a,b,e} wq[...][f] * row(c,a,b)[e + v*VL], for
  * one output row and RUN positions.  KW is a constant at each call, so the taps along W
  * unroll fully. */
+static inline __attribute__((always_inline)) void CAT(forward_accumulate, SUFFIX)(
+        VEC acc[FB][WV], const float *wq, const float *s, long s_c, long s_d, long s_h,
+        int c_in, int kd, int kh, const int kw);
+
 static inline __attribute__((always_inline)) void CAT(forward_block, SUFFIX)(
         VEC acc[FB][WV], const float *wq, const float *s, long s_c, long s_d, long s_h,
         int c_in, int kd, int kh, const int kw) {
     for (int f = 0; f < FB; f++)
         for (int v = 0; v < WV; v++) acc[f][v] = (VEC){0};
+    CAT(forward_accumulate, SUFFIX)(acc, wq, s, s_c, s_d, s_h, c_in, kd, kh, kw);
+}
+
+/* forward_block's sums added to acc as it stands: a block split over channels into
+ * consecutive calls adds the same products in the same order, so the same bits. */
+static inline __attribute__((always_inline)) void CAT(forward_accumulate, SUFFIX)(
+        VEC acc[FB][WV], const float *wq, const float *s, long s_c, long s_d, long s_h,
+        int c_in, int kd, int kh, const int kw) {
     for (int c = 0; c < c_in; c++)
     for (int a = 0; a < kd; a++)
     for (int b = 0; b < kh; b++, wq += kw * FB) {
