@@ -61,8 +61,11 @@ class SpatialConv3d(SpatialWindow, Conv3d):
         geo = self.geometry(x)
         buffer = halo_buffer(x, geo)
         pending = geo.exchange.start(buffer, "replace")
-        y = self._overlapped(buffer[geo.extended], x, geo,
-                             lambda: geo.exchange.finish(buffer, pending, "replace"))
+        try:  # every call of _conv below applies the fused activation, if any
+            y = self._overlapped(buffer[geo.extended], x, geo,
+                                 lambda: geo.exchange.finish(buffer, pending, "replace"))
+        finally:
+            self._activation = None  # for this forward only
         self._saved = (x, save_margins(buffer, geo))
         return DistTensor(y, geo.out_dist, x.coord)
 

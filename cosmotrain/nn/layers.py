@@ -56,7 +56,8 @@ class Conv3d(Layer):
     _activation_grad = None  # (y, slope) of the LeakyReLU after it, for this backward
 
     def take_activation(self, slope: float | None) -> bool:
-        """The kernels apply a LeakyReLU to each output chunk while it is in cache."""
+        """The kernels apply a LeakyReLU to each output chunk while it is in cache (the
+        next forward only: a call outside a Sequential applies none)."""
         self._activation = slope if slope is not None and 0.0 <= slope <= 1.0 else None
         return self._activation is not None
 
@@ -68,12 +69,13 @@ class Conv3d(Layer):
 
     def forward(self, x: Any, ctx: Context) -> Any:
         self._x = x
+        activation, self._activation = self._activation, None  # for this call only
         if x.shape[0] == 0:
             return array_module(x).zeros(self.output_shape(x.shape), x.dtype)
         bias = self.params["bias"].like(x) if self.bias else None
         return conv3d.conv3d_forward(x, self.params["weight"].like(x), self.stride,
                                      self.padding, settings=self.conv_settings, bias=bias,
-                                     activation=self._activation)
+                                     activation=activation)
 
     def backward(self, dy: Any, ctx: Context) -> Any:
         x, self._x = self._x, None
@@ -156,7 +158,8 @@ class LeakyReLU(Layer):
         self._applied = applied
 
     def forward(self, x: Any, ctx: Context) -> Any:
-        self._y = x if self._applied else leaky_relu_forward(x, self.slope, inplace=True)
+        applied, self._applied = self._applied, False  # for this call only
+        self._y = x if applied else leaky_relu_forward(x, self.slope, inplace=True)
         return self._y
 
     def hand_over_output(self) -> Any:
