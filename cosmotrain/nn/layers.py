@@ -52,7 +52,6 @@ class Conv3d(Layer):
     bias: bool = False
     conv_settings: ConvSettings = field(default_factory=ConvSettings, repr=False)
     _activation = None  # the following LeakyReLU's slope when this layer applies it
-
     _activation_grad = None  # (y, slope) of the LeakyReLU after it, for this backward
 
     def take_activation(self, slope: float | None) -> bool:
@@ -62,10 +61,12 @@ class Conv3d(Layer):
         return self._activation is not None
 
     def accepts_activation_grad(self) -> bool:
+        """With no input gradient to compute, dy serves only the filter (and bias)
+        gradient, whose loops can multiply it by the activation's factor as they read it."""
         return not self.needs_input_grad
 
     def take_activation_grad(self, y: Any, slope: float) -> None:
-        self._activation_grad = (y, slope)
+        self._activation_grad = (y, slope)  # spent by the next backward
 
     def forward(self, x: Any, ctx: Context) -> Any:
         self._x = x
