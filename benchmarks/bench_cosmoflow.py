@@ -11,7 +11,9 @@ By default all cosmotrain steps run, then all PyTorch steps, and the best is sho
 ``--interleave`` alternates them step by step (on a shared machine both sides then meet
 the same load) and ``--stat median`` shows the median step.  ``--reuse-freed-memory``
 keeps freed memory in glibc's heap for the whole process, PyTorch included (see
-``cosmotrain/device/heap.py``; the trainer does it by default).
+``cosmotrain/device/heap.py``; the trainer does it by default).  ``--fusion-pair`` times
+cosmotrain alone with its activations fused into the convolutions against not,
+alternating step by step.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from cosmotrain.config.schema import ModelConfig  # noqa: E402
 from cosmotrain.kernels import _parallel, compiled_choice  # noqa: E402
 from cosmotrain.kernels.loss import mse_backward, mse_sum  # noqa: E402
 from cosmotrain.models import build_model  # noqa: E402
+from cosmotrain.nn import containers  # noqa: E402
 from cosmotrain.nn.module import Context  # noqa: E402
 from cosmotrain.nn.profile import LayerTimer  # noqa: E402
 from cosmotrain.plan.flops import training_flops  # noqa: E402
@@ -87,6 +90,26 @@ def run_steps(steppers: dict, repeats: int, interleave: bool) -> dict:
         for name, step in steppers.items():
             times[name] = [step() for _ in range(repeats)]
     return times
+
+
+def fusion_pair(model, x: np.ndarray, y: np.ndarray, repeats: int) -> dict:
+    """Step times of one model with its activations fused into the convolutions and not
+    (``nn.containers.FUSE_ACTIVATIONS``), alternating step by step: the same bits, so
+    the same work but for the activations' own passes."""
+    step, timer = cosmotrain_stepper(model, x, y)
+    timer.remove()
+
+    def with_fusion(fuse: bool) -> Callable[[], float]:
+        def run() -> float:
+            containers.FUSE_ACTIVATIONS = fuse
+            try:
+                return step()
+            finally:
+                containers.FUSE_ACTIVATIONS = True
+        return run
+
+    return run_steps({"unfused": with_fusion(False), "fused": with_fusion(True)}, repeats,
+                     interleave=True)
 
 
 def peak_step_memory(model, x: np.ndarray, y: np.ndarray) -> int:
@@ -196,6 +219,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2,
                         help="threads of each side (cosmotrain: BLAS and kernel workers); 1 "
                         "is what each rank of the 2-rank bench_ddp.py runs")
+    parser.add_argument("--fusion-pair", action="store_true",
+                        help="only cosmotrain, activations fused into the convolutions "
+                        "against not, alternating step by step (nn/containers.py)")
     parser.add_argument("--no-direct", action="store_true",
                         help="GEMM lowerings only: no compiled direct convolution loops "
                         "(cosmotrain/kernels/direct.py), for A/B runs")
@@ -213,6 +239,12 @@ def main() -> None:
     for batch in args.batch:
         model = build_model(ModelConfig(name=args.model, width=args.width), seed=0)
         x, y = make_batch(batch, args.width)
+        if args.fusion_pair:
+            times = fusion_pair(model, x, y, args.repeats)
+            a, b = pick(times["unfused"]), pick(times["fused"])
+            print(f"batch {batch}: unfused {a:.3f} s/step, fused {b:.3f} s/step, "
+                  f"ratio {a / b:.3f}")
+            continue
         _, flops = training_flops(model, x.shape)
         steppers = {"ours": cosmotrain_stepper(model, x, y)}
         torch_side = None if args.no_torch else torch_stepper(model, x, y, args.threads)
