@@ -55,7 +55,7 @@ class ChannelConv3d(Conv3d):
         """Never: the inner convolution's outputs are partial sums (reduce-scattered)."""
         return False
 
-    def accepts_activation_grad(self) -> bool:
+    def take_activation_grad(self, y: Any, slope: float) -> bool:
         """Never: its output gradient is all-gathered first (no kernel sees it whole)."""
         return False
 

@@ -47,23 +47,12 @@ class Sequential(Layer):
     def backward(self, dy: Any, ctx: Context) -> Any:
         for index in range(len(self.items) - 1, -1, -1):
             layer = self.items[index]
-            if index and self._hand_over(layer, self.items[index - 1]):
+            if index and FUSE_ACTIVATIONS and layer.hand_over_backward(self.items[index - 1]):
                 continue  # the layer before runs this activation's backward
             dy = layer.backward(dy, ctx)
             if ctx.on_grad_ready is not None and layer.params:
                 ctx.on_grad_ready(layer)
         return dy
-
-    @staticmethod
-    def _hand_over(layer: Layer, before: Layer) -> bool:
-        """Give a LeakyReLU's backward to the layer before it where that layer can run it
-        in its own kernels (the first convolution: its filter gradient's dy packing);
-        True when given."""
-        slope = layer.activation_slope()
-        if not FUSE_ACTIVATIONS or slope is None or not before.accepts_activation_grad():
-            return False
-        before.take_activation_grad(layer.hand_over_output(), slope)
-        return True
 
     def output_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         for layer in self.items:

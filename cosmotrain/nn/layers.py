@@ -60,13 +60,13 @@ class Conv3d(Layer):
         self._activation = slope if slope is not None and 0.0 <= slope <= 1.0 else None
         return self._activation is not None
 
-    def accepts_activation_grad(self) -> bool:
-        """With no input gradient to compute, dy serves only the filter (and bias)
-        gradient, whose loops can multiply it by the activation's factor as they read it."""
-        return not self.needs_input_grad
-
-    def take_activation_grad(self, y: Any, slope: float) -> None:
+    def take_activation_grad(self, y: Any, slope: float) -> bool:
+        """Taken without an input gradient to compute: dy then serves only the filter
+        (and bias) gradient, whose loops multiply it by the factor as they read it."""
+        if self.needs_input_grad:
+            return False
         self._activation_grad = (y, slope)  # spent by the next backward
+        return True
 
     def forward(self, x: Any, ctx: Context) -> Any:
         self._x = x
@@ -163,9 +163,11 @@ class LeakyReLU(Layer):
         self._y = x if applied else leaky_relu_forward(x, self.slope, inplace=True)
         return self._y
 
-    def hand_over_output(self) -> Any:
-        y, self._y = self._y, None
-        return y
+    def hand_over_backward(self, before: Layer) -> bool:
+        if not before.take_activation_grad(self._y, self.slope):
+            return False
+        self._y = None  # the layer before holds it until its backward
+        return True
 
     def backward(self, dy: Any, ctx: Context) -> Any:
         y, self._y = self._y, None

@@ -109,20 +109,17 @@ class Layer:
     def set_applied_by_previous(self, applied: bool) -> None:
         """Told before forward whether the layer before applied this activation."""
 
-    def accepts_activation_grad(self) -> bool:
-        """Whether this layer's backward can run the backward of the LeakyReLU after it
-        (:meth:`take_activation_grad`) inside its own kernels: where its output gradient
-        serves only its filter gradient (no input gradient asked)."""
+    def take_activation_grad(self, y: Any, slope: float) -> bool:
+        """Offered before backward: run the backward of the LeakyReLU after this layer
+        (multiply the output gradient by its factor of its output ``y``) inside this
+        layer's own kernels.  True when taken (the activation's backward is then
+        skipped); layers that cannot say False."""
         return False
 
-    def take_activation_grad(self, y: Any, slope: float) -> None:
-        """Given before backward: multiply the output gradient by the LeakyReLU factor of
-        its output ``y`` (the activation's backward, which is then skipped)."""
-        raise NotImplementedError(f"{type(self).__name__} runs no activation backward")
-
-    def hand_over_output(self) -> Any:
-        """An activation's saved output, released to the layer that runs its backward."""
-        raise NotImplementedError(f"{type(self).__name__} is no activation")
+    def hand_over_backward(self, before: Layer) -> bool:
+        """An activation offers its backward to the layer ``before`` it
+        (:meth:`take_activation_grad`); True when taken.  Other layers have none to give."""
+        return False
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
         """``(dotted name, parameter)`` in a stable order, PyTorch-style names."""

@@ -90,16 +90,18 @@ static int row_is(const int *table, const int *counts, int k, int i, int n, cons
     return 1;
 }
 
-/* The W taps of one output: its window's column sums in `_window`'s order. */
-static inline float window_sum(const float *rowsum, const int *is, int n) {
-    float total = n ? rowsum[is[0]] : 0.0f;
-    for (int q = 1; q < n; q++) total += rowsum[is[q]];
+/* Left-to-right sum of v[idx[q]], q < n (0 when n == 0): the W taps of one output (its
+ * window's column sums in `_window`'s order) and the W spread of one input column (its
+ * outputs' values in `_spread`'s order). */
+static inline float indexed_sum(const float *v, const int *idx, int n) {
+    float total = n ? v[idx[0]] : 0.0f;
+    for (int q = 1; q < n; q++) total += v[idx[q]];
     return total;
 }
 
 /* Stride 2: away from the edges every output takes the same taps relative to 2 w, in the
  * same order, so with the column sums split into even and odd columns its W stage is a
- * few contiguous adds, each output adding exactly what `window_sum` adds.  Outputs
+ * few contiguous adds, each output adding exactly what `indexed_sum` adds.  Outputs
  * lo <= w < hi qualify. */
 typedef struct {
     int lo, hi, n, off[8];  /* tap q reads column 2 w + off[q] */
@@ -197,28 +199,21 @@ int cosmotrain_avgpool_forward(
             float *out = y + c * y_c + z * y_d + h * y_h;
             int w = 0;
             if (taps.hi > taps.lo) {
-                for (; w < taps.lo; w++) out[w] = window_sum(rowsum, wtab + w * kw, wn[w]) * scale;
+                for (; w < taps.lo; w++) out[w] = indexed_sum(rowsum, wtab + w * kw, wn[w]) * scale;
                 window_taps(out, rowsum, &taps, even, odd, w_in, scale);
                 w = taps.hi;
             }
-            for (; w < w_out; w++) out[w] = window_sum(rowsum, wtab + w * kw, wn[w]) * scale;
+            for (; w < w_out; w++) out[w] = indexed_sum(rowsum, wtab + w * kw, wn[w]) * scale;
         }
     }
     free(dtab);
     return 0;
 }
 
-/* The W spread of one input column: its outputs' values in `_spread`'s order. */
-static inline float spread_sum(const float *t, const int *js, int n) {
-    float total = n ? t[js[0]] : 0.0f;
-    for (int q = 1; q < n; q++) total += t[js[q]];
-    return total;
-}
-
 /* Stride 2 (CosmoFlow's pooling): away from the edges every even input column takes the
  * same outputs relative to it, in the same order, and so does every odd one, so a row's
  * spread is two contiguous sums over the outputs and one interleaving store, each column
- * adding exactly what `spread_sum` adds.  Pairs (2m, 2m + 1) for lo <= m < hi qualify. */
+ * adding exactly what `indexed_sum` adds.  Pairs (2m, 2m + 1) for lo <= m < hi qualify. */
 typedef struct {
     int lo, hi, n[2], off[2][8];
 } Pairs;
@@ -328,11 +323,11 @@ int cosmotrain_avgpool_backward(
             float *out = dx + c * x_c + p * x_d + r * x_h;
             int w = 0;
             if (pairs.hi > pairs.lo) {
-                for (; w < 2 * pairs.lo; w++) out[w] = spread_sum(t, wtab + w * kw, wn[w]);
+                for (; w < 2 * pairs.lo; w++) out[w] = indexed_sum(t, wtab + w * kw, wn[w]);
                 spread_pairs(out, t, &pairs, even, odd);
                 w = 2 * pairs.hi;
             }
-            for (; w < w_in; w++) out[w] = spread_sum(t, wtab + w * kw, wn[w]);
+            for (; w < w_in; w++) out[w] = indexed_sum(t, wtab + w * kw, wn[w]);
         }
     }
     free(ztab);
