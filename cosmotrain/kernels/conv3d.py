@@ -311,12 +311,12 @@ def _filter_grads(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int],
                   activation: Optional[tuple[np.ndarray, float]],
                   settings: Optional[ConvSettings]) -> tuple[np.ndarray, Optional[np.ndarray]]:
     """``(dL/dw, dL/db or None)`` of the two functions above."""
+    geo = ConvGeometry.create(x.shape, w_shape, stride, padding)
+    geo.check("dy", dy.shape, geo.y_shape)
     if activation is not None and not (x.shape[0] and compiled_choice.packs_activation_grad(
-            ConvGeometry.create(x.shape, w_shape, stride, padding), x, dy, activation[0])):
+            geo, x, dy, activation[0])):
         dy, activation = leaky_relu_backward(dy, *activation), None  # its own pass, in place
     if x.shape[0] == 0:
-        geo = ConvGeometry.create(x.shape, w_shape, stride, padding)
-        geo.check("dy", dy.shape, geo.y_shape)
         return _no_samples(x, geo.w_shape), channel_sums(dy) if bias else None
     if _elsewhere(None, x, dy):
         if is_device_array(x):
@@ -327,8 +327,6 @@ def _filter_grads(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int],
         return dw, channel_sums(dy) if bias else None
     x = as_float_array(x, "x")
     dy = as_float_array(dy, "dy", x.dtype)
-    geo = ConvGeometry.create(x.shape, w_shape, stride, padding)
-    geo.check("dy", dy.shape, geo.y_shape)
     kernel = compiled_choice.filter_grad_kernel(geo, x.dtype)
     if kernel == "winograd":
         return winograd.filter_and_bias_grad(x, dy, geo, compiled_choice.winograd_tile(geo),

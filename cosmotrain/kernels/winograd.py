@@ -104,6 +104,7 @@ def forward(x: np.ndarray, w: np.ndarray, geo: ConvGeometry, y: np.ndarray,
     F(tile, 3), ``tile`` 2 or 4, then LeakyReLU(``slope``) unless ``slope`` is None."""
     loops = direct.active_loops()
     assert loops is not None and supports(geo, x.dtype) and tile in _G
+    assert slope is None or y.flags.c_contiguous  # the activation runs over whole spans
     kd, kh, _ = geo.kernel
     _, ho, wo = geo.out
     tiles = -(-wo // tile)
