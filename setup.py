@@ -1,15 +1,23 @@
-"""Build of cosmotrain's one compiled part; everything else is in pyproject.toml.
+"""Build of cosmotrain's compiled parts; everything else is in pyproject.toml.
 
 ``cosmotrain.kernels._directconv`` is a plain shared library of convolution and pooling
 loops (cosmotrain/kernels/native/*.c), loaded with ctypes by
-cosmotrain/kernels/compiled.py.
-It is optional: without a C compiler the install still succeeds and the numpy kernels
-run instead (``cosmotrain info`` says which).
+cosmotrain/kernels/compiled.py.  ``cosmotrain.device._step_arena`` is a CPython extension:
+numpy's data allocator with the planned arena of cosmotrain/device/step_memory.py, built
+against numpy's headers (a build requirement in pyproject.toml).
+Both are optional: without a C compiler the install still succeeds, the numpy kernels
+run instead and glibc's heap alone keeps freed memory (``cosmotrain info`` says which).
 """
 
+import numpy
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension(
+    "cosmotrain.device._step_arena",
+    sources=["cosmotrain/device/native/step_arena.c"],
+    include_dirs=[numpy.get_include()],
+    optional=True,
+), Extension(
     "cosmotrain.kernels._directconv",
     sources=["cosmotrain/kernels/native/direct.c", "cosmotrain/kernels/native/maxpool.c",
              "cosmotrain/kernels/native/avgpool.c", "cosmotrain/kernels/native/optim.c",

@@ -53,6 +53,7 @@ from bench_hybrid import build_step, targets  # noqa: E402
 
 from cosmotrain.comm.threads import job_threads  # noqa: E402
 from cosmotrain.config.load import load_config  # noqa: E402
+from cosmotrain.device import step_memory  # noqa: E402
 from cosmotrain.kernels._parallel import KernelThreads  # noqa: E402
 from cosmotrain.errors import UserError  # noqa: E402
 from cosmotrain.nn.module import Context  # noqa: E402
@@ -95,13 +96,17 @@ def time_steps(step: HybridStep, x: DistTensor, y: np.ndarray, steps: int, warmu
         x = step.place_input(x)
     seconds = []
     for index in range(warmup + steps):
-        fresh = DistTensor(x.data.copy(), x.dist, x.coord)
-        sync()
-        world.Barrier()
-        started = time.perf_counter()
-        step(fresh, y, Context(step=index))
-        sync()
-        elapsed = world.allreduce(time.perf_counter() - started, op=MPI.MAX)
+        # the copy is made and freed inside the step's planned memory, as the trainer
+        # reads and frees its batch (device/step_memory.py)
+        with step_memory.phase("train"):
+            fresh = DistTensor(x.data.copy(), x.dist, x.coord)
+            sync()
+            world.Barrier()
+            started = time.perf_counter()
+            step(fresh, y, Context(step=index))
+            sync()
+            elapsed = world.allreduce(time.perf_counter() - started, op=MPI.MAX)
+            del fresh
         if index >= warmup:
             seconds.append(elapsed)
     return seconds

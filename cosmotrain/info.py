@@ -17,6 +17,7 @@ from typing import Any
 import cosmotrain
 from cosmotrain.device.probe import nccl_loads
 from cosmotrain.device.xp import import_cupy
+from cosmotrain.device import step_memory
 from cosmotrain.kernels import direct
 
 
@@ -167,4 +168,5 @@ def gather_info(comm: Any) -> dict[str, Any] | None:
         return None
     return {"versions": package_versions(), "mpi_library": mpi_library(),
             "world_size": comm.Get_size(), "ranks": records, "gpus": records[0]["gpus"],
-            "cpu_kernels": direct.describe(), "gpu_libraries": gpu_libraries()}
+            "cpu_kernels": direct.describe(), "host_allocator": step_memory.describe(),
+            "gpu_libraries": gpu_libraries()}

@@ -19,6 +19,7 @@ def render_info(report: dict[str, Any]) -> None:
     versions.add_row("MPI library", report["mpi_library"])
     versions.add_row("world size", str(report["world_size"]))
     versions.add_row("CPU convolutions", report["cpu_kernels"])
+    versions.add_row("host allocator", report["host_allocator"])
     gpus = report["gpus"]
     versions.add_row("GPUs visible (rank 0)", "\n".join(gpus) if gpus else "none")
     for name, status in report["gpu_libraries"].items():

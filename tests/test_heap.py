@@ -59,10 +59,16 @@ def test_a_job_runtime_applies_the_setting(monkeypatch, setting: bool) -> None:
 
     calls: list = []
     monkeypatch.setattr("cosmotrain.comm.runtime.reuse_freed_memory", lambda: calls.append(1))
+    monkeypatch.setattr("cosmotrain.comm.runtime.step_memory.install",
+                        lambda: calls.append("plan"))
     monkeypatch.setattr("cosmotrain.comm.runtime.configure_threads", lambda threads: None)
     cfg = load_config(None, [f"device.reuse_freed_memory={str(setting).lower()}"])
     grid = ProcessGrid(MPI.COMM_SELF, resolve_parallel(cfg, 1))
     job_runtime(cfg, grid)
     assert calls == []
+    job_runtime(cfg, grid, threads=KernelThreads(1))
+    assert calls == ([1, "plan"] if setting else [])
+    calls.clear()
+    cfg.device.plan_step_memory = False
     job_runtime(cfg, grid, threads=KernelThreads(1))
     assert calls == ([1] if setting else [])

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cosmotrain.comm.timers import PhaseTimers
+from cosmotrain.device import step_memory
 from cosmotrain.device.heap import reuse_freed_memory
 from cosmotrain.device.select import Device
 from cosmotrain.device.transport import Transport, make_transport
@@ -43,7 +44,7 @@ class Runtime:
 
 
 def build_runtime(device: Device, comm: Any, threads: KernelThreads | None = None,
-                  reuse_memory: bool = False) -> Runtime:
+                  reuse_memory: bool = False, plan_memory: bool = False) -> Runtime:
     """The runtime of a job on ``device`` whose ranks are ``comm`` (the grid's ``cart``;
     collective on a GPU, where the transport follows ``device.communication`` and is
     prepared over ``comm``).
@@ -51,13 +52,17 @@ def build_runtime(device: Device, comm: Any, threads: KernelThreads | None = Non
     ``threads`` (the job's :func:`~cosmotrain.comm.threads.job_threads`) are applied to
     this process here, once; None leaves the process's threads as they are.
     ``reuse_memory`` keeps freed host memory in the heap from now on
-    (:func:`~cosmotrain.device.heap.reuse_freed_memory`).  On a GPU the convolution
+    (:func:`~cosmotrain.device.heap.reuse_freed_memory`), and ``plan_memory`` with it
+    places the large arrays of each step by plan (:mod:`cosmotrain.device.step_memory`).
+    On a GPU the convolution
     settings are the device's (:func:`settings_for`).
     """
     if threads is not None:
         configure_threads(threads)
     if reuse_memory:
         reuse_freed_memory()
+        if plan_memory:
+            step_memory.install()
     if not device.is_gpu:
         return Runtime(device, threads=threads)
     transport = make_transport(device.communication)

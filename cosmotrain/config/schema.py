@@ -271,6 +271,12 @@ class DeviceConfig:
                                     "last instead of faulting fresh ones in (about 20% of "
                                     "a CPU step at W=128); the process then stays at its "
                                     "peak between steps. false: glibc's default")
+    plan_step_memory: bool = spec(True, "with reuse_freed_memory: place the large host "
+                                  "arrays (1 MiB and up) of every training and "
+                                  "validation step at the offsets planned from the step "
+                                  "before, in one arena, so that the kept memory holds "
+                                  "no holes (the heap's raised a W=256 D2H2 rank's peak "
+                                  "by a third). false: the heap places them")
 
 
 @dataclass

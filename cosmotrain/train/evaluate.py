@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cosmotrain.data.reader import Reader
+from cosmotrain.device import step_memory
 from cosmotrain.device.xp import to_host
 from cosmotrain.nn.module import Context
 from cosmotrain.precision import widen
@@ -38,11 +39,16 @@ def predictions(step: HybridStep, reader: Reader, epoch: int = 0
     """``(global sample indices, predictions, targets)`` of this rank's rows, per batch;
     the predictions as host arrays (float32 also under bf16 storage)."""
     ctx = Context(training=False, seed=0)
-    for batch in reader.epoch(epoch):
-        pred = step.model.forward(step.place_input(batch.x), ctx)
-        start, stop = step.model.sample_range()
-        yield batch.indices[start:stop], np.asarray(widen(to_host(pred))), \
-            batch.targets[start:stop]
+    for index in range(reader.batches_per_epoch):
+        # read, predicted and freed inside one planned phase (device/step_memory.py)
+        with step_memory.phase("eval"):
+            batch = reader.batch(epoch, index)
+            pred = step.model.forward(step.place_input(batch.x), ctx)
+            start, stop = step.model.sample_range()
+            rows = (batch.indices[start:stop], np.asarray(widen(to_host(pred))),
+                    batch.targets[start:stop])
+            del batch, pred
+        yield rows
 
 
 def evaluate(step: HybridStep, reader: Reader, outputs: int,

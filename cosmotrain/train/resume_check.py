@@ -194,6 +194,7 @@ RULES: dict[str, Rule] = {
     "device.communication": _allow("the device"),
     "device.gpus_per_node": _allow("the device"),
     "device.reuse_freed_memory": _allow("the host allocator"),
+    "device.plan_step_memory": _allow("the host allocator"),
 }
 
 #: Keys found in no rule (a key the schema no longer declares) are refused.

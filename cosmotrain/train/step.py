@@ -21,6 +21,7 @@ import numpy as np
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.comm.runtime import KernelThreads, Runtime, build_runtime
 from cosmotrain.config.schema import Config, DeviceConfig
+from cosmotrain.device import step_memory
 from cosmotrain.device.select import Device, host_device, select_device
 from cosmotrain.device.xp import all_finite
 from cosmotrain.layers.hybrid import HybridModel, build_hybrid
@@ -127,9 +128,12 @@ class HybridStep:
 
     def __call__(self, x: DistTensor, targets: Any, ctx: Context, lr: float | None = None,
                  stop: bool = False) -> StepOutput:
-        out = self.gradients(x, targets, ctx, stop)
-        if out.finite:
-            self.update(lr)
+        """One training step; its large host arrays are placed by the plan learnt from
+        the steps before (:mod:`cosmotrain.device.step_memory`, once installed)."""
+        with step_memory.phase("train"):
+            out = self.gradients(x, targets, ctx, stop)
+            if out.finite:
+                self.update(lr)
         return out
 
     def non_finite_ranks(self) -> int:
@@ -152,7 +156,8 @@ def job_runtime(cfg: Config, grid: ProcessGrid, device: Device | None = None,
     :func:`~cosmotrain.device.select.select_device`), with the job's kernel ``threads``
     (:func:`~cosmotrain.comm.threads.job_threads`, applied here once; None leaves the
     process's threads as they are).  A job (``threads`` given) also applies
-    ``device.reuse_freed_memory``, process-wide like the threads.
+    ``device.reuse_freed_memory`` and ``device.plan_step_memory``, process-wide like the
+    threads.
 
     Without a device the config's ``device`` section decides, with ``auto`` meaning the
     CPU: library calls and tests stay on the host unless they ask for a GPU (``backend:
@@ -163,7 +168,8 @@ def job_runtime(cfg: Config, grid: ProcessGrid, device: Device | None = None,
     """
     device = device if device is not None else _default_device(cfg.device, grid)
     return build_runtime(device, grid.cart, threads,
-                         reuse_memory=threads is not None and cfg.device.reuse_freed_memory)
+                         reuse_memory=threads is not None and cfg.device.reuse_freed_memory,
+                         plan_memory=cfg.device.plan_step_memory)
 
 
 def hybrid_step_from_config(cfg: Config, grid: ProcessGrid,

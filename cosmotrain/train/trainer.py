@@ -18,6 +18,7 @@ import numpy as np
 
 from cosmotrain.comm.watchdog import Watchdog
 from cosmotrain.config.load import dump_yaml
+from cosmotrain.device import step_memory
 from cosmotrain.errors import UserError
 from cosmotrain.nn.module import Context
 from cosmotrain.train import metrics
@@ -176,16 +177,21 @@ class Trainer:
         if self.before_step is not None:
             self.before_step(job.rank, pos.step)
         started = time.perf_counter()
-        batch = self.train_reader.batch(pos.epoch, index)
         lr = self.schedule(pos.step, self.per_epoch)
         ctx = Context(step=pos.step, seed=self.cfg.train.seed)
-        out = job.step(batch.x, batch.targets, ctx, lr, stop=self.signals.requested)
+        # the batch is read and freed inside the step's planned memory: its arrays take
+        # planned pages too, not heap pages beside the step's (device/step_memory.py)
+        with step_memory.phase("train"):
+            batch = self.train_reader.batch(pos.epoch, index)
+            samples = len(batch.indices)
+            out = job.step(batch.x, batch.targets, ctx, lr, stop=self.signals.requested)
+            del batch
         if not out.finite:
             raise NonFiniteError(non_finite_message(pos.step + 1, out.loss,
                                                     out.bad_gradients))
         wall = time.perf_counter() - started
         pos.step += 1
-        pos.samples += len(batch.indices)
+        pos.samples += samples
         self.outcome.final_loss = out.loss
         times = metrics.time_breakdown(wall, job.step.runtime.timers.take(),
                                        self.train_reader.stats.last_wait_seconds)
@@ -196,7 +202,7 @@ class Trainer:
             record = metrics.train_record(
                 step=pos.step, epoch=self.epoch_of(pos.step), samples=pos.samples,
                 loss=out.loss, lr=lr,
-                samples_per_s=len(batch.indices) / wall, time_s=times,
+                samples_per_s=samples / wall, time_s=times,
                 memory_hwm_mib=self._memory(), io=self._io())
             self._emit(record, log, progress)
         return out.stop_requests > 0
