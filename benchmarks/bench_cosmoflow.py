@@ -11,7 +11,9 @@ By default all cosmotrain steps run, then all PyTorch steps, and the best is sho
 ``--interleave`` alternates them step by step (on a shared machine both sides then meet
 the same load) and ``--stat median`` shows the median step.  ``--reuse-freed-memory``
 keeps freed memory in glibc's heap for the whole process, PyTorch included (see
-``cosmotrain/device/heap.py``; the trainer does it by default).  ``--fusion-pair`` times
+``cosmotrain/device/heap.py``), and places cosmotrain's step arrays by plan
+(``cosmotrain/device/step_memory.py``; numpy's arrays only): the trainer's defaults.
+``--heap-only`` leaves out the plan.  ``--fusion-pair`` times
 cosmotrain alone with its activations fused into the convolutions against not,
 alternating step by step.
 """
@@ -33,6 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from cosmotrain.device import step_memory  # noqa: E402
 from cosmotrain.device.heap import reuse_freed_memory  # noqa: E402
 
 from cosmotrain.config.schema import ModelConfig  # noqa: E402
@@ -71,10 +74,13 @@ def cosmotrain_stepper(model, x: np.ndarray, y: np.ndarray
     timer = LayerTimer(model)
 
     def step() -> float:
-        batch = x.copy()
-        start = time.perf_counter()
-        cosmotrain_step(model, opt, batch, y)
-        return time.perf_counter() - start
+        with step_memory.phase("train"):  # planned when installed, as the trainer's
+            batch = x.copy()
+            start = time.perf_counter()
+            cosmotrain_step(model, opt, batch, y)
+            seconds = time.perf_counter() - start
+            del batch
+        return seconds
 
     return step, timer
 
@@ -215,7 +221,10 @@ def main() -> None:
     parser.add_argument("--stat", choices=("best", "median"), default="best")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory step")
     parser.add_argument("--reuse-freed-memory", action="store_true",
-                        help="keep freed memory in glibc's heap (see the module docstring)")
+                        help="keep freed memory in glibc's heap and plan the step's "
+                        "arrays (see the module docstring)")
+    parser.add_argument("--heap-only", action="store_true",
+                        help="with --reuse-freed-memory: no planned step memory")
     parser.add_argument("--threads", type=int, default=2,
                         help="threads of each side (cosmotrain: BLAS and kernel workers); 1 "
                         "is what each rank of the 2-rank bench_ddp.py runs")
@@ -232,6 +241,9 @@ def main() -> None:
     _parallel.set_blas_threads(args.threads)
     if args.reuse_freed_memory:
         print(f"# glibc heap reuse: {'on' if reuse_freed_memory() else 'not available'}")
+        if not args.heap_only:
+            print("# planned step memory: "
+                  f"{'on' if step_memory.install() else 'not available'}")
     print(f"# {args.model} W={args.width} on {platform.node()} ({platform.processor() or 'cpu'})"
           f", numpy {np.__version__}, {time.strftime('%Y-%m-%d %H:%M')}, {args.stat} of "
           f"{args.repeats}{' interleaved' if args.interleave else ''}")

@@ -21,8 +21,10 @@ figure is the median over ``--steps`` after ``--warmup``.  By default all cosmot
 steps run, then all PyTorch steps; ``--interleave`` alternates them (on a shared machine
 both then meet the same load).  Rank 0 prints a markdown row and the first step's loss of
 each side (equal weights and data: they agree to float32 rounding).
-``--reuse-freed-memory`` keeps freed memory in glibc's heap, as ``cosmotrain train`` does
-by default (``device.reuse_freed_memory``); it is process-wide, so PyTorch's side gets it
+``--reuse-freed-memory`` keeps freed memory in glibc's heap and plans cosmotrain's step
+arrays, as ``cosmotrain train`` does by default (``device.reuse_freed_memory``,
+``device.plan_step_memory``; ``--heap-only`` leaves out the plan); the heap setting is
+process-wide, so PyTorch's side gets it
 too (``cosmotrain/device/heap.py``).
 
 ``--check`` instead compares one PyTorch step's loss and gradients against the
@@ -61,6 +63,7 @@ from bench_hybrid import build_step, smooth_block, targets  # noqa: E402
 
 from cosmotrain.config.load import load_config  # noqa: E402
 from cosmotrain.config.schema import Config  # noqa: E402
+from cosmotrain.device import step_memory  # noqa: E402
 from cosmotrain.device.heap import reuse_freed_memory  # noqa: E402
 from cosmotrain.kernels import compiled_choice  # noqa: E402
 from cosmotrain.kernels._parallel import KernelThreads, configure_threads  # noqa: E402
@@ -94,7 +97,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--interleave", action="store_true",
                         help="alternate cosmotrain and PyTorch steps")
     parser.add_argument("--reuse-freed-memory", action="store_true",
-                        help="keep freed memory in glibc's heap (both sides, process-wide)")
+                        help="keep freed memory in glibc's heap (both sides, process-wide) "
+                        "and plan cosmotrain's step arrays")
+    parser.add_argument("--heap-only", action="store_true",
+                        help="with --reuse-freed-memory: no planned step memory")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         help="extra config KEY=VALUE (repeatable); PyTorch's side takes "
                         "the model, batch and Adam settings from the same config")
@@ -311,6 +317,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bench_ddp: needs torch (pip install torch, CPU) as the yardstick")
     world = MPI.COMM_WORLD
     heap = "on" if args.reuse_freed_memory and reuse_freed_memory() else "off"
+    if heap == "on" and not args.heap_only and step_memory.install():
+        heap += ", planned step memory"
     configure_threads(KernelThreads(1))
     torch.set_num_threads(1)
     cfg = config_for(args, world.size)

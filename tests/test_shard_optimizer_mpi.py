@@ -323,6 +323,31 @@ def test_a_page_buffer_hands_its_pages_back_and_stays_usable() -> None:
     assert buffer.array.sum() == 2.0 and buffer.array.dtype == np.float32
 
 
+def test_a_page_buffer_gives_zeros_without_touching_pages_it_handed_back() -> None:
+    """A gradient bucket's pages become resident only when its gradients land."""
+    from cosmotrain.device.pages import PageBuffer
+
+    buffer = PageBuffer(1 << 22, np.float32)  # 16 MiB
+    assert not buffer.zeros().any()
+    buffer.written()[:] = 5.0
+    assert not buffer.zeros().any()  # still written: filled
+    buffer.zeros()[:] = 1.0
+    buffer.release()
+    if not sys.platform.startswith("linux"):
+        return
+    before = _resident_mib()
+    zeros = buffer.zeros()
+    assert _resident_mib() - before < 2  # not written: no page faulted in
+    assert not zeros.any()
+
+
+def _resident_mib() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def test_the_memory_model_counts_one_rth_of_the_optimizer_state() -> None:
     from cosmotrain.config.layout import Layout
     from cosmotrain.plan.memory import rank_memory

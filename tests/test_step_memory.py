@@ -189,3 +189,46 @@ def test_training_and_validation_steps_run_on_their_plans(tmp_path: Path) -> Non
     # two unplanned training steps (the first allocates the optimizer state) and one
     # validation batch; every later array planned
     assert stats["planned"] > 4 * stats["fallbacks"], stats
+
+
+class FakeNative:
+    """The compiled part's interface, recording calls: each phase's log is scripted."""
+
+    def __init__(self, logs: list) -> None:
+        self.logs, self.calls = list(logs), []
+
+    def begin(self, sizes: bytes, offsets: bytes) -> None:
+        self.calls.append(("begin", len(sizes) // 8))
+
+    def end(self) -> tuple:
+        sizes, misses = self.logs.pop(0)
+        born = list(range(len(sizes)))
+        died = [t + 1 for t in born]
+        as_bytes = [np.asarray(v, np.int64).tobytes() for v in (sizes, born, died)]
+        return (*as_bytes, misses)
+
+    def trim(self) -> None:
+        self.calls.append(("trim",))
+
+
+def test_a_phase_is_replanned_only_after_a_miss_and_trims_the_heap_once_per_kind() -> None:
+    native = FakeNative([([MIB, 2 * MIB], 2), ([MIB, 2 * MIB], 0), ([MIB], 1),
+                         ([MIB], 0)])
+    memory = step_memory.StepMemory(native)
+    for kind in ("train", "train", "train", "eval"):
+        with memory.phase(kind):
+            with memory.phase("eval"):  # nested: the outer phase numbers everything
+                pass
+    assert native.calls == [("trim",), ("begin", 0), ("begin", 2), ("begin", 2),
+                            ("trim",), ("begin", 0)]
+    assert memory.replans == 3  # the first train, the changed third one, the first eval
+    assert memory.active is None
+
+
+def test_a_phase_of_too_many_arrays_is_left_to_malloc() -> None:
+    native = FakeNative([([MIB] * (step_memory.MAX_PLANNED + 1), 1)])
+    memory = step_memory.StepMemory(native)
+    for _ in range(3):
+        with memory.phase("train"):
+            pass
+    assert native.calls == [("trim",), ("begin", 0)] and memory.replans == 0

@@ -275,8 +275,8 @@ class DeviceConfig:
                                   "arrays (1 MiB and up) of every training and "
                                   "validation step at the offsets planned from the step "
                                   "before, in one arena, so that the kept memory holds "
-                                  "no holes (the heap's raised a W=256 D2H2 rank's peak "
-                                  "by a third). false: the heap places them")
+                                  "no holes (W=256, D2H2: 867 MiB a rank, 1015-1205 on "
+                                  "the heap alone). false: the heap places them")
 
 
 @dataclass

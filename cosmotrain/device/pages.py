@@ -14,6 +14,7 @@ missing, release does nothing and the buffer simply stays resident.
 from __future__ import annotations
 
 import mmap
+import sys
 from typing import Any
 
 import numpy as np
@@ -28,9 +29,26 @@ class PageBuffer:
         # object (out of this process's RSS, but not given back)
         self._map = mmap.mmap(-1, max(1, size * dtype.itemsize), flags=mmap.MAP_PRIVATE)
         self.array = np.frombuffer(self._map, dtype=dtype, count=size)
+        self._zero = True  # a fresh anonymous map reads as zeros
 
     def release(self) -> None:
         """Hand the pages back to the OS; the contents are undefined until written."""
         advice = getattr(mmap, "MADV_DONTNEED", None)
         if advice is not None and hasattr(self._map, "madvise"):
             self._map.madvise(advice)
+            # dropped pages of a private anonymous map read as zeros (Linux)
+            self._zero = sys.platform.startswith("linux")
+
+    def zeros(self) -> np.ndarray:
+        """The array, all zeros, for the caller to write.  Zeros without a write where
+        the pages are fresh or were handed back: a page then becomes resident only when
+        the caller first writes it (a gradient bucket: when its gradients land)."""
+        if not self._zero:
+            self.array.fill(0)
+        self._zero = False
+        return self.array
+
+    def written(self) -> np.ndarray:
+        """The array, for the caller to overwrite whole (its contents undefined)."""
+        self._zero = False
+        return self.array

@@ -38,8 +38,9 @@ import numpy as np
 
 #: Arrays below this size are left to malloc (its small-block bins serve them well).
 THRESHOLD_BYTES = 1 << 20
-#: The most numbered arrays a phase is planned for (placement is quadratic in them).
-MAX_PLANNED = 4096
+#: The most numbered arrays a phase is planned for (placement is quadratic in them: about
+#: a second at this many); a phase of more is left to malloc from then on.
+MAX_PLANNED = 1024
 #: Address space reserved for the arena: never more than the host's memory.
 DEFAULT_ARENA_BYTES = 1 << 40
 #: Where a plan puts an array it leaves to malloc (alive when its phase ended).
@@ -93,14 +94,15 @@ class StepMemory:
     def __init__(self, native: Any) -> None:
         self._native = native
         self._plans: dict[str, Plan] = {}
-        self._active: Optional[str] = None
+        self._unplannable: set[str] = set()  # kinds of phase with too many arrays
+        self.active: Optional[str] = None  # the kind of the phase under way
         self.replans = 0
 
     @contextlib.contextmanager
     def phase(self, kind: str) -> Iterator[None]:
         """Number and plan the large arrays allocated in the block (one thread's)."""
-        if self._active is not None:  # nested: the outer phase numbers everything
-            yield
+        if self.active is not None or kind in self._unplannable:
+            yield  # nested: the outer phase numbers everything
             return
         plan = self._plans.get(kind)
         if plan is None:
@@ -108,12 +110,12 @@ class StepMemory:
             # (kept, device/heap.py) and would add to every step's peak: hand it back
             self._native.trim()
             plan = Plan.empty()
-        self._active = kind
+        self.active = kind
         self._native.begin(plan.sizes.tobytes(), plan.offsets.tobytes())
         try:
             yield
         finally:
-            self._active = None
+            self.active = None
             sizes, born, died, misses = self._native.end()
             if misses or (sizes and not len(plan.sizes)):
                 self._replan(kind, sizes, born, died)
@@ -121,7 +123,7 @@ class StepMemory:
     def _replan(self, kind: str, sizes: bytes, born: bytes, died: bytes) -> None:
         sizes_, born_, died_ = (np.frombuffer(b, np.int64) for b in (sizes, born, died))
         if len(sizes_) > MAX_PLANNED:
-            self._plans[kind] = Plan.empty()
+            self._unplannable.add(kind)
             return
         self._plans[kind] = place(sizes_, born_.tolist(), died_.tolist())
         self.replans += 1
@@ -146,7 +148,7 @@ def install(threshold: int = THRESHOLD_BYTES, arena_bytes: Optional[int] = None
     if native is None or _strict_overcommit():
         return False
     try:
-        native.install(threshold, arena_bytes or _arena_bytes())
+        native.install(threshold, arena_bytes or _arena_bytes(), _numpy_hugepages())
     except OSError:
         return False
     if _memory is None:
@@ -169,6 +171,13 @@ def describe() -> str:
     return "planned step memory over glibc's heap (device.plan_step_memory)"
 
 
+def planning() -> bool:
+    """Whether large arrays allocated now are placed by a plan (inside a phase of the
+    installed allocator): a buffer needed for part of a step is then best an ordinary
+    array, whose pages the plan shares with the step's other arrays."""
+    return _memory is not None and _memory.active is not None
+
+
 def current() -> Optional[StepMemory]:
     """The installed planned allocator, or None."""
     return _memory
@@ -179,6 +188,17 @@ def _native_module() -> Any:
         return importlib.import_module("cosmotrain.device._step_arena")
     except ImportError:
         return None
+
+
+def _numpy_hugepages() -> bool:
+    """Whether numpy's own allocator asks the kernel for transparent huge pages for its
+    large arrays (its default on Linux): the arena then does the same."""
+    for name in ("numpy._core.multiarray", "numpy.core.multiarray"):
+        try:
+            return bool(importlib.import_module(name)._get_madvise_hugepage())
+        except (ImportError, AttributeError):
+            continue
+    return False
 
 
 def _strict_overcommit() -> bool:

@@ -41,6 +41,8 @@ from typing import Callable, List, Optional, Sequence, TypeVar
 
 import numpy as np
 
+from cosmotrain.device import step_memory
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -218,7 +220,12 @@ def map_chunks(work: Callable[[T], R], chunks: Sequence[T]) -> List[R]:
     count = min(num_workers(), len(chunks))
     blas = _blas()
     if count <= 1 or blas is None:
-        return [work(chunk) for chunk in chunks]
+        results = [work(chunk) for chunk in chunks]
+        if step_memory.planning():
+            # the calling thread's scratch goes back to the step's plan, which shares its
+            # pages with the step's other arrays (kept, it is memory beside every peak)
+            _local.buffers = {}
+        return results
     results: List[Optional[R]] = [None] * len(chunks)
     counter = itertools.count()  # next() is atomic under the GIL: dynamic scheduling
 
@@ -253,7 +260,10 @@ def scratch(name: str, shape: Sequence[int], dtype) -> np.ndarray:
     """A reusable uninitialised buffer private to the calling thread.
 
     Kernels call this once per chunk; the memory is kept between calls (per thread and
-    name, grown when a larger one is asked for) so that no chunk pays page faults.
+    name, grown when a larger one is asked for) so that no chunk pays page faults.  In a
+    step under planned memory (:mod:`cosmotrain.device.step_memory`) the calling
+    thread's buffers are kept only until its :func:`map_chunks` returns: the plan then
+    places them among the step's arrays, whose pages it reuses anyway.
     """
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize

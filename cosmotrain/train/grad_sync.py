@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from cosmotrain.comm.timers import PhaseTimers
+from cosmotrain.device import step_memory
 from cosmotrain.device.pages import PageBuffer
 from cosmotrain.device.transport import Transport, make_transport
 from cosmotrain.device.xp import array_module
@@ -89,16 +90,21 @@ class Bucket:
 
     def allocate(self, zero: bool = True) -> None:
         """A buffer for this step's use (zeroed unless ``zero`` is false): on the host the
-        bucket's own pages, on a device a block of the array module's pool."""
-        if self.xp is not np:
+        bucket's own pages, on a device a block of the array module's pool.
+
+        On the host under planned step memory (:mod:`cosmotrain.device.step_memory`) it
+        is an ordinary array, placed by the plan among the step's other arrays: the
+        gradient buffer from :meth:`GradientReducer.prepare` to its reduce-scatter, the
+        all-gather's in the update, where the activations were.  Pages of its own (the
+        heap alone) sit beside the step's peak instead: W = 256, D2H2, every bucket's
+        36 MiB at once in the all-gather."""
+        if self.xp is not np or step_memory.planning():
             self.buffer = (self.xp.zeros if zero else self.xp.empty)(self.size,
                                                                       dtype=self.dtype)
             return
         if self._pages is None:
             self._pages = PageBuffer(self.size, self.dtype)
-        self.buffer = self._pages.array
-        if zero:
-            self.buffer.fill(0)
+        self.buffer = self._pages.zeros() if zero else self._pages.written()
 
     def keep_shard(self) -> None:
         """Keep this rank's range of the reduced buffer (an in-place reduce-scatter leaves

@@ -34,8 +34,8 @@
 #include <sys/mman.h>
 
 #define PAGE 4096UL
-#define TABLE_SIZE (1 << 16) /* tracked large blocks alive at once (power of 2) */
-#define MAX_LOG (1 << 16)    /* numbered blocks of one phase */
+#define TABLE_SIZE (1 << 14) /* slots for tracked large blocks (power of 2, half used at most) */
+#define MAX_LOG 4096         /* numbered blocks of one phase (more are malloc's) */
 #define MAX_ARENA_LIVE 4096
 
 enum source { FROM_MALLOC, FROM_ARENA, FROM_MAP };
@@ -122,9 +122,13 @@ static int left_to_malloc(long k, size_t size) {
     return k < plan_length && plan_size[k] == size && plan_offset[k] == SIZE_MAX;
 }
 
+static int hugepages = 0; /* numpy's own allocator asks for them: so do we */
+
 static char *mapped(size_t size) {
     void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    return p == MAP_FAILED ? NULL : p;
+    if (p == MAP_FAILED) return NULL;
+    if (hugepages) madvise(p, size, MADV_HUGEPAGE);
+    return p;
 }
 
 static int by_offset(const void *a, const void *b) {
@@ -240,18 +244,27 @@ static void *h_realloc(void *ctx, void *p, size_t n) {
 static PyDataMem_Handler handler = {
     "cosmotrain_step_arena", 1, {NULL, h_malloc, h_calloc, h_realloc, h_free}};
 
-/* install(threshold, arena_bytes) -> the previous handler; reserves the arena once */
+#define HUGE_PAGE (2UL << 20)
+
+/* install(threshold, arena_bytes, hugepages) -> the previous handler; reserves the arena
+ * once, aligned to a huge page.  hugepages: madvise(MADV_HUGEPAGE) the arena and the
+ * misses' maps, as numpy's allocator does for its large arrays (a transparent huge page
+ * a 2 MiB TLB entry: without them a W = 128 step ran 4% slower than on numpy's heap). */
 static PyObject *install(PyObject *self, PyObject *args) {
     Py_ssize_t min_bytes, reserve;
-    if (!PyArg_ParseTuple(args, "nn", &min_bytes, &reserve)) return NULL;
+    int huge;
+    if (!PyArg_ParseTuple(args, "nnp", &min_bytes, &reserve, &huge)) return NULL;
+    hugepages = huge;
     if (!arena) {
-        void *p = mmap(NULL, (size_t)reserve, PROT_READ | PROT_WRITE,
+        size_t span = ((size_t)reserve & ~(HUGE_PAGE - 1)) + HUGE_PAGE;
+        char *p = mmap(NULL, span, PROT_READ | PROT_WRITE,
                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         if (p == MAP_FAILED) return PyErr_SetFromErrno(PyExc_OSError);
         log_entries = malloc(sizeof(logged) * MAX_LOG);
-        if (!log_entries) { munmap(p, (size_t)reserve); return PyErr_NoMemory(); }
-        arena = p;
-        arena_bytes = (size_t)reserve;
+        if (!log_entries) { munmap(p, span); return PyErr_NoMemory(); }
+        arena = (char *)(((uintptr_t)p + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
+        arena_bytes = span - HUGE_PAGE;
+        if (hugepages) madvise(arena, arena_bytes, MADV_HUGEPAGE);
     }
     threshold = (size_t)min_bytes;
     PyObject *capsule = PyCapsule_New(&handler, "mem_handler", NULL);
