@@ -68,10 +68,12 @@ def cosmotrain_step(model, opt: Adam, x: np.ndarray, y: np.ndarray) -> float:
 
 def cosmotrain_stepper(model, x: np.ndarray, y: np.ndarray
                        ) -> tuple[Callable[[], float], LayerTimer]:
-    """A timed step of ``model`` (after a warm-up step) and its per-layer timer."""
+    """A timed step of ``model`` (after two warm-up steps) and its per-layer timer.
+
+    The first warm-up step allocates the optimizer state; under planned step memory it
+    runs unplanned and the second on its plan (or is planned again), so that the timed
+    steps are the trainer's steady state."""
     opt = Adam(lr=1e-4)
-    cosmotrain_step(model, opt, x.copy(), y)  # warm-up: allocates the optimizer state
-    timer = LayerTimer(model)
 
     def step() -> float:
         with step_memory.phase("train"):  # planned when installed, as the trainer's
@@ -82,7 +84,25 @@ def cosmotrain_stepper(model, x: np.ndarray, y: np.ndarray
             del batch
         return seconds
 
-    return step, timer
+    step()
+    step()
+    return step, LayerTimer(model)
+
+
+def sgemm_stepper(size: int = 2048) -> Callable[[], float]:
+    """Seconds of one float32 ``size``^3 ``numpy.matmul`` (the sgemm rate the issue's
+    share is of: benchmarks/sgemm_rate.py), timed between the steps it is compared with."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((size, size), dtype=np.float32) for _ in range(2))
+    c = np.empty_like(a)
+    np.matmul(a, b, out=c)
+
+    def run() -> float:
+        start = time.perf_counter()
+        np.matmul(a, b, out=c)
+        return time.perf_counter() - start
+
+    return run
 
 
 def run_steps(steppers: dict, repeats: int, interleave: bool) -> dict:
@@ -223,6 +243,9 @@ def main() -> None:
     parser.add_argument("--reuse-freed-memory", action="store_true",
                         help="keep freed memory in glibc's heap and plan the step's "
                         "arrays (see the module docstring)")
+    parser.add_argument("--sgemm-share", action="store_true",
+                        help="time numpy's 2048^3 sgemm between the steps (interleaved "
+                        "with them under --interleave) and print the step's share of it")
     parser.add_argument("--heap-only", action="store_true",
                         help="with --reuse-freed-memory: no planned step memory")
     parser.add_argument("--threads", type=int, default=2,
@@ -262,6 +285,8 @@ def main() -> None:
         torch_side = None if args.no_torch else torch_stepper(model, x, y, args.threads)
         if torch_side is not None:
             steppers["torch"] = torch_side
+        if args.sgemm_share:
+            steppers["sgemm"] = (sgemm_stepper(), None)
         times = run_steps({k: v[0] for k, v in steppers.items()}, args.repeats,
                           args.interleave)
         timer = steppers["ours"][1]
@@ -277,6 +302,10 @@ def main() -> None:
             theirs = {k: v / args.repeats for k, v in torch_side[1].items()}
             line += (f"; torch {t:.3f} s/step, {batch / t:.3f} samples/s; "
                      f"ratio torch/cosmotrain = {t / ours:.2f}")
+        if args.sgemm_share:
+            rate = 2 * 2048 ** 3 / pick(times["sgemm"])
+            line += (f"; sgemm {rate / 1e9:.0f} GFLOP/s, share "
+                     f"{flops / ours / rate:.0%}")
         print(line)
         print("steps s: " + "; ".join(f"{k} " + " ".join(f"{v:.3f}" for v in vals)
                                       for k, vals in times.items()))
