@@ -34,6 +34,9 @@
 #include <sys/mman.h>
 
 #define PAGE 4096UL
+#ifndef MADV_HUGEPAGE
+#define MADV_HUGEPAGE 14 /* Linux's value; an unknown advice is refused, harmlessly */
+#endif
 #define TABLE_SIZE (1 << 14) /* slots for tracked large blocks (power of 2, half used at most) */
 #define MAX_LOG 4096         /* numbered blocks of one phase (more are malloc's) */
 #define MAX_ARENA_LIVE 4096
@@ -124,6 +127,14 @@ static int left_to_malloc(long k, size_t size) {
 
 static int hugepages = 0; /* numpy's own allocator asks for them: so do we */
 
+/* what numpy's own allocator does for its arrays of 4 MiB and up */
+static void advise_huge(char *p, size_t size) {
+    if (!hugepages || size < (4UL << 20)) return;
+    uintptr_t start = ((uintptr_t)p + PAGE - 1) & ~(uintptr_t)(PAGE - 1);
+    uintptr_t stop = ((uintptr_t)p + size) & ~(uintptr_t)(PAGE - 1);
+    if (stop > start) madvise((void *)start, stop - start, MADV_HUGEPAGE);
+}
+
 static char *mapped(size_t size) {
     void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return NULL;
@@ -186,6 +197,7 @@ static void *large(size_t request, int zeroed) {
         source = FROM_MALLOC;
         p = zeroed ? calloc(1, size) : malloc(size);
         if (!p) return NULL;
+        advise_huge(p, size);
     }
     if (k < 0) return p; /* malloc's, untracked */
     tracked entry = {p, size, k, generation, source};
@@ -213,13 +225,15 @@ static void h_free(void *ctx, void *p, size_t n) {
     tracked entry = n_tracked ? table_take(p) : (tracked){NULL, 0, -1, -1, FROM_MALLOC};
     if (entry.ptr && in_phase && entry.generation == generation && entry.index >= 0)
         log_entries[entry.index].t_free = clock_tick++;
-    /* once a phase has abandoned its plan, nothing reuses a freed arena block this step */
-    int abandoned = in_phase && misses;
-    if (entry.ptr && entry.source == FROM_ARENA) arena_release((size_t)(entry.ptr - arena));
+    if (entry.ptr && entry.source == FROM_ARENA) {
+        arena_release((size_t)(entry.ptr - arena));
+        /* once a phase has abandoned its plan nothing reuses the block this step: its
+         * pages go back (under the lock: a later phase may plan the range at once) */
+        if (in_phase && misses) madvise(entry.ptr, entry.size, MADV_DONTNEED);
+    }
     pthread_mutex_unlock(&lock);
     if (!entry.ptr || entry.source == FROM_MALLOC) free(p);
     else if (entry.source == FROM_MAP) munmap(p, entry.size);
-    else if (abandoned) madvise(p, entry.size, MADV_DONTNEED);
 }
 
 static void *h_realloc(void *ctx, void *p, size_t n) {
