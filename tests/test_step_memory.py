@@ -218,7 +218,7 @@ def test_a_phase_is_replanned_only_after_a_miss_and_trims_the_heap_once_per_kind
     for kind in ("train", "train", "train", "eval"):
         with memory.phase(kind):
             with memory.phase("eval"):  # nested: the outer phase numbers everything
-                pass
+                pass  # the phase's allocations are the fake's scripted log
     assert native.calls == [("trim",), ("begin", 0), ("begin", 2), ("begin", 2),
                             ("trim",), ("begin", 0)]
     assert memory.replans == 3  # the first train, the changed third one, the first eval
@@ -230,5 +230,5 @@ def test_a_phase_of_too_many_arrays_is_left_to_malloc() -> None:
     memory = step_memory.StepMemory(native)
     for _ in range(3):
         with memory.phase("train"):
-            pass
+            pass  # the phase's allocations are the fake's scripted log
     assert native.calls == [("trim",), ("begin", 0)] and memory.replans == 0

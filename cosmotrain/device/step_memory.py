@@ -1,7 +1,7 @@
 """Planned host memory for the large arrays of repeated steps (a leaf).
 
 With freed memory kept in glibc's heap (:mod:`.heap`) a step reuses the pages of the last,
-which saves re-faulting every large array in (25-30% of a CPU step at W = 256), but the
+which saves re-faulting every large array in (22-26% of a CPU step at W = 256), but the
 heap places each block where the first fitting hole was.  At the peak of a W = 256 step
 on a D2H2 rank a quarter of the heap was holes: 1205 MiB a rank against 910 with glibc's
 defaults (docs/PERFORMANCE.md).
