@@ -11,7 +11,10 @@ F(2x2x2,3x3x3), and the transforms stay a small part of the time
 The loops (``cosmotrain_winograd_w_forward_*`` in ``native/winograd_body.h``) transform
 a chunk's zero-padded slab into its m + 2 component planes, convolve each over (C, D, H)
 with the transformed kernel in the direct loops' register blocks, and write the output
-transform (F(2,3): ``y0 = m0 + m1 + m2``, ``y1 = m1 - m2 - m3``) into the output rows.
+transform (F(2,3): ``y0 = m0 + m1 + m2``, ``y1 = m1 - m2 - m3``) into the output rows,
+a vector of tiles at a time interleaved into whole runs of outputs (one tile at a time
+in scalar code it took a quarter of the paper network's conv2 forward: 26.4 -> 22.4 ms,
+data gradient 33.5 -> 31.2, conv3 10.4 -> 9.2 / 12.3 -> 11.4, 2 threads, 2026-11-27).
 The data gradient of a unit-stride layer is the forward of the flipped kernel, so it
 takes the same loops; the filter gradient has its own F(2,3) and F(4,3) forms.  Which tile, and
 whether Winograd at all: :mod:`.compiled_choice`.

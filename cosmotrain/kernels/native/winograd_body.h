@@ -62,19 +62,53 @@ static void CAT(input_components, SUFFIX)(
 #define CHANNEL_BLOCK 32
 #endif
 
-/* One output tile from its component sums q[i] (A^T), `valid` of its m outputs written. */
-static inline void CAT(output_tile, SUFFIX)(float *out, const float *q, int m, int valid,
-                                            float bias) {
+/* The output transform (A^T) of VL consecutive tiles of one filter at once, lane l for
+ * tile l: q[i * stride + l] is component i's sum; y[j] gets output j of each tile, plus
+ * bias.  F(2,3): y0 = q0 + q1 + q2, y1 = q1 - q2 - q3; F(4,3): y0 = q0 + (q1 + q2) +
+ * (q3 + q4), y1 = (q1 - q2) + 2 (q3 - q4), y2 = (q1 + q2) + 4 (q3 + q4), y3 = (q1 - q2) +
+ * 8 (q3 - q4) + q5.  Every tile takes these same vector operations, whatever its place,
+ * so its bits do not depend on the chunking or the rank's block. */
+static inline void CAT(output_tiles, SUFFIX)(VEC y[4], const float *q, long stride, int m,
+                                             float bias) {
+    VEC v[6];
+    for (int i = 0; i < m + 2; i++) v[i] = CAT(load, SUFFIX)(q + i * stride);
     if (m == 2) {
-        out[0] = q[0] + q[1] + q[2] + bias;
-        if (valid > 1) out[1] = q[1] - q[2] - q[3] + bias;
+        y[0] = v[0] + v[1] + v[2] + bias;
+        y[1] = v[1] - v[2] - v[3] + bias;
         return;
     }
-    const float sum12 = q[1] + q[2], diff12 = q[1] - q[2];
-    const float sum34 = q[3] + q[4], diff34 = q[3] - q[4];
-    const float y[4] = {q[0] + sum12 + sum34 + bias, diff12 + 2.0f * diff34 + bias,
-                        sum12 + 4.0f * sum34 + bias, diff12 + 8.0f * diff34 + q[5] + bias};
-    for (int j = 0; j < valid; j++) out[j] = y[j];
+    const VEC sum12 = v[1] + v[2], diff12 = v[1] - v[2];
+    const VEC sum34 = v[3] + v[4], diff34 = v[3] - v[4];
+    y[0] = v[0] + sum12 + sum34 + bias;
+    y[1] = diff12 + 2.0f * diff34 + bias;
+    y[2] = sum12 + 4.0f * sum34 + bias;
+    y[3] = diff12 + 8.0f * diff34 + v[5] + bias;
+}
+
+/* y[0..m) of VL tiles, interleaved tile by tile into m VL consecutive floats at out:
+ * out[m t + j] = y[j][t] (F(2,3): one pass of pairs; F(4,3): pairs of pairs). */
+static inline void CAT(store_tiles, SUFFIX)(float *out, const VEC y[4], int m) {
+#if VL == 16
+    const CAT(mask, SUFFIX) lo = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+    const CAT(mask, SUFFIX) hi = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const CAT(mask, SUFFIX) lo2 = {0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23};
+    const CAT(mask, SUFFIX) hi2 = {8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15,
+                                   30, 31};
+#else
+    const CAT(mask, SUFFIX) lo = {0, 8, 1, 9, 2, 10, 3, 11}, hi = {4, 12, 5, 13, 6, 14, 7, 15};
+    const CAT(mask, SUFFIX) lo2 = {0, 1, 8, 9, 2, 3, 10, 11};
+    const CAT(mask, SUFFIX) hi2 = {4, 5, 12, 13, 6, 7, 14, 15};
+#endif
+    const VEC a_lo = __builtin_shuffle(y[0], y[1], lo), a_hi = __builtin_shuffle(y[0], y[1], hi);
+    if (m == 2) {
+        __builtin_memcpy(out, &a_lo, sizeof(VEC));
+        __builtin_memcpy(out + VL, &a_hi, sizeof(VEC));
+        return;
+    }
+    const VEC b_lo = __builtin_shuffle(y[2], y[3], lo), b_hi = __builtin_shuffle(y[2], y[3], hi);
+    const VEC out4[4] = {__builtin_shuffle(a_lo, b_lo, lo2), __builtin_shuffle(a_lo, b_lo, hi2),
+                         __builtin_shuffle(a_hi, b_hi, lo2), __builtin_shuffle(a_hi, b_hi, hi2)};
+    __builtin_memcpy(out, out4, sizeof out4);
 }
 
 /* Runs per chunk of the forward: the most (up to CHUNK_RUNS) whose inputs of one
@@ -172,13 +206,26 @@ void CAT(cosmotrain_winograd_w_forward, SUFFIX)(
                 const float b0 = bias ? bias[o] : 0.0f;
                 float *yo = y + o * y_f;
                 long first = -1, end = 0;
-                for (int k = 0; k < runs * RUN; k++) {
-                    if (!valid[k]) continue;  /* past the plane's last tile */
-                    float sums[6];
-                    for (int i = 0; i < m + 2; i++) sums[i] = q[f][i][k];
-                    CAT(output_tile, SUFFIX)(yo + where[k], sums, m, valid[k], b0);
-                    if (first < 0) first = where[k];
-                    end = where[k] + valid[k];
+                for (int k = 0; k < runs * RUN; k += VL) {
+                    VEC out[4];
+                    CAT(output_tiles, SUFFIX)(out, &q[f][0][k], CHUNK_RUNS * RUN, m, b0);
+                    int whole = 1;  /* VL full tiles that follow each other in y */
+                    for (int l = 0; l < VL; l++)
+                        whole &= valid[k + l] == m && where[k + l] == where[k] + m * l;
+                    if (whole) {
+                        CAT(store_tiles, SUFFIX)(yo + where[k], out, m);
+                    } else {
+                        float lanes[4][VL];
+                        __builtin_memcpy(lanes, out, sizeof(float) * VL * m);
+                        for (int l = 0; l < VL; l++)  /* none past the plane's last tile */
+                            for (int j = 0; j < valid[k + l]; j++)
+                                yo[where[k + l] + j] = lanes[j][l];
+                    }
+                    for (int l = 0; l < VL; l++) {
+                        if (!valid[k + l]) continue;
+                        if (first < 0) first = where[k + l];
+                        end = where[k + l] + valid[k + l];
+                    }
                 }
                 /* The chunk's outputs of this filter: consecutive tiles of whole rows, one
                  * span of a C-contiguous y (y_h == wo, y_d == ho wo), still in cache.  Per
