@@ -25,6 +25,7 @@ setup(ext_modules=[Extension(
              "cosmotrain/kernels/native/winograd_weights.c"],
     depends=["cosmotrain/kernels/native/direct_body.h",
              "cosmotrain/kernels/native/winograd_body.h",
+             "cosmotrain/kernels/native/winograd_tiles.h",
              "cosmotrain/kernels/native/isa_loops.h"],
     # errno is never read: sqrtf may then be one vector instruction (native/optim.c).
     # -fno-wrapv undoes the -fwrapv of Python's own CFLAGS: with wrapping signed ints GCC

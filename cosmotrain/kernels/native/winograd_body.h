@@ -7,40 +7,7 @@
  * (narrow layers waste nothing).  Layout of a chunk's components in `work`:
  * [m + 2][c_in][depth][hp * T], then RUN zeros (the last run reads past the end). */
 
-static void CAT(input_components, SUFFIX)(
-        const float *s, long s_c, long s_d, long s_h,
-        int c_in, int depth, int hp, int tiles, int m, float *work) {
-    const long plane = (long)hp * tiles, channel = depth * plane;
-    const long component = c_in * channel;
-    for (int c = 0; c < c_in; c++)
-    for (int d = 0; d < depth; d++)
-    for (int r = 0; r < hp; r++) {
-        const float *row = s + c * s_c + d * s_d + r * s_h;
-        float *v[6];
-        v[0] = work + c * channel + d * plane + r * tiles;
-        for (int i = 1; i < m + 2; i++) v[i] = v[i - 1] + component;
-        if (m == 2) {
-            for (int t = 0; t < tiles; t++) {
-                const float *x = row + 2 * t;
-                v[0][t] = x[0] - x[2];
-                v[1][t] = x[1] + x[2];
-                v[2][t] = x[2] - x[1];
-                v[3][t] = x[1] - x[3];
-            }
-            continue;
-        }
-        for (int t = 0; t < tiles; t++) {  /* F(4,3): points 0, 1, -1, 2, -2, infinity */
-            const float *x = row + 4 * t;
-            v[0][t] = 4.0f * x[0] - 5.0f * x[2] + x[4];
-            v[1][t] = -4.0f * (x[1] + x[2]) + x[3] + x[4];
-            v[2][t] = 4.0f * (x[1] - x[2]) - x[3] + x[4];
-            v[3][t] = 2.0f * (x[3] - x[1]) - x[2] + x[4];
-            v[4][t] = 2.0f * (x[1] - x[3]) - x[2] + x[4];
-            v[5][t] = 4.0f * x[1] - 5.0f * x[3] + x[5];
-        }
-    }
-    for (int i = 0; i < RUN; i++) work[(m + 2) * component + i] = 0.0f;
-}
+#include "winograd_tiles.h"
 
 /* Register runs per chunk of the forward (see there): at most CHUNK_RUNS, and as many as
  * keep one component's inputs of the chunk (c_in kd (rows + kh - 1) T floats) within
@@ -61,55 +28,6 @@ static void CAT(input_components, SUFFIX)(
 #ifndef CHANNEL_BLOCK
 #define CHANNEL_BLOCK 32
 #endif
-
-/* The output transform (A^T) of VL consecutive tiles of one filter at once, lane l for
- * tile l: q[i * stride + l] is component i's sum; y[j] gets output j of each tile, plus
- * bias.  F(2,3): y0 = q0 + q1 + q2, y1 = q1 - q2 - q3; F(4,3): y0 = q0 + (q1 + q2) +
- * (q3 + q4), y1 = (q1 - q2) + 2 (q3 - q4), y2 = (q1 + q2) + 4 (q3 + q4), y3 = (q1 - q2) +
- * 8 (q3 - q4) + q5.  Every tile takes these same vector operations, whatever its place,
- * so its bits do not depend on the chunking or the rank's block. */
-static inline void CAT(output_tiles, SUFFIX)(VEC y[4], const float *q, long stride, int m,
-                                             float bias) {
-    VEC v[6];
-    for (int i = 0; i < m + 2; i++) v[i] = CAT(load, SUFFIX)(q + i * stride);
-    if (m == 2) {
-        y[0] = v[0] + v[1] + v[2] + bias;
-        y[1] = v[1] - v[2] - v[3] + bias;
-        return;
-    }
-    const VEC sum12 = v[1] + v[2], diff12 = v[1] - v[2];
-    const VEC sum34 = v[3] + v[4], diff34 = v[3] - v[4];
-    y[0] = v[0] + sum12 + sum34 + bias;
-    y[1] = diff12 + 2.0f * diff34 + bias;
-    y[2] = sum12 + 4.0f * sum34 + bias;
-    y[3] = diff12 + 8.0f * diff34 + v[5] + bias;
-}
-
-/* y[0..m) of VL tiles, interleaved tile by tile into m VL consecutive floats at out:
- * out[m t + j] = y[j][t] (F(2,3): one pass of pairs; F(4,3): pairs of pairs). */
-static inline void CAT(store_tiles, SUFFIX)(float *out, const VEC y[4], int m) {
-#if VL == 16
-    const CAT(mask, SUFFIX) lo = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
-    const CAT(mask, SUFFIX) hi = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const CAT(mask, SUFFIX) lo2 = {0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23};
-    const CAT(mask, SUFFIX) hi2 = {8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15,
-                                   30, 31};
-#else
-    const CAT(mask, SUFFIX) lo = {0, 8, 1, 9, 2, 10, 3, 11}, hi = {4, 12, 5, 13, 6, 14, 7, 15};
-    const CAT(mask, SUFFIX) lo2 = {0, 1, 8, 9, 2, 3, 10, 11};
-    const CAT(mask, SUFFIX) hi2 = {4, 5, 12, 13, 6, 7, 14, 15};
-#endif
-    const VEC a_lo = __builtin_shuffle(y[0], y[1], lo), a_hi = __builtin_shuffle(y[0], y[1], hi);
-    if (m == 2) {
-        __builtin_memcpy(out, &a_lo, sizeof(VEC));
-        __builtin_memcpy(out + VL, &a_hi, sizeof(VEC));
-        return;
-    }
-    const VEC b_lo = __builtin_shuffle(y[2], y[3], lo), b_hi = __builtin_shuffle(y[2], y[3], hi);
-    const VEC out4[4] = {__builtin_shuffle(a_lo, b_lo, lo2), __builtin_shuffle(a_lo, b_lo, hi2),
-                         __builtin_shuffle(a_hi, b_hi, lo2), __builtin_shuffle(a_hi, b_hi, hi2)};
-    __builtin_memcpy(out, out4, sizeof out4);
-}
 
 /* Runs per chunk of the forward: the most (up to CHUNK_RUNS) whose inputs of one
  * component fit in CHUNK_BYTES: c_in kd (rows + kh - 1) T floats within a plane, c_in
@@ -270,26 +188,10 @@ int CAT(cosmotrain_winograd_w_filter_grad, SUFFIX)(
         float *out = dt + (f * nz + z) * dplane;
         for (int h = 0; h < ho; h++) {
             const float *row = dy + f * dy_f + z * dy_d + h * dy_h;
-            for (int t = 0; t < tiles; t++) {
-                const long p = (long)h * tiles + t;
-                float d[4];
-                for (int j = 0; j < m; j++) d[j] = m * t + j < wo ? row[m * t + j] : 0.0f;
-                if (m == 2) {
-                    out[p] = d[0];
-                    out[dcomp + p] = d[0] + d[1];
-                    out[2 * dcomp + p] = d[0] - d[1];
-                    out[3 * dcomp + p] = -d[1];
-                    continue;
-                }
-                const float even = d[0] + d[2], odd = d[1] + d[3];
-                const float even4 = d[0] + 4.0f * d[2], odd8 = 2.0f * d[1] + 8.0f * d[3];
-                out[p] = d[0];
-                out[dcomp + p] = even + odd;
-                out[2 * dcomp + p] = even - odd;
-                out[3 * dcomp + p] = even4 + odd8;
-                out[4 * dcomp + p] = even4 - odd8;
-                out[5 * dcomp + p] = d[3];
-            }
+            if (tiles < VL)
+                CAT(dy_row_components, SUFFIX)(out + (long)h * tiles, dcomp, row, tiles, wo, m);
+            else
+                CAT(dy_row_vectors, SUFFIX)(out + (long)h * tiles, dcomp, row, tiles, wo, m);
         }
         for (long p = (long)ho * tiles; p < dplane; p++)
             for (int i = 0; i < parts; i++) out[i * dcomp + p] = 0.0f;

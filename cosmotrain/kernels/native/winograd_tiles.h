@@ -1,0 +1,229 @@
+/* The Winograd F(m,3) tile transforms along W, m = 2 or 4, VL tiles at a time in
+ * vector registers, for winograd_body.h (included there, once per instruction set,
+ * after direct_body.h, whose VEC, load and mask it uses):
+ *   - input_components: B^T of the input tiles into the m + 2 component planes;
+ *   - the dy components of the filter gradient (A of the output gradients);
+ *   - output_tiles / store_tiles: A^T of the component sums, interleaved into outputs.
+ * Each is one vector expression for every tile of a call (rows too short for a vector
+ * stay scalar), so a tile's bits do not depend on where the chunking puts it. */
+
+/* p[j][t] = x[m t + j] for t < VL, j < m + 2 (j < m without `overlap`): the inputs of
+ * VL consecutive tiles by their place in the tile (m VL floats read from x, and 2 more
+ * with `overlap`), split by vector shuffles. */
+static inline void CAT(tile_inputs, SUFFIX)(VEC p[6], const float *x, int m, int overlap) {
+#if VL == 16
+    const CAT(mask, SUFFIX) even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const CAT(mask, SUFFIX) odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    const CAT(mask, SUFFIX) quarter[4] = {
+        {0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0},
+        {1, 5, 9, 13, 17, 21, 25, 29, 0, 0, 0, 0, 0, 0, 0, 0},
+        {2, 6, 10, 14, 18, 22, 26, 30, 0, 0, 0, 0, 0, 0, 0, 0},
+        {3, 7, 11, 15, 19, 23, 27, 31, 0, 0, 0, 0, 0, 0, 0, 0}};
+    const CAT(mask, SUFFIX) join = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const CAT(mask, SUFFIX) next = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+#else
+    const CAT(mask, SUFFIX) even = {0, 2, 4, 6, 8, 10, 12, 14};
+    const CAT(mask, SUFFIX) odd = {1, 3, 5, 7, 9, 11, 13, 15};
+    const CAT(mask, SUFFIX) quarter[4] = {{0, 4, 8, 12, 0, 0, 0, 0}, {1, 5, 9, 13, 0, 0, 0, 0},
+                                          {2, 6, 10, 14, 0, 0, 0, 0}, {3, 7, 11, 15, 0, 0, 0, 0}};
+    const CAT(mask, SUFFIX) join = {0, 1, 2, 3, 8, 9, 10, 11};
+    const CAT(mask, SUFFIX) next = {1, 2, 3, 4, 5, 6, 7, 8};
+#endif
+    VEC a[4];
+    for (int i = 0; i < m; i++) a[i] = CAT(load, SUFFIX)(x + i * VL);
+    if (m == 2) {
+        p[0] = __builtin_shuffle(a[0], a[1], even);
+        p[1] = __builtin_shuffle(a[0], a[1], odd);
+    } else {
+        for (int j = 0; j < 4; j++)
+            p[j] = __builtin_shuffle(__builtin_shuffle(a[0], a[1], quarter[j]),
+                                     __builtin_shuffle(a[2], a[3], quarter[j]), join);
+    }
+    if (!overlap)
+        return;
+    const VEC zero = {0};  /* the last tile's inputs m and m + 1: the next tile's 0 and 1 */
+    p[m] = __builtin_shuffle(p[0], zero + x[m * VL], next);
+    p[m + 1] = __builtin_shuffle(p[1], zero + x[m * VL + 1], next);
+}
+
+/* The input transform (B^T) of VL tiles: v[i] = component i of each tile (lane t). */
+static inline void CAT(tile_components, SUFFIX)(VEC v[6], const float *x, int m) {
+    VEC p[6];
+    CAT(tile_inputs, SUFFIX)(p, x, m, 1);
+    if (m == 2) {
+        v[0] = p[0] - p[2];
+        v[1] = p[1] + p[2];
+        v[2] = p[2] - p[1];
+        v[3] = p[1] - p[3];
+        return;
+    }
+    /* F(4,3): points 0, 1, -1, 2, -2, infinity */
+    v[0] = 4.0f * p[0] - 5.0f * p[2] + p[4];
+    v[1] = -4.0f * (p[1] + p[2]) + p[3] + p[4];
+    v[2] = 4.0f * (p[1] - p[2]) - p[3] + p[4];
+    v[3] = 2.0f * (p[3] - p[1]) - p[2] + p[4];
+    v[4] = 2.0f * (p[1] - p[3]) - p[2] + p[4];
+    v[5] = 4.0f * p[1] - 5.0f * p[3] + p[5];
+}
+
+/* The same transform one tile at a time, for rows of fewer than VL tiles. */
+static inline void CAT(row_components, SUFFIX)(float *out, long component, const float *row,
+                                               int tiles, int m) {
+    for (int t = 0; t < tiles; t++) {
+        const float *x = row + m * t;
+        float *v = out + t;
+        if (m == 2) {
+            v[0] = x[0] - x[2];
+            v[component] = x[1] + x[2];
+            v[2 * component] = x[2] - x[1];
+            v[3 * component] = x[1] - x[3];
+            continue;
+        }
+        v[0] = 4.0f * x[0] - 5.0f * x[2] + x[4];
+        v[component] = -4.0f * (x[1] + x[2]) + x[3] + x[4];
+        v[2 * component] = 4.0f * (x[1] - x[2]) - x[3] + x[4];
+        v[3 * component] = 2.0f * (x[3] - x[1]) - x[2] + x[4];
+        v[4 * component] = 2.0f * (x[1] - x[3]) - x[2] + x[4];
+        v[5 * component] = 4.0f * x[1] - 5.0f * x[3] + x[5];
+    }
+}
+
+/* Every tile of the chunk's slab rows (m T + 2 floats each) into its m + 2 components.
+ * Rows of at least VL tiles go VL tiles at a time, a last group of fewer copied into a
+ * zero-padded row first: a scalar loop per tile was 9-13% of the paper network's conv2
+ * passes (perf); shorter rows (8^3 planes) stay scalar, which a copy per row would
+ * slow.  Either way every tile of a call takes the same arithmetic. */
+static void CAT(input_components, SUFFIX)(
+        const float *s, long s_c, long s_d, long s_h,
+        int c_in, int depth, int hp, int tiles, int m, float *work) {
+    const long plane = (long)hp * tiles, channel = depth * plane;
+    const long component = c_in * channel;
+    float tail[4 * VL + 2];
+    for (int c = 0; c < c_in; c++)
+    for (int d = 0; d < depth; d++)
+    for (int r = 0; r < hp; r++) {
+        const float *row = s + c * s_c + d * s_d + r * s_h;
+        float *out = work + c * channel + d * plane + r * tiles;
+        if (tiles < VL) {
+            CAT(row_components, SUFFIX)(out, component, row, tiles, m);
+            continue;
+        }
+        for (int t = 0; t < tiles; t += VL) {
+            const int n = tiles - t < VL ? tiles - t : VL;
+            const float *x = row + (long)m * t;
+            if (n < VL) {
+                for (int i = 0; i < m * VL + 2; i++) tail[i] = i < m * n + 2 ? x[i] : 0.0f;
+                x = tail;
+            }
+            VEC v[6];
+            CAT(tile_components, SUFFIX)(v, x, m);
+            if (n == VL)
+                for (int i = 0; i < m + 2; i++)
+                    __builtin_memcpy(out + i * component + t, &v[i], sizeof(VEC));
+            else
+                for (int i = 0; i < m + 2; i++)
+                    __builtin_memcpy(out + i * component + t, &v[i], sizeof(float) * n);
+        }
+    }
+    for (int i = 0; i < RUN; i++) work[(m + 2) * component + i] = 0.0f;
+}
+
+/* The output transform (A^T) of VL consecutive tiles of one filter at once, lane l for
+ * tile l: q[i * stride + l] is component i's sum; y[j] gets output j of each tile, plus
+ * bias.  F(2,3): y0 = q0 + q1 + q2, y1 = q1 - q2 - q3; F(4,3): y0 = q0 + (q1 + q2) +
+ * (q3 + q4), y1 = (q1 - q2) + 2 (q3 - q4), y2 = (q1 + q2) + 4 (q3 + q4), y3 = (q1 - q2) +
+ * 8 (q3 - q4) + q5.  Every tile takes these same vector operations, whatever its place,
+ * so its bits do not depend on the chunking or the rank's block. */
+static inline void CAT(output_tiles, SUFFIX)(VEC y[4], const float *q, long stride, int m,
+                                             float bias) {
+    VEC v[6];
+    for (int i = 0; i < m + 2; i++) v[i] = CAT(load, SUFFIX)(q + i * stride);
+    if (m == 2) {
+        y[0] = v[0] + v[1] + v[2] + bias;
+        y[1] = v[1] - v[2] - v[3] + bias;
+        return;
+    }
+    const VEC sum12 = v[1] + v[2], diff12 = v[1] - v[2];
+    const VEC sum34 = v[3] + v[4], diff34 = v[3] - v[4];
+    y[0] = v[0] + sum12 + sum34 + bias;
+    y[1] = diff12 + 2.0f * diff34 + bias;
+    y[2] = sum12 + 4.0f * sum34 + bias;
+    y[3] = diff12 + 8.0f * diff34 + v[5] + bias;
+}
+
+/* y[0..m) of VL tiles, interleaved tile by tile into m VL consecutive floats at out:
+ * out[m t + j] = y[j][t] (F(2,3): one pass of pairs; F(4,3): pairs of pairs). */
+static inline void CAT(store_tiles, SUFFIX)(float *out, const VEC y[4], int m) {
+#if VL == 16
+    const CAT(mask, SUFFIX) lo = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+    const CAT(mask, SUFFIX) hi = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const CAT(mask, SUFFIX) lo2 = {0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23};
+    const CAT(mask, SUFFIX) hi2 = {8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15,
+                                   30, 31};
+#else
+    const CAT(mask, SUFFIX) lo = {0, 8, 1, 9, 2, 10, 3, 11}, hi = {4, 12, 5, 13, 6, 14, 7, 15};
+    const CAT(mask, SUFFIX) lo2 = {0, 1, 8, 9, 2, 3, 10, 11};
+    const CAT(mask, SUFFIX) hi2 = {4, 5, 12, 13, 6, 7, 14, 15};
+#endif
+    const VEC a_lo = __builtin_shuffle(y[0], y[1], lo), a_hi = __builtin_shuffle(y[0], y[1], hi);
+    if (m == 2) {
+        __builtin_memcpy(out, &a_lo, sizeof(VEC));
+        __builtin_memcpy(out + VL, &a_hi, sizeof(VEC));
+        return;
+    }
+    const VEC b_lo = __builtin_shuffle(y[2], y[3], lo), b_hi = __builtin_shuffle(y[2], y[3], hi);
+    const VEC out4[4] = {__builtin_shuffle(a_lo, b_lo, lo2), __builtin_shuffle(a_lo, b_lo, hi2),
+                         __builtin_shuffle(a_hi, b_hi, lo2), __builtin_shuffle(a_hi, b_hi, hi2)};
+    __builtin_memcpy(out, out4, sizeof out4);
+}
+
+/* The dy components of one tile from its m output gradients d (zeros past wo): F(2,3)
+ * D = (d0, d0 + d1, d0 - d1, -d1), F(4,3) D_0 = d0, D_1,2 = (d0 + d2) +- (d1 + d3),
+ * D_3,4 = (d0 + 4 d2) +- (2 d1 + 8 d3), D_5 = d3.  T: float or VEC. */
+#define DY_COMPONENTS(T, D, d, m)                                                     \
+    do {                                                                              \
+        if ((m) == 2) {                                                               \
+            D[0] = d[0], D[1] = d[0] + d[1], D[2] = d[0] - d[1], D[3] = -d[1];        \
+            break;                                                                    \
+        }                                                                             \
+        const T even_ = d[0] + d[2], odd_ = d[1] + d[3];                              \
+        const T even4_ = d[0] + 4.0f * d[2], odd8_ = 2.0f * d[1] + 8.0f * d[3];       \
+        D[0] = d[0], D[1] = even_ + odd_, D[2] = even_ - odd_;                        \
+        D[3] = even4_ + odd8_, D[4] = even4_ - odd8_, D[5] = d[3];                    \
+    } while (0)
+
+/* One row's tiles, one at a time (rows of fewer than VL tiles): out[i dcomp + t]. */
+static void CAT(dy_row_components, SUFFIX)(float *out, long dcomp, const float *row,
+                                           int tiles, int wo, int m) {
+    for (int t = 0; t < tiles; t++) {
+        float d[4], D[6];
+        for (int j = 0; j < m; j++) d[j] = m * t + j < wo ? row[m * t + j] : 0.0f;
+        DY_COMPONENTS(float, D, d, m);
+        for (int i = 0; i < m + 2; i++) out[i * dcomp + t] = D[i];
+    }
+}
+
+/* The same for a row of at least VL tiles, VL tiles at a time; the last group, when it
+ * has fewer tiles or reaches past wo, from a copy zero-padded past wo (a scalar loop per
+ * tile was about a fifth of the paper network's conv2 filter gradient, perf). */
+static void CAT(dy_row_vectors, SUFFIX)(float *out, long dcomp, const float *row, int tiles,
+                                        int wo, int m) {
+    float tail[4 * VL];
+    for (int t = 0; t < tiles; t += VL) {
+        const int n = tiles - t < VL ? tiles - t : VL;
+        const float *x = row + (long)m * t;
+        if (n < VL || m * (t + VL) > wo) {
+            for (int i = 0; i < m * VL; i++) tail[i] = m * t + i < wo ? x[i] : 0.0f;
+            x = tail;
+        }
+        VEC d[4], D[6];
+        CAT(tile_inputs, SUFFIX)(d, x, m, 0);
+        DY_COMPONENTS(VEC, D, d, m);
+        if (n == VL)
+            for (int i = 0; i < m + 2; i++) __builtin_memcpy(out + i * dcomp + t, &D[i], sizeof(VEC));
+        else
+            for (int i = 0; i < m + 2; i++)
+                __builtin_memcpy(out + i * dcomp + t, &D[i], sizeof(float) * n);
+    }
+}
+#undef DY_COMPONENTS
