@@ -109,6 +109,30 @@ def test_forward(case, isa) -> None:
     check_forward(direct, case)
 
 
+@pytest.mark.parametrize("width", [64, 60])
+@pytest.mark.parametrize("slope", [None, 0.01])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_streamed_outputs_are_the_plain_stores_bit_for_bit(width, slope, aligned, isa,
+                                                            monkeypatch) -> None:
+    """Outputs past ``STREAM_BYTES`` bypass the caches (AVX-512), LeakyReLU applied in
+    registers: the same bits as plain stores, for whole runs and a last partial one (60),
+    and for an output not aligned to a vector (plain stores then)."""
+    x, w, pad, geo = _data((2, 3, 5, (3, 4, width), 3, 1))
+    x, w = x.astype(np.float32), w.astype(np.float32)
+    bias = np.random.default_rng(3).standard_normal(geo.filters).astype(np.float32)
+    size = int(np.prod(geo.y_shape))
+    results = []
+    for threshold in (1 << 62, 0):
+        monkeypatch.setattr(direct, "STREAM_BYTES", threshold)
+        block = np.full(size + 16, np.nan, np.float32)
+        start = (-block.ctypes.data // 4) % 16 + (0 if aligned else 1)
+        y = block[start:start + size].reshape(geo.y_shape)
+        direct.forward(x, w, geo, y, bias, slope=slope)
+        results.append(y.copy())
+    assert (results[0] < 0).any() and not np.isnan(results[0]).any()
+    np.testing.assert_array_equal(results[1], results[0])
+
+
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_filter_gradient(case, isa) -> None:
     check_filter_gradient(direct, case)

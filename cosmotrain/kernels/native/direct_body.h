@@ -4,12 +4,14 @@
  * extensions: the compiler keeps the FB x WV accumulators in registers and turns
  * "scalar * vector" into broadcast FMAs.  See direct.c for the conventions. */
 
+#include <immintrin.h>
 #include <stdlib.h>
 
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
 #define VEC CAT(vec, SUFFIX)
 typedef float VEC __attribute__((vector_size(VL * 4)));
+typedef int CAT(mask, SUFFIX) __attribute__((vector_size(VL * 4)));
 
 static inline VEC CAT(load, SUFFIX)(const float *p) {
     VEC v;
@@ -79,16 +81,40 @@ static inline void CAT(leaky_run, SUFFIX)(float *out, int count, float slope) {
     }
 }
 
+/* A whole run stored past the caches (out aligned to a vector), LeakyReLU(slope) first
+ * when `leaky`, in registers with leaky_run's arithmetic (the same bits).  Why: an output
+ * far larger than the caches (the paper network's conv1, 134 MB a sample) is read again
+ * only by the next layer's pass, from memory either way, and a plain store first reads
+ * each line it writes (1.4 ms of that layer's 28.6 ms forward, 2026-11-27).  AVX2 keeps
+ * plain stores. */
+static inline void CAT(stream_run, SUFFIX)(float *out, const VEC *acc, int leaky,
+                                           float slope) {
+    for (int v = 0; v < WV; v++) {
+        VEC r = acc[v];
+        if (leaky) {
+            const VEC sv = r * slope;
+            const CAT(mask, SUFFIX) keep = r > sv;
+            r = (VEC)(((CAT(mask, SUFFIX))r & keep) | ((CAT(mask, SUFFIX))sv & ~keep));
+        }
+#if VL == 16
+        _mm512_stream_ps(out + v * VL, (__m512)r);
+#else
+        __builtin_memcpy(out + v * VL, &r, sizeof r);
+#endif
+    }
+}
+
 /* y[f][z][h][w] = sum_{c,a,b,e} wp[f/FB][c][a][b][e][f%FB] * s[c][z+a][h+b][w+e] + bias[f]
  * for z < nz, h < ho, w < wo (unit stride), then LeakyReLU(slope) when `leaky` (the next
  * layer's pass over the output, done while each run is in cache).  Summation order: c,
- * a, b, e ascending, the same for every output, whatever the chunking. */
+ * a, b, e ascending, the same for every output, whatever the chunking.  `stream`: whole,
+ * aligned runs bypass the caches (stream_run). */
 void CAT(cosmotrain_direct_forward, SUFFIX)(
         const float *s, long s_c, long s_d, long s_h,
         int c_in, int kd, int kh, int kw,
         const float *wp, int filters, const float *bias,
         float *y, long y_f, long y_d, long y_h,
-        int nz, int ho, int wo, int leaky, float slope) {
+        int nz, int ho, int wo, int leaky, float slope, int stream) {
     const int blocks = (filters + FB - 1) / FB;
     const long block_size = (long)c_in * kd * kh * kw * FB;
     for (int z = 0; z < nz; z++)
@@ -108,12 +134,18 @@ void CAT(cosmotrain_direct_forward, SUFFIX)(
                 if (bias)
                     for (int v = 0; v < WV; v++) acc[f][v] += bias[o];
                 float *out = y + o * y_f + z * y_d + h * y_h + w0;
+                if (stream && wo - w0 >= RUN && (unsigned long)out % sizeof(VEC) == 0) {
+                    CAT(stream_run, SUFFIX)(out, acc[f], leaky, slope);
+                    continue;
+                }
                 CAT(store_run, SUFFIX)(out, acc[f], wo - w0);
                 if (leaky)
                     CAT(leaky_run, SUFFIX)(out, wo - w0 < RUN ? wo - w0 : RUN, slope);
             }
         }
     }
+    if (stream)  /* streamed stores are weakly ordered: visible before the call returns */
+        __builtin_ia32_sfence();
 }
 
 /* Filter gradient: g[f][c][a][b][e] += sum dy[f][z][h][w] * s[c][z+a][h+b][w+e] over
@@ -124,7 +156,6 @@ void CAT(cosmotrain_direct_forward, SUFFIX)(
 #ifndef TILE
 #define TILE 1024
 #endif
-typedef int CAT(mask, SUFFIX) __attribute__((vector_size(VL * 4)));
 static inline float CAT(lane_sum, SUFFIX)(VEC v) {
 #if VL == 16
     v += __builtin_shuffle(v, (CAT(mask, SUFFIX)){8, 9, 10, 11, 12, 13, 14, 15,
