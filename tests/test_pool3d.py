@@ -291,3 +291,21 @@ def test_compiled_avg_pool_float32(kernel, stride, padding, shape, blocks) -> No
     finally:
         avgpool_compiled.USE_COMPILED = True
     assert float((y * r).sum()) == pytest.approx(float((x * dx).sum()), rel=1e-5)
+
+
+@pytest.mark.parametrize("kernel, stride, padding, shape", CASES, ids=IDS)
+def test_streamed_avg_pool_gradient_is_the_plain_stores_bit_for_bit(
+        kernel, stride, padding, shape, blocks, monkeypatch) -> None:
+    """Gradients past ``avgpool_compiled.STREAM_BYTES`` are finished row by row and copied
+    past the caches: the same bits as the plain stores, for rows of whole vectors (20 and
+    4 wide here) and others (plain copies then)."""
+    if not avgpool_compiled.applies(np.zeros(1, np.float32)):
+        pytest.skip("the compiled pooling loops are not built")
+    x_shape = (2, 3) + shape
+    y_shape = avg_pool3d_forward(np.zeros(x_shape, np.float32), kernel, stride, padding).shape
+    dy = np.random.default_rng(4).standard_normal(y_shape).astype(np.float32)
+    results = []
+    for threshold in (1 << 62, 0):
+        monkeypatch.setattr(avgpool_compiled, "STREAM_BYTES", threshold)
+        results.append(avg_pool3d_backward(dy, x_shape, kernel, stride, padding))
+    np.testing.assert_array_equal(results[1], results[0])

@@ -26,6 +26,11 @@ from . import _parallel, compiled
 
 # False: the numpy kernel only (the tests run both).
 USE_COMPILED = True
+# Input gradients of at least this many bytes are written past the caches: they outgrow
+# the last-level cache and the convolution before reads them from memory anyway, and a
+# plain store first reads each line it writes.  The paper network's pool1 (134 MB a
+# sample): measured in docs/PERFORMANCE.md, "Fourth pass".
+STREAM_BYTES = 64 << 20
 
 
 @functools.lru_cache(maxsize=1)
@@ -36,7 +41,7 @@ def _loops() -> Optional[Tuple[Callable, Callable]]:
     sizes = [int_] * 16  # channels, kernel, stride, padding before, input and output
     args = arrays + sizes + [compiled.FLOAT, pointer, int_]
     return compiled.functions(("cosmotrain_avgpool_forward", args, int_),
-                              ("cosmotrain_avgpool_backward", args, int_))
+                              ("cosmotrain_avgpool_backward", args + [int_], int_))
 
 
 def applies(array: np.ndarray) -> bool:
@@ -63,15 +68,16 @@ def backward(dy: np.ndarray, pool) -> np.ndarray:
     plane as it would choose), which the spatial layers' halo sums rely on."""
     dx = np.empty(pool.x_shape, np.float32)
     _run(1, dy, dx, pool, pool.out + pool.x_shape[2:],
-         (pool.out[1] + 1) * pool.out[2] + 2 * pool.x_shape[4])
+         (pool.out[1] + 1) * pool.out[2] + 3 * pool.x_shape[4], dx.nbytes >= STREAM_BYTES)
     return dx
 
 
 def _run(which: int, src: np.ndarray, dst: np.ndarray, pool, sizes: tuple,
-         scratch: int) -> None:
-    """The forward (0) or backward (1) loop over ``pool.chunks`` (whole channels of one
-    sample) on the kernel workers; ``sizes``: the loop's source then destination
-    (D, H, W); ``scratch``: floats of its per-thread row buffer."""
+         scratch: int, *stream: bool) -> None:
+    """The forward (0) or backward (1, with its ``stream`` flag) loop over
+    ``pool.chunks`` (whole channels of one sample) on the kernel workers; ``sizes``: the
+    loop's source then destination (D, H, W); ``scratch``: floats of its per-thread row
+    buffer."""
     loop = _loops()[which]  # type: ignore[index]
     scale = 1.0 / int(np.prod(pool.kernel))
     whole = int(pool.whole(src.itemsize))
@@ -82,6 +88,6 @@ def _run(which: int, src: np.ndarray, dst: np.ndarray, pool, sizes: tuple,
         compiled.check(loop(compiled.address(src[n, c0]), *compiled.element_strides(src)[1:4],
                             compiled.address(dst[n, c0]), *compiled.element_strides(dst)[1:4],
                             c1 - c0, *_geometry(pool), *sizes, scale, compiled.address(rows),
-                            whole), "average pooling")
+                            whole, *(int(flag) for flag in stream)), "average pooling")
 
     _parallel.map_chunks(work, pool.chunks(src.itemsize))
