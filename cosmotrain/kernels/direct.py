@@ -48,10 +48,10 @@ _c_float = compiled.FLOAT
 _FORWARD_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int, _c_int,
                  _ptr, _c_int, _ptr, _ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int,
                  _c_int, _c_float, _c_int]
-_WINOGRAD_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int,
+_WINOGRAD_ARGS = [_ptr, _ptr, _c_int, _c_int, _c_int,
                   _ptr, _c_int, _ptr, _ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int,
                   _ptr, _c_int, _c_int, _c_float]
-_WINOGRAD_FILTER_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int,
+_WINOGRAD_FILTER_ARGS = [_ptr, _ptr, _c_int, _c_int, _c_int,
                          _ptr, _c_long, _c_long, _c_long, _c_int, _ptr, _c_int, _c_int, _c_int,
                          _ptr, _c_int, _ptr]
 _FILTER_ARGS = [_ptr, _c_long, _c_long, _c_long, _c_int, _c_int, _c_int, _c_int,

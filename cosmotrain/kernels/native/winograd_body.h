@@ -49,16 +49,16 @@ static int CAT(chunk_runs, SUFFIX)(int c_in, int kd, int kh, int tiles, long out
     return runs;
 }
 
-/* y = conv(s, w) for kernels of width 3, unit stride, with (m + 2) * 9 multiplications
+/* y = conv(x, w) for kernels of width 3, unit stride, with (m + 2) * 9 multiplications
  * per m outputs instead of 27 m (F(2,3): 1.5x fewer, F(4,3): 2x): each component plane
  * is convolved over (C, D, H) with its transformed kernel up[i] (G g: F(2,3) g0,
  * (g0+g1+g2)/2, (g0-g1+g2)/2, g2) packed as (blocks, C, kd, kh, FB), and the outputs are
  * A^T of the sums, plus bias, then LeakyReLU(slope) when `leaky` (as the direct forward;
  * y must then be C-contiguous per filter, as conv3d's output buffers are).
- * work: (m + 2) * c_in * depth * hp * T + RUN floats.  The slab's rows
- * hold m T + 2 floats. */
+ * x: the sample's input at `base`, the chunk's window of it described by win[]
+ * (input_components).  work: (m + 2) * c_in * depth * hp * T + RUN floats. */
 void CAT(cosmotrain_winograd_w_forward, SUFFIX)(
-        const float *s, long s_c, long s_d, long s_h,
+        const float *base, const long *win,
         int c_in, int kd, int kh,
         const float *up, int filters, const float *bias,
         float *y, long y_f, long y_d, long y_h,
@@ -66,7 +66,7 @@ void CAT(cosmotrain_winograd_w_forward, SUFFIX)(
     const int tiles = (wo + m - 1) / m, depth = nz + kd - 1, hp = ho + kh - 1;
     const long plane = (long)hp * tiles, channel = depth * plane;
     const long component = c_in * channel;
-    CAT(input_components, SUFFIX)(s, s_c, s_d, s_h, c_in, depth, hp, tiles, m, work);
+    CAT(input_components, SUFFIX)(base, win, c_in, depth, hp, tiles, m, work);
     const int blocks = (filters + FB - 1) / FB;
     const long block_size = (long)c_in * kd * kh * FB;
     const long outputs = (long)ho * tiles;
@@ -171,7 +171,7 @@ void CAT(cosmotrain_winograd_w_forward, SUFFIX)(
  * (m + 2) * filters * nz * roundup(ho * T, VL) (D) and (m + 2) * filters * c_in * kd * kh
  * (M). */
 int CAT(cosmotrain_winograd_w_filter_grad, SUFFIX)(
-        const float *s, long s_c, long s_d, long s_h,
+        const float *base, const long *win,
         int c_in, int kd, int kh,
         const float *dy, long dy_f, long dy_d, long dy_h, int filters,
         float *g, int nz, int ho, int wo, float *work, int m, float *gb) {
@@ -179,7 +179,7 @@ int CAT(cosmotrain_winograd_w_filter_grad, SUFFIX)(
     const int parts = m + 2;
     const long plane = (long)hp * tiles, channel = depth * plane;
     const long component = c_in * channel;
-    CAT(input_components, SUFFIX)(s, s_c, s_d, s_h, c_in, depth, hp, tiles, m, work);
+    CAT(input_components, SUFFIX)(base, win, c_in, depth, hp, tiles, m, work);
     const int vectors = (int)(((long)ho * tiles + VL - 1) / VL);
     const long dplane = (long)vectors * VL, dcomp = (long)filters * nz * dplane;
     float *dt = work + parts * component + RUN;

@@ -88,22 +88,45 @@ static inline void CAT(row_components, SUFFIX)(float *out, long component, const
     }
 }
 
-/* Every tile of the chunk's slab rows (m T + 2 floats each) into its m + 2 components.
- * Rows of at least VL tiles go VL tiles at a time, a last group of fewer copied into a
- * zero-padded row first: a scalar loop per tile was 9-13% of the paper network's conv2
- * passes (perf); shorter rows (8^3 planes) stay scalar, which a copy per row would
- * slow.  Either way every tile of a call takes the same arithmetic. */
+/* Every tile of the chunk's input window into its m + 2 components.  The window is read
+ * from the sample's input in place, described by win[] = {stride c, stride d, stride h,
+ * origin d0, h0, w0, extents D, H, W}: window row (d, r), column k is input (d0 + d, h0 +
+ * r, w0 + k), zero outside the input (the padding).  Rows inside the input are read where
+ * they lie; rows reaching into the W padding are copied into a zero-padded row first;
+ * rows wholly in the padding give zero components.  (A zero-padded slab copy of each
+ * chunk's input took 2.4 / 4.5 / 2.9 ms of the paper network's conv2 forward / data /
+ * filter gradient, 20 / 26.5 / 21 ms, on each of 2 workers.)  A row's m T + 2 floats:
+ * at least VL tiles go VL tiles at a time, a last group of fewer copied into a
+ * zero-padded row first (a scalar loop per tile was 9-13% of those passes, perf);
+ * shorter rows (8^3 planes) stay scalar.  Every tile of a call takes the same
+ * arithmetic. */
 static void CAT(input_components, SUFFIX)(
-        const float *s, long s_c, long s_d, long s_h,
+        const float *base, const long *win,
         int c_in, int depth, int hp, int tiles, int m, float *work) {
     const long plane = (long)hp * tiles, channel = depth * plane;
     const long component = c_in * channel;
+    const long d0 = win[3], h0 = win[4], w0 = win[5], nd = win[6], nh = win[7], nw = win[8];
+    const int len = m * tiles + 2;  /* floats of a window row the tiles read */
+    const int in_place = w0 >= 0 && w0 + len <= nw;
     float tail[4 * VL + 2];
+    float padded[len];
     for (int c = 0; c < c_in; c++)
     for (int d = 0; d < depth; d++)
     for (int r = 0; r < hp; r++) {
-        const float *row = s + c * s_c + d * s_d + r * s_h;
         float *out = work + c * channel + d * plane + r * tiles;
+        const long sd = d0 + d, sr = h0 + r;
+        if (sd < 0 || sd >= nd || sr < 0 || sr >= nh) {  /* padding: B^T 0 = 0 */
+            for (int i = 0; i < m + 2; i++)
+                for (int t = 0; t < tiles; t++) out[i * component + t] = 0.0f;
+            continue;
+        }
+        const float *source = base + c * win[0] + sd * win[1] + sr * win[2];
+        const float *row = source + w0;
+        if (!in_place) {
+            for (int k = 0; k < len; k++)
+                padded[k] = w0 + k >= 0 && w0 + k < nw ? source[w0 + k] : 0.0f;
+            row = padded;
+        }
         if (tiles < VL) {
             CAT(row_components, SUFFIX)(out, component, row, tiles, m);
             continue;
@@ -137,7 +160,7 @@ static void CAT(input_components, SUFFIX)(
 static inline void CAT(output_tiles, SUFFIX)(VEC y[4], const float *q, long stride, int m,
                                              float bias) {
     VEC v[6];
-    for (int i = 0; i < m + 2; i++) v[i] = CAT(load, SUFFIX)(q + i * stride);
+    for (int i = 0; i < 6; i++) v[i] = i < m + 2 ? CAT(load, SUFFIX)(q + i * stride) : (VEC){0};
     if (m == 2) {
         y[0] = v[0] + v[1] + v[2] + bias;
         y[1] = v[1] - v[2] - v[3] + bias;
@@ -216,7 +239,7 @@ static void CAT(dy_row_vectors, SUFFIX)(float *out, long dcomp, const float *row
             for (int i = 0; i < m * VL; i++) tail[i] = m * t + i < wo ? x[i] : 0.0f;
             x = tail;
         }
-        VEC d[4], D[6];
+        VEC d[6], D[6];  /* d: tile_inputs fills m of its 6 here */
         CAT(tile_inputs, SUFFIX)(d, x, m, 0);
         DY_COMPONENTS(VEC, D, d, m);
         if (n == VL)
