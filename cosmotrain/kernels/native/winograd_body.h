@@ -186,12 +186,18 @@ int CAT(cosmotrain_winograd_w_filter_grad, SUFFIX)(
     for (int f = 0; f < filters; f++)
     for (int z = 0; z < nz; z++) {
         float *out = dt + (f * nz + z) * dplane;
-        for (int h = 0; h < ho; h++) {
-            const float *row = dy + f * dy_f + z * dy_d + h * dy_h;
-            if (tiles < VL)
-                CAT(dy_row_components, SUFFIX)(out + (long)h * tiles, dcomp, row, tiles, wo, m);
-            else
-                CAT(dy_row_vectors, SUFFIX)(out + (long)h * tiles, dcomp, row, tiles, wo, m);
+        if (tiles < VL) {  /* VL / T rows a vector */
+            const int group = VL / tiles;
+            for (int h0 = 0; h0 < ho; h0 += group) {
+                const int n = ho - h0 < group ? ho - h0 : group;
+                const float *rows[VL];
+                for (int k = 0; k < n; k++) rows[k] = dy + f * dy_f + z * dy_d + (h0 + k) * dy_h;
+                CAT(dy_short_rows, SUFFIX)(out + (long)h0 * tiles, dcomp, rows, n, tiles, wo, m);
+            }
+        } else {
+            for (int h = 0; h < ho; h++)
+                CAT(dy_row_vectors, SUFFIX)(out + (long)h * tiles, dcomp,
+                                            dy + f * dy_f + z * dy_d + h * dy_h, tiles, wo, m);
         }
         for (long p = (long)ho * tiles; p < dplane; p++)
             for (int i = 0; i < parts; i++) out[i * dcomp + p] = 0.0f;
