@@ -46,6 +46,17 @@ static inline void CAT(tile_inputs, SUFFIX)(VEC p[6], const float *x, int m, int
     p[m + 1] = __builtin_shuffle(p[1], zero + x[m * VL + 1], next);
 }
 
+/* out[i * stride + l] = v[i][l] for i < count, l < n (n <= VL): components of n tiles. */
+static inline void CAT(store_lanes, SUFFIX)(float *out, long stride, const VEC *v, int count,
+                                            int n) {
+    for (int i = 0; i < count; i++) {
+        if (n == VL)
+            __builtin_memcpy(out + i * stride, &v[i], sizeof(VEC));
+        else
+            __builtin_memcpy(out + i * stride, &v[i], sizeof(float) * n);
+    }
+}
+
 /* The input transform (B^T) of VL tiles from their inputs p (tile_inputs): v[i] =
  * component i of each tile (lane t). */
 static inline void CAT(components_of, SUFFIX)(VEC v[6], const VEC p[6], int m) {
@@ -95,67 +106,66 @@ static inline void CAT(short_rows_components, SUFFIX)(float *out, long component
         p[m + 1][(k + 1) * tiles - 1] = last[k][1];
     }
     CAT(components_of, SUFFIX)(v, p, m);
-    for (int i = 0; i < m + 2; i++)
-        __builtin_memcpy(out + i * component, &v[i], sizeof(float) * n * tiles);
+    CAT(store_lanes, SUFFIX)(out, component, v, m + 2, n * tiles);
+}
+
+/* Row (d, r) of channel c of a chunk's input window: len floats, column k being input
+ * (d0 + d, h0 + r, w0 + k) of the sample at `base`, described by win[] = {stride c,
+ * stride d, stride h, origin d0, h0, w0, extents D, H, W}.  NULL for a row wholly in the
+ * padding (zero components: B^T 0 = 0); the row where it lies when it is inside the
+ * input; else a copy into `padded` with zeros in the W padding. */
+static inline const float *CAT(window_row, SUFFIX)(const float *base, const long *win,
+                                                    int c, int d, int r, int len,
+                                                    float *padded) {
+    const long sd = win[3] + d, sr = win[4] + r, w0 = win[5], nw = win[8];
+    if (sd < 0 || sd >= win[6] || sr < 0 || sr >= win[7]) return NULL;
+    const float *source = base + c * win[0] + sd * win[1] + sr * win[2];
+    if (w0 >= 0 && w0 + len <= nw) return source + w0;
+    for (int k = 0; k < len; k++)
+        padded[k] = w0 + k >= 0 && w0 + k < nw ? source[w0 + k] : 0.0f;
+    return padded;
 }
 
 /* input_components for rows of fewer than VL tiles (8^3 and 16^3 planes, 32-wide rows
  * under F(4,3)): VL / T rows a vector (short_rows_components).  Against a scalar loop
  * per tile: the paper network's conv3 (32^3) forward / data / filter gradient 8.1 / 9.9
  * / 9.8 -> 7.8 / 9.7 / 9.3 ms (2 threads, 2026-11-27). */
-static void CAT(short_input_components, SUFFIX)(
-        const float *base, const long *win,
-        int c_in, int depth, int hp, int tiles, int m, float *work) {
+static void CAT(short_input_components, SUFFIX)(const float *base, const long *win,
+                                                 int c_in, int depth, int hp, int tiles,
+                                                 int m, float *work) {
     const long plane = (long)hp * tiles, channel = depth * plane;
     const long component = c_in * channel;
-    const long d0 = win[3], h0 = win[4], w0 = win[5], nd = win[6], nh = win[7], nw = win[8];
-    const int len = m * tiles + 2, group = VL / tiles;
+    const int group = VL / tiles;
     const float *rows[VL];
     float padded[VL][4 * VL + 2];
     for (int c = 0; c < c_in; c++)
     for (int d = 0; d < depth; d++)
     for (int r0 = 0; r0 < hp; r0 += group) {
         const int n = hp - r0 < group ? hp - r0 : group;
-        for (int k = 0; k < n; k++) {
-            const long sd = d0 + d, sr = h0 + r0 + k;
-            rows[k] = NULL;
-            if (sd < 0 || sd >= nd || sr < 0 || sr >= nh) continue;
-            const float *source = base + c * win[0] + sd * win[1] + sr * win[2];
-            if (w0 >= 0 && w0 + len <= nw) {
-                rows[k] = source + w0;
-                continue;
-            }
-            for (int i = 0; i < len; i++)
-                padded[k][i] = w0 + i >= 0 && w0 + i < nw ? source[w0 + i] : 0.0f;
-            rows[k] = padded[k];
-        }
+        for (int k = 0; k < n; k++)
+            rows[k] = CAT(window_row, SUFFIX)(base, win, c, d, r0 + k, m * tiles + 2, padded[k]);
         CAT(short_rows_components, SUFFIX)(work + c * channel + d * plane + r0 * tiles,
                                            component, rows, n, tiles, m);
     }
-    for (int i = 0; i < RUN; i++) work[(m + 2) * component + i] = 0.0f;
 }
 
-/* Every tile of the chunk's input window into its m + 2 components.  The window is read
- * from the sample's input in place, described by win[] = {stride c, stride d, stride h,
- * origin d0, h0, w0, extents D, H, W}: window row (d, r), column k is input (d0 + d, h0 +
- * r, w0 + k), zero outside the input (the padding).  Rows inside the input are read where
- * they lie; rows reaching into the W padding are copied into a zero-padded row first;
- * rows wholly in the padding give zero components.  (A zero-padded slab copy of each
- * chunk's input took 2.4 / 4.5 / 2.9 ms of the paper network's conv2 forward / data /
- * filter gradient, 20 / 26.5 / 21 ms, on each of 2 workers.)  A row's m T + 2 floats:
- * at least VL tiles go VL tiles at a time, a last group of fewer copied into a
- * zero-padded row first (a scalar loop per tile was 9-13% of those passes, perf);
- * shorter rows go to short_input_components. */
+/* Every tile of the chunk's input window (window_row) into its m + 2 components, then
+ * RUN zeros.  The window is read from the sample's input in place: rows inside the input
+ * where they lie, rows reaching into the W padding from a zero-padded copy in L1.  (A
+ * zero-padded slab copy of each chunk's input took 2.4 / 4.5 / 2.9 ms of the paper
+ * network's conv2 forward / data / filter gradient, 20 / 26.5 / 21 ms, on each of 2
+ * workers.)  A row's m T + 2 floats: at least VL tiles go VL tiles at a time, a last
+ * group of fewer copied into a zero-padded row first (a scalar loop per tile was 9-13%
+ * of those passes, perf); shorter rows go to short_input_components. */
 static void CAT(input_components, SUFFIX)(
         const float *base, const long *win,
         int c_in, int depth, int hp, int tiles, int m, float *work) {
     const long plane = (long)hp * tiles, channel = depth * plane;
     const long component = c_in * channel;
-    const long d0 = win[3], h0 = win[4], w0 = win[5], nd = win[6], nh = win[7], nw = win[8];
     const int len = m * tiles + 2;  /* floats of a window row the tiles read */
-    const int in_place = w0 >= 0 && w0 + len <= nw;
     float tail[4 * VL + 2];
     float padded[len];
+    for (int i = 0; i < RUN; i++) work[(m + 2) * component + i] = 0.0f;
     if (tiles < VL) {
         CAT(short_input_components, SUFFIX)(base, win, c_in, depth, hp, tiles, m, work);
         return;
@@ -164,18 +174,11 @@ static void CAT(input_components, SUFFIX)(
     for (int d = 0; d < depth; d++)
     for (int r = 0; r < hp; r++) {
         float *out = work + c * channel + d * plane + r * tiles;
-        const long sd = d0 + d, sr = h0 + r;
-        if (sd < 0 || sd >= nd || sr < 0 || sr >= nh) {  /* padding: B^T 0 = 0 */
+        const float *row = CAT(window_row, SUFFIX)(base, win, c, d, r, len, padded);
+        if (!row) {
             for (int i = 0; i < m + 2; i++)
                 for (int t = 0; t < tiles; t++) out[i * component + t] = 0.0f;
             continue;
-        }
-        const float *source = base + c * win[0] + sd * win[1] + sr * win[2];
-        const float *row = source + w0;
-        if (!in_place) {
-            for (int k = 0; k < len; k++)
-                padded[k] = w0 + k >= 0 && w0 + k < nw ? source[w0 + k] : 0.0f;
-            row = padded;
         }
         for (int t = 0; t < tiles; t += VL) {
             const int n = tiles - t < VL ? tiles - t : VL;
@@ -186,15 +189,9 @@ static void CAT(input_components, SUFFIX)(
             }
             VEC v[6];
             CAT(tile_components, SUFFIX)(v, x, m);
-            if (n == VL)
-                for (int i = 0; i < m + 2; i++)
-                    __builtin_memcpy(out + i * component + t, &v[i], sizeof(VEC));
-            else
-                for (int i = 0; i < m + 2; i++)
-                    __builtin_memcpy(out + i * component + t, &v[i], sizeof(float) * n);
+            CAT(store_lanes, SUFFIX)(out + t, component, v, m + 2, n);
         }
     }
-    for (int i = 0; i < RUN; i++) work[(m + 2) * component + i] = 0.0f;
 }
 
 /* The output transform (A^T) of VL consecutive tiles of one filter at once, lane l for
@@ -273,8 +270,7 @@ static void CAT(dy_short_rows, SUFFIX)(float *out, long dcomp, const float *cons
     VEC d[6], D[6];  /* d: tile_inputs fills m of its 6 here */
     CAT(tile_inputs, SUFFIX)(d, x, m, 0);
     DY_COMPONENTS(VEC, D, d, m);
-    for (int i = 0; i < m + 2; i++)
-        __builtin_memcpy(out + i * dcomp, &D[i], sizeof(float) * n * tiles);
+    CAT(store_lanes, SUFFIX)(out, dcomp, D, m + 2, n * tiles);
 }
 
 /* The same for a row of at least VL tiles, VL tiles at a time; the last group, when it
@@ -293,11 +289,7 @@ static void CAT(dy_row_vectors, SUFFIX)(float *out, long dcomp, const float *row
         VEC d[6], D[6];  /* d: tile_inputs fills m of its 6 here */
         CAT(tile_inputs, SUFFIX)(d, x, m, 0);
         DY_COMPONENTS(VEC, D, d, m);
-        if (n == VL)
-            for (int i = 0; i < m + 2; i++) __builtin_memcpy(out + i * dcomp + t, &D[i], sizeof(VEC));
-        else
-            for (int i = 0; i < m + 2; i++)
-                __builtin_memcpy(out + i * dcomp + t, &D[i], sizeof(float) * n);
+        CAT(store_lanes, SUFFIX)(out + t, dcomp, D, m + 2, n);
     }
 }
 #undef DY_COMPONENTS
