@@ -128,6 +128,37 @@ def test_assembled_sub_convolutions_equal_one_convolution(seed: int) -> None:
     assert {(False, False), (True, False), (False, True)} <= paths
 
 
+def test_padding_only_windows_take_the_bias_and_activation() -> None:
+    """A sub-convolution whose windows read only padding is not convolved; the layer's
+    callback writes what the kernel would (bias, then the fused LeakyReLU): the assembled
+    output equals one convolution with bias and activation."""
+    rng = np.random.default_rng(3)
+    slope, seen = 0.1, 0
+    for _ in range(200):
+        dims = tuple(random_dim(rng, max_pad_extra=2) for _ in range(3))
+        plan = overlap_plan(dims)
+        subs = ([plan.interior] if plan.interior else []) + list(plan.shell)
+        if all(sub.reads_input for sub in subs):
+            continue
+        seen += 1
+        stride = tuple(d.stride for d in dims)
+        ext = rng.normal(size=(1, 2) + tuple(d.ext_len for d in dims))
+        w = rng.normal(size=(3, 2) + tuple(d.kernel for d in dims))
+        bias = np.array([-1.0, 0.5, 2.0])
+        pads = tuple((d.pad_lo, pads_hi(d)) for d in dims)
+        expected = conv3d_forward(ext, w, stride, pads, bias=bias, activation=slope)
+        y = np.full(expected.shape, np.nan)
+        layer = SpatialConv3d(name="c", in_channels=2, out_channels=3, bias=True)
+        layer.params["bias"] = Parameter(bias)
+        layer._activation = slope
+        for sub in subs:
+            run_sub_conv(lambda x, pad: conv3d_forward(x, w, stride, pad, bias=bias,
+                                                       activation=slope),
+                         ext, sub, y, layer._padding_only)
+        np.testing.assert_allclose(y, expected, atol=1e-12)
+    assert seen >= 5
+
+
 def test_plans_of_real_window_geometries() -> None:
     """Every rank of real splits: the interior avoids the margins, the calls tile the output."""
     cases = 0

@@ -34,6 +34,7 @@ from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.comm.runtime import Runtime
 from cosmotrain.device.xp import array_module
 from cosmotrain.kernels import conv3d
+from cosmotrain.kernels.activation import leaky_relu_forward
 from cosmotrain.kernels.channel_sums import channel_sums
 from cosmotrain.layers.window import (SpatialWindow, WindowGeometry, finish_halo_grads,
                                       halo_buffer, restore_extended, save_margins,
@@ -106,11 +107,20 @@ class SpatialConv3d(SpatialWindow, Conv3d):
             y = self._conv(ext, geo.padding)
         else:
             y = xp.empty(geo.out_dist.local_shape(x.coord), x.data.dtype)
-            run_sub_conv(self._conv, ext, plan.interior, y)
+            run_sub_conv(self._conv, ext, plan.interior, y, self._padding_only)
         finish()
         for sub in plan.shell:
-            run_sub_conv(self._conv, ext, sub, y)
+            run_sub_conv(self._conv, ext, sub, y, self._padding_only)
         return y
+
+    def _padding_only(self, out: Any) -> None:
+        """An output box whose windows read only padding: no products, so the bias (or
+        zero), then the fused activation of it, as ``_conv`` would give."""
+        out[...] = 0
+        if self.bias:
+            out += self.params["bias"].like(out).reshape(1, -1, 1, 1, 1)
+        if self._activation is not None:  # a copy back when out is not contiguous
+            out[...] = leaky_relu_forward(out, self._activation, inplace=True)
 
     def _conv(self, ext: Any, padding: Any) -> Any:
         """The convolution of (part of) the extended block, with the bias and the fused

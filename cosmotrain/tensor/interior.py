@@ -129,14 +129,19 @@ def overlap_plan(dims: tuple[ConvDim, ...]) -> OverlapPlan:
     return OverlapPlan(None if box_empty(interior) else sub_conv(interior, dims), shell)
 
 
-def run_sub_conv(conv: Callable[[Any, Padding], Any], ext: Any, sub: SubConv, y: Any) -> None:
-    """Write ``conv(window, padding)`` into ``y``'s sub-box; all-padding windows give zeros.
+def run_sub_conv(conv: Callable[[Any, Padding], Any], ext: Any, sub: SubConv, y: Any,
+                 padding_only: Callable[[Any], None] | None = None) -> None:
+    """Write ``conv(window, padding)`` into ``y``'s sub-box.
 
-    ``conv`` is the local kernel on ``ext``'s layout (N, C, D, H, W); the kernel rejects
-    empty inputs, and a window that reads only padding is zero anyway.
+    ``conv`` is the local kernel on ``ext``'s layout (N, C, D, H, W).  The kernel rejects
+    empty inputs, so a window that reads only padding is not convolved: its products are
+    all zero, and ``padding_only(out)`` writes what the layer adds to them (its bias, then
+    a fused activation of it) into the sub-box ``out``; zeros without one.
     """
     out = y[box_slices(sub.out)]
     if sub.reads_input:
         out[...] = conv(ext[box_slices(sub.inp)], sub.padding)
+    elif padding_only is not None:
+        padding_only(out)
     else:
         out[...] = 0
