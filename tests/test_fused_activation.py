@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 
 from cosmotrain.config.schema import ModelConfig
-from cosmotrain.kernels import _parallel, compiled_choice, conv3d, direct
+from cosmotrain.kernels import _parallel, avgpool_compiled, compiled_choice, conv3d, direct
+from cosmotrain.kernels import pool3d
+from cosmotrain.kernels.pool_activation import avg_pool_leaky_backward
 from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
 from cosmotrain.kernels.loss import mse_backward
 from cosmotrain.models import build_model
 from cosmotrain.nn import containers
-from cosmotrain.nn.layers import Conv3d, LeakyReLU
+from cosmotrain.nn.layers import Conv3d, LeakyReLU, Pool3d
 from cosmotrain.nn.module import Context, Parameter
 from cosmotrain.precision import narrow, widen
 
@@ -132,8 +134,12 @@ def test_network_trains_to_the_same_bits_with_and_without_fusion(name, width, mo
         backwards.clear()
         results[fuse] = _train_step(model, x, y)
         acts = [n for n, layer in model.named_layers() if isinstance(layer, LeakyReLU)]
-        # conv1 (no input gradient) runs act1's backward when fused
-        assert acts[0] == "act1" and backwards == (acts[::-1][:-1] if fuse else acts[::-1])
+        pooled = _followed_by_average_pooling(model)
+        # fused: conv1 (no input gradient) runs act1's backward, an average pooling runs
+        # the backward of the activation before it, the others run their own
+        kept = [n for n in acts[::-1] if n != "act1" and n not in pooled]
+        assert acts[0] == "act1" and backwards == (kept if fuse else acts[::-1])
+        assert not fuse or name != "cosmoflow" or {"act2", "act3"} <= pooled
         # every convolution of both models is followed by a LeakyReLU: all fused
         assert activations == [SLOPE if fuse else None] * len(activations) and activations
         activations.clear()
@@ -142,6 +148,38 @@ def test_network_trains_to_the_same_bits_with_and_without_fusion(name, width, mo
     assert grads0.keys() == grads1.keys()
     for key in grads0:
         np.testing.assert_array_equal(grads1[key], grads0[key], err_msg=key)
+
+
+def _followed_by_average_pooling(model) -> set:
+    """Names of the LeakyReLU layers whose next layer is an average pooling."""
+    found = set()
+    for layer in model.layers():
+        items = getattr(layer, "items", [])
+        for act, follower in zip(items, items[1:]):
+            if (isinstance(act, LeakyReLU) and isinstance(follower, Pool3d)
+                    and follower.mode == "avg"):
+                found.add(act.name)
+    return found
+
+
+def test_pooling_runs_the_activation_backward_before_it_bit_for_bit(monkeypatch) -> None:
+    """An average pooling after a LeakyReLU (whose convolution needs an input gradient)
+    runs the activation's backward as it writes its gradient: the bits of the two passes,
+    with the compiled loops and without, and on a strided y."""
+    rng = np.random.default_rng(4)
+    pooling = ((3, 3, 3), (2, 2, 2), ((1, 1),) * 3)
+    y = leaky_relu_forward(rng.standard_normal((2, 3, 9, 8, 20)).astype(np.float32), SLOPE)
+    dy = rng.standard_normal((2, 3, 5, 4, 10)).astype(np.float32)
+    for compiled_loops in (True, False):
+        monkeypatch.setattr(avgpool_compiled, "USE_COMPILED", compiled_loops)
+        expected = leaky_relu_backward(pool3d.avg_pool3d_backward(dy, y.shape, *pooling), y,
+                                       SLOPE)
+        np.testing.assert_array_equal(avg_pool_leaky_backward(dy, y, SLOPE, *pooling),
+                                      expected)
+    wide = np.zeros((2, 3, 9, 8, 24), np.float32)
+    wide[..., :20] = y
+    np.testing.assert_array_equal(avg_pool_leaky_backward(dy, wide[..., :20], SLOPE, *pooling),
+                                  expected)
 
 
 def test_fusion_holds_for_one_forward_only() -> None:

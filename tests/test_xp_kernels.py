@@ -38,7 +38,7 @@ def relative(a: np.ndarray, b: np.ndarray) -> float:
 def test_xp_pooling_matches_the_cpu_kernels(shape, kernel, stride, padding) -> None:
     rng = np.random.default_rng(1)
     x = rng.normal(size=shape).astype(np.float32)
-    pool = pool3d._Pool(shape, kernel, stride, padding)
+    pool = pool3d.PoolGeometry(shape, kernel, stride, padding)
     y = pool3d.avg_pool3d_forward(x, kernel, stride, padding)
     np.testing.assert_allclose(pool3d_xp.avg_pool3d_forward(x, pool), y, rtol=1e-6, atol=1e-6)
     dy = rng.normal(size=y.shape).astype(np.float32)
@@ -47,7 +47,7 @@ def test_xp_pooling_matches_the_cpu_kernels(shape, kernel, stride, padding) -> N
                                rtol=1e-6, atol=1e-6)
     x[0, 0, :2, :2, :2] = 0.5  # ties: the first offset wins, as in the CPU kernel
     x[-1, -1, 2, 1, 1] = np.nan
-    maxpool = pool3d._Pool(shape, kernel, stride, padding, max_pool=True)
+    maxpool = pool3d.PoolGeometry(shape, kernel, stride, padding, max_pool=True)
     y, arg = pool3d.max_pool3d_forward(x, kernel, stride, padding)
     y_xp, arg_xp = pool3d_xp.max_pool3d_forward(x, maxpool)
     np.testing.assert_array_equal(y_xp, y)

@@ -65,7 +65,7 @@ def pools_by_planes(x_shape: Sequence[int], like) -> bool:
     return int(np.prod(tuple(x_shape)[2:])) * itemsize > WHOLE_BYTES
 
 
-class _Pool:
+class PoolGeometry:
     """Validated pooling geometry; ``by_planes`` reduces one output plane at a time
     whatever the volume (see :func:`pools_by_planes`)."""
 
@@ -176,7 +176,7 @@ def _accumulate(dst: np.ndarray, parts, ufunc: Callable = np.add, empty: float =
         ufunc(view, src, out=view)
 
 
-def _window(pool: _Pool, dim: int, axis: int, a: np.ndarray, out: np.ndarray,
+def _window(pool: PoolGeometry, dim: int, axis: int, a: np.ndarray, out: np.ndarray,
             ufunc: Callable = np.add, empty: float = 0.0) -> None:
     """``out[j] = ufunc-reduce_e a[j*s + e - lo]`` along ``axis`` (pooling dim ``dim``)."""
     s, parts = pool.stride[dim], []
@@ -188,7 +188,7 @@ def _window(pool: _Pool, dim: int, axis: int, a: np.ndarray, out: np.ndarray,
     _accumulate(out, parts, ufunc, empty)
 
 
-def _spread(pool: _Pool, dim: int, axis: int, g: np.ndarray, out: np.ndarray) -> None:
+def _spread(pool: PoolGeometry, dim: int, axis: int, g: np.ndarray, out: np.ndarray) -> None:
     """Transpose of the window sum, one residue class of ``out`` (mod stride) at a time.
 
     Input ``i = r + m*s`` receives ``g[m + q]`` from every tap ``e`` with ``r + lo - e = q*s``.
@@ -205,7 +205,7 @@ def _spread(pool: _Pool, dim: int, axis: int, g: np.ndarray, out: np.ndarray) ->
         _accumulate(dst, parts)
 
 
-def _reduce(x: np.ndarray, pool: _Pool, ufunc: Callable, empty: float,
+def _reduce(x: np.ndarray, pool: PoolGeometry, ufunc: Callable, empty: float,
             finish: Callable) -> np.ndarray:
     """Separable window reduction of every chunk; ``finish(chunk, yb)`` post-processes it."""
     y = np.empty(pool.y_shape, dtype=x.dtype)
@@ -233,7 +233,7 @@ def _reduce(x: np.ndarray, pool: _Pool, ufunc: Callable, empty: float,
     return y
 
 
-def _check_dy(dy: np.ndarray, pool: _Pool) -> None:
+def check_pooled_grad(dy: np.ndarray, pool: PoolGeometry) -> None:
     if dy.shape != pool.y_shape:
         raise ValueError(f"dy shape {dy.shape} does not match the pooling of x {pool.x_shape} "
                          f"(kernel {pool.kernel}, stride {pool.stride}, padding {pool.padding}): "
@@ -251,7 +251,7 @@ def avg_pool3d_forward(x: np.ndarray, kernel, stride=None, padding: PaddingLike 
 
     ``by_planes``: reduce one output plane at a time whatever the volume, for a caller
     pooling a slab of planes of a larger input (:func:`pools_by_planes`)."""
-    pool = _Pool(x.shape, kernel, stride, padding, by_planes=by_planes)
+    pool = PoolGeometry(x.shape, kernel, stride, padding, by_planes=by_planes)
     if pool.empty:
         return array_module(x).zeros(pool.y_shape, dtype=x.dtype)
     if _elsewhere(x):
@@ -269,8 +269,8 @@ def avg_pool3d_forward(x: np.ndarray, kernel, stride=None, padding: PaddingLike 
 def avg_pool3d_backward(dy: np.ndarray, x_shape: Sequence[int], kernel, stride=None,
                         padding: PaddingLike = 0) -> np.ndarray:
     """Gradient of :func:`avg_pool3d_forward` with respect to its input."""
-    pool = _Pool(x_shape, kernel, stride, padding)
-    _check_dy(dy, pool)
+    pool = PoolGeometry(x_shape, kernel, stride, padding)
+    check_pooled_grad(dy, pool)
     if pool.empty:
         return array_module(dy).zeros(pool.x_shape, dtype=dy.dtype)
     if _elsewhere(dy):
@@ -318,7 +318,7 @@ def max_pool3d_forward(x: np.ndarray, kernel, stride=None, padding: PaddingLike 
 
     ``by_planes`` as for :func:`avg_pool3d_forward` (maxima and argmax are exact either
     way; it keeps a slab on the large volume's path)."""
-    pool = _Pool(x.shape, kernel, stride, padding, max_pool=True, by_planes=by_planes)
+    pool = PoolGeometry(x.shape, kernel, stride, padding, max_pool=True, by_planes=by_planes)
     if pool.empty:
         xp = array_module(x)
         return (xp.zeros(pool.y_shape, dtype=x.dtype),
@@ -359,8 +359,8 @@ def max_pool3d_backward(dy: np.ndarray, argmax: np.ndarray, x_shape: Sequence[in
     with ``dy`` as weights then sums the gradients per input element (overlapping
     windows included) in one pass, over slabs of output planes of about ``BLOCK_BYTES``.
     """
-    pool = _Pool(x_shape, kernel, stride, padding, max_pool=True)
-    _check_dy(dy, pool)
+    pool = PoolGeometry(x_shape, kernel, stride, padding, max_pool=True)
+    check_pooled_grad(dy, pool)
     if argmax.shape != dy.shape:
         raise ValueError(f"argmax shape {argmax.shape} does not match dy shape {dy.shape}")
     if pool.empty:

@@ -15,7 +15,7 @@ of one call on the whole extended block (:func:`~cosmotrain.kernels.pool3d.pools
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,7 @@ from cosmotrain.kernels import pool3d
 from cosmotrain.layers.window import (SpatialWindow, WindowGeometry, finish_halo_grads,
                                       receive_margins, restore_extended, scatter_halo_grads)
 from cosmotrain.nn.layers import Pool3d
-from cosmotrain.nn.module import Context
+from cosmotrain.nn.module import Context, Layer
 from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.tensor.windows import plane_runs
 
@@ -49,6 +49,9 @@ class SpatialPool3d(SpatialWindow, Pool3d):
     grid: ProcessGrid | None = None
     runtime: Runtime = field(default_factory=Runtime)  # the job's transport and timers
     _cache: dict = field(default_factory=dict, repr=False)
+
+    def take_preceding_activation(self, before: Sequence[Layer]) -> None:
+        """Never: the activation's backward follows the halo gradients' sums."""
 
     def forward(self, x: DistTensor, ctx: Context) -> DistTensor:  # type: ignore[override]
         geo = self.geometry(x)

@@ -11,8 +11,10 @@ from cosmotrain.nn.module import Context, Layer
 # convolutions then do it in their kernels' output loops, saving the activation's pass
 # (paper network, batch 1: act1's 8.5 ms forward); and a first convolution may run its
 # backward (Layer.take_activation_grad) in its filter gradient's packing of dy (act1's
-# 10 ms backward).  False: every activation makes its own passes (A/B runs; the results
-# are the same bits, tests/test_fused_activation.py).
+# 10 ms backward), and an average pooling may run the backward of the LeakyReLU before it
+# as it writes its own gradient (Layer.take_preceding_activation: act2, act3).  False:
+# every activation makes its own passes (A/B runs; the results are the same bits,
+# tests/test_fused_activation.py).
 FUSE_ACTIVATIONS = True
 
 
@@ -47,8 +49,10 @@ class Sequential(Layer):
     def backward(self, dy: Any, ctx: Context) -> Any:
         for index in range(len(self.items) - 1, -1, -1):
             layer = self.items[index]
-            if index and FUSE_ACTIVATIONS and layer.hand_over_backward(self.items[index - 1]):
-                continue  # the layer before runs this activation's backward
+            if index and FUSE_ACTIVATIONS:
+                if layer.hand_over_backward(self.items[:index]):
+                    continue  # a layer before runs this backward
+                layer.take_preceding_activation(self.items[:index])
             dy = layer.backward(dy, ctx)
             if ctx.on_grad_ready is not None and layer.params:
                 ctx.on_grad_ready(layer)

@@ -15,6 +15,7 @@ defaults in a model as built, the job's (``Runtime.conv``) in the twins that
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,7 @@ from cosmotrain.kernels.cuda.settings import ConvSettings
 from cosmotrain.kernels.dropout import dropout_backward, dropout_forward, dropout_keep_mask
 from cosmotrain.kernels.linear import (linear_backward_data, linear_backward_weight,
                                        linear_forward)
+from cosmotrain.kernels.pool_activation import avg_pool_leaky_backward
 from cosmotrain.nn.module import Context, Layer
 from cosmotrain.precision import accumulator, widen
 
@@ -119,6 +121,7 @@ class Pool3d(Layer):
     kernel: Triple = (3, 3, 3)
     stride: Triple = (2, 2, 2)
     padding: Padding = ((1, 1), (1, 1), (1, 1))
+    _activation_before = None  # (y, slope) of the LeakyReLU before it, for this backward
 
     def forward(self, x: Any, ctx: Context) -> Any:
         self._x_shape = x.shape
@@ -129,9 +132,17 @@ class Pool3d(Layer):
         y, self._argmax = pool3d.max_pool3d_forward(x, self.kernel, self.stride, self.padding)
         return y
 
+    def take_preceding_activation(self, before: Sequence[Layer]) -> None:
+        if self.mode == "avg" and self.needs_input_grad and before:
+            self._activation_before = before[-1].give_backward_to_next(before[:-1])
+
     def backward(self, dy: Any, ctx: Context) -> Any:
+        activation, self._activation_before = self._activation_before, None
         if not self.needs_input_grad:
             return None
+        if activation is not None and self._x_shape[0]:
+            return avg_pool_leaky_backward(dy, *activation, self.kernel, self.stride,
+                                           self.padding)
         if self._x_shape[0] == 0:
             return array_module(dy).zeros(self._x_shape, dy.dtype)
         if self.mode == "avg":
@@ -151,6 +162,7 @@ class LeakyReLU(Layer):
 
     slope: float = 0.01
     _applied = False  # the layer before applied it to its output (Layer.take_activation)
+    _taken = False  # its backward went to a neighbour early (give_backward_to_next)
 
     def activation_slope(self) -> float | None:
         return self.slope
@@ -163,11 +175,28 @@ class LeakyReLU(Layer):
         self._y = x if applied else leaky_relu_forward(x, self.slope, inplace=True)
         return self._y
 
-    def hand_over_backward(self, before: Layer) -> bool:
-        if not before.take_activation_grad(self._y, self.slope):
+    def hand_over_backward(self, before: Sequence[Layer]) -> bool:
+        if self._taken:  # a neighbour took it already (give_backward_to_next)
+            self._taken = False
+            return True
+        if not before[-1].take_activation_grad(self._y, self.slope):
             return False
         self._y = None  # the layer before holds it until its backward
         return True
+
+    def give_backward_to_next(self, before: Sequence[Layer]) -> tuple[Any, float] | None:
+        """Asked by the layer after this one (an average pooling) before its backward:
+        ``(y, slope)`` for it to run this backward in its own pass, unless the layer
+        before this one takes it in its kernels (that costs no pass at all).  Either way
+        this backward is then done (:meth:`hand_over_backward` skips it)."""
+        if not before or self._y is None:
+            return None
+        self._taken = True
+        if before[-1].take_activation_grad(self._y, self.slope):
+            self._y = None
+            return None
+        y, self._y = self._y, None
+        return y, self.slope
 
     def backward(self, dy: Any, ctx: Context) -> Any:
         y, self._y = self._y, None

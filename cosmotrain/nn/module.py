@@ -10,7 +10,7 @@ model unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,10 +116,18 @@ class Layer:
         skipped); layers that cannot say False."""
         return False
 
-    def hand_over_backward(self, before: Layer) -> bool:
-        """An activation offers its backward to the layer ``before`` it
-        (:meth:`take_activation_grad`); True when taken.  Other layers have none to give."""
+    def hand_over_backward(self, before: Sequence[Layer]) -> bool:
+        """Offered before backward, with the layers ``before`` this one (nearest last):
+        True when a layer before runs this backward (the container then skips it and
+        hands dy on unchanged): an activation to the layer just before it
+        (:meth:`take_activation_grad`).  Other layers have none to give."""
         return False
+
+    def take_preceding_activation(self, before: Sequence[Layer]) -> None:
+        """Offered before backward, with the layers ``before`` this one (nearest last):
+        run the backward of the LeakyReLU just before this layer in this one's own pass
+        (an average pooling: ``kernels/pool_activation.py``), where no layer before that
+        activation takes it.  Layers that cannot do nothing."""
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
         """``(dotted name, parameter)`` in a stable order, PyTorch-style names."""

@@ -287,13 +287,17 @@ static void spread_pairs(float *out, const float *t, const Pairs *pairs, float *
  * d_in input planes.  `stream`: rows are finished in the work buffer and copied past the
  * caches (a gradient far larger than them, which its reader takes from memory anyway:
  * the paper network's pool1, 134 MB a sample; a plain store first reads each line it
- * writes).  work: (h_out + 1) * w_out + 3 w_in floats.  Returns -1 when out of memory. */
+ * writes).  `ya` (not NULL): the output of a LeakyReLU before the pooling (its input,
+ * laid out as dx with the strides ya_c, ya_d, ya_h), whose backward then follows in the
+ * same pass: each finished row times (ya > 0 ? up : down), native/activation.c's
+ * products.  work: (h_out + 1) * w_out + 3 w_in floats.  Returns -1 when out of memory. */
 int cosmotrain_avgpool_backward(
         const float *dy, long y_c, long y_d, long y_h,
         float *dx, long x_c, long x_d, long x_h, int channels,
         int kd, int kh, int kw, int sd, int sh, int sw, int dl, int hl, int wl,
         int d_out, int h_out, int w_out, int d_in, int h_in, int w_in,
-        float scale, float *work, int whole, int stream) {
+        float scale, float *work, int whole, int stream,
+        const float *ya, long ya_c, long ya_d, long ya_h, float up, float down) {
     int *ztab = malloc(sizeof(int) * ((size_t)d_in * kd + (size_t)h_in * kh + (size_t)w_in * kw
                                       + d_in + h_in + w_in));
     if (!ztab) return -1;
@@ -338,7 +342,7 @@ int cosmotrain_avgpool_backward(
         for (int r = 0; r < h_in; r++) {
             sum_rows(t, g, w_out, htab + r * kh, hn[r], w_out);
             float *target = dx + c * x_c + p * x_d + r * x_h;
-            float *out = stream ? finished : target;
+            float *out = stream || ya ? finished : target;
             int w = 0;
             if (pairs.hi > pairs.lo) {
                 for (; w < 2 * pairs.lo; w++) out[w] = indexed_sum(t, wtab + w * kw, wn[w]);
@@ -346,7 +350,14 @@ int cosmotrain_avgpool_backward(
                 w = 2 * pairs.hi;
             }
             for (; w < w_in; w++) out[w] = indexed_sum(t, wtab + w * kw, wn[w]);
-            if (stream) stream_row(target, finished, w_in);
+            if (ya) {
+                const float *yr = ya + c * ya_c + p * ya_d + r * ya_h;
+                for (w = 0; w < w_in; w++) out[w] = out[w] * (yr[w] > 0.0f ? up : down);
+            }
+            if (stream)
+                stream_row(target, finished, w_in);
+            else if (ya)
+                for (w = 0; w < w_in; w++) target[w] = finished[w];
         }
     }
 #if defined(__SSE2__)
