@@ -185,6 +185,21 @@ def test_a_resumed_run_appends_a_complete_segment(tmp_path: Path, mllog, cli) ->
     assert verdict(result) == TARGET_UNMET, verdict(result)  # a whole log on its own
 
 
+def test_overwrite_keeps_the_previous_runs_log(tmp_path: Path, mllog, cli) -> None:
+    """--overwrite moves the earlier run's mlperf.log aside with its checkpoints and
+    metrics; the new run's log starts afresh in output.dir."""
+    base = [*TINY, "train.epochs=1", f"output.dir={tmp_path}"]
+    code, _, err = cli("train", *sets(*base))
+    assert code == 0, err
+    first = (tmp_path / "mlperf.log").read_text()
+    code, _, err = cli("train", *sets(*base), "--overwrite")
+    assert code == 0, err
+    (previous,) = tmp_path.glob("previous-*")
+    assert (previous / "mlperf.log").read_text() == first
+    keys = [e["key"] for e in entries(tmp_path / "mlperf.log")]
+    assert keys.count("run_start") == keys.count("run_stop") == 1
+
+
 def test_a_fresh_log_keeps_only_the_staging_lines_at_its_end(tmp_path: Path,
                                                              mllog) -> None:
     path = tmp_path / "mlperf.log"

@@ -280,6 +280,28 @@ def test_overwrite_moves_the_previous_run_aside(tmp_path: Path) -> None:
     assert (kept / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
 
 
+def test_overwrite_moves_the_mlperf_log_aside_and_keeps_the_new_staging_lines(
+        tmp_path: Path) -> None:
+    """The previous run's mlperf.log goes aside whole; the staging lines a preload wrote
+    at its end, for the run about to start, stay in output.dir."""
+    make_run(tmp_path)
+    staging = (':::MLLOG {"key": "staging_start", "value": null}\n'
+               ':::MLLOG {"key": "staging_stop", "value": null}\n')
+    previous = (':::MLLOG {"key": "run_start", "value": null}\n'
+                ':::MLLOG {"key": "run_stop", "value": null}\n')
+    (tmp_path / "mlperf.log").write_text(previous + staging)
+    moved = check_fresh_directory(tmp_path, "overwrite", now=0.0)
+    assert moved is not None and moved.names[-1] == "mlperf.log"
+    assert (moved.dest / "mlperf.log").read_text() == previous + staging
+    assert (tmp_path / "mlperf.log").read_text() == staging
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')  # a log with no staging tail
+    (tmp_path / "mlperf.log").write_text(previous)
+    again = check_fresh_directory(tmp_path, "overwrite", now=0.0)
+    assert (again.dest / "mlperf.log").read_text() == previous
+    assert not (tmp_path / "mlperf.log").exists()
+
+
 def test_an_unknown_mode_is_a_bug(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         check_fresh_directory(tmp_path, "append")

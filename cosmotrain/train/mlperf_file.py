@@ -167,17 +167,23 @@ def line_key(line: str) -> str | None:
     return entry.get("key") if isinstance(entry, dict) else None
 
 
+def staging_tail(text: str) -> str:
+    """The trailing whole staging lines of a log's ``text`` (what ``cosmotrain preload``
+    wrote for the run that comes next), or ""."""
+    lines = text.split("\n")[:-1]  # what follows the last newline is torn, or empty
+    keep = len(lines)
+    while keep > 0 and line_key(lines[keep - 1]) in STAGING_KEYS:
+        keep -= 1
+    return "".join(line + "\n" for line in lines[keep:])
+
+
 def _keep_staging_tail(path: Path) -> None:
     """Rewrite ``path`` with only its trailing whole staging lines (none: empty)."""
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
     except FileNotFoundError:
         return
-    lines = text.split("\n")[:-1]  # what follows the last newline is torn, or empty
-    keep = len(lines)
-    while keep > 0 and line_key(lines[keep - 1]) in STAGING_KEYS:
-        keep -= 1
-    tail = "".join(line + "\n" for line in lines[keep:])
+    tail = staging_tail(text)
     if tail != text:
         write_text_atomically(path, tail)
 

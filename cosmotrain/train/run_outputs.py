@@ -13,9 +13,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cosmotrain.atomic import fsync_path
+from cosmotrain.atomic import fsync_path, write_text_atomically
 from cosmotrain.train.checkpoint import CHECKPOINT_DIR, list_checkpoints
 from cosmotrain.train.metrics import METRICS_FILE
+from cosmotrain.train.mlperf_file import MLPERF_LOG, staging_tail
 from cosmotrain.train.rundir import RunDirError
 from cosmotrain.train.tensorboard_log import TENSORBOARD_DIR
 
@@ -73,8 +74,9 @@ def check_fresh_directory(out_dir: str | Path, mode: str, *, now: float | None =
 
     ``mode``: ``resume`` accepts anything; ``fresh`` raises :class:`RunDirError` when
     ``out_dir`` holds a run; ``overwrite`` moves that run's checkpoints/, metrics.jsonl,
-    config.yaml and tensorboard/ into ``out_dir/previous-<timestamp>/`` and returns what
-    it moved (None when there was no run).  Other files and directories (``data/``) stay.
+    config.yaml, tensorboard/ and mlperf.log (its staging tail stays, for the new run)
+    into ``out_dir/previous-<timestamp>/`` and returns what it moved (None when there was
+    no run).  Other files and directories (``data/``) stay.
     Call it holding the :class:`RunLock`, before the new run writes anything (its
     config.yaml included).
     """
@@ -101,9 +103,25 @@ def _move_aside(out: Path, now: float) -> MovedAside:
         if source.exists() or source.is_symlink():
             os.rename(source, dest / name)
             moved.append(name + "/" if (dest / name).is_dir() else name)
+    if _move_mlperf_log(out, dest):
+        moved.append(MLPERF_LOG)
     fsync_path(dest)
     fsync_path(out)
     return MovedAside(dest, tuple(moved))
+
+
+def _move_mlperf_log(out: Path, dest: Path) -> bool:
+    """Move the previous run's mlperf.log aside whole; the staging lines at its end, what
+    ``cosmotrain preload`` wrote for the run about to start, stay in out/ for it (before,
+    the new run cut the file down to them and the previous run's log was lost)."""
+    log = out / MLPERF_LOG
+    if not log.is_file():
+        return False
+    tail = staging_tail(log.read_text(encoding="utf-8", errors="replace"))
+    os.rename(log, dest / MLPERF_LOG)
+    if tail:
+        write_text_atomically(log, tail)
+    return True
 
 
 def _new_previous_dir(out: Path, now: float) -> Path:
