@@ -11,6 +11,7 @@ import pytest
 from mpi4py import MPI
 
 from cosmotrain.config.load import load_config
+from cosmotrain.errors import ConfigError
 from cosmotrain.train import runner
 from cosmotrain.train.observers import Observer, Observers
 
@@ -105,6 +106,26 @@ def test_the_start_says_where_outputs_go_and_what_data_was_generated(
     assert generated[0].endswith(" s")
     train(out, monkeypatch, "train.max_steps=1", "train.epochs=1", resume=True)  # reused
     assert "synthetic samples" not in capsys.readouterr().out
+
+
+def test_synthetic_data_made_with_other_settings_is_refused_not_reused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """output.dir/data is reused only for the settings it was generated with; otherwise a
+    config error names what differs and how to generate it anew (the data stays)."""
+    out = tmp_path / "run"
+    train(out, monkeypatch, "train.max_steps=1")
+    manifest = (out / "data" / "manifest.json").read_text()
+    for extra, says in [("data.synthetic.seed=2", "seed 1 where the config asks for 2"),
+                        ("data.synthetic.samples=12", "samples 10 where the config asks for 12"),
+                        ("model.width=16", "width 8 where the config asks for 16")]:
+        cfg = load_config(TINY, [*BASE, f"output.dir={out}", extra, "train.max_steps=1"])
+        with pytest.raises(ConfigError) as err:
+            runner.run_training(cfg, MPI.COMM_WORLD, overwrite=True)
+        assert says in str(err.value) and str(err.value).startswith(
+            "config key 'data.synthetic': the dataset already in ")
+        assert f"remove or rename {out / 'data'} to generate it anew" in str(err.value)
+    assert (out / "data" / "manifest.json").read_text() == manifest  # untouched
+    train(out, monkeypatch, "train.max_steps=1", resume=True)  # the same settings: reused
 
 
 @pytest.mark.parametrize("extra,reason", [

@@ -9,6 +9,7 @@ per split placed on this rank's input block.  Collective: every rank builds the 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -19,12 +20,13 @@ from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.comm.threads import job_threads
 from cosmotrain.config.layout import AXES, resolve_parallel
 from cosmotrain.config.schema import Config
-from cosmotrain.data import datagen
+from cosmotrain.data import datagen, synthetic
 from cosmotrain.data.manifest import Manifest
 from cosmotrain.data.open import dataset_root, make_readers, open_dataset
 from cosmotrain.data.placement import BlockPlacement
 from cosmotrain.data.reader import Reader
 from cosmotrain.device.select import select_device
+from cosmotrain.errors import ConfigError
 from cosmotrain.train.step import HybridStep, hybrid_step_from_config, job_runtime
 
 LOG = logging.getLogger(__name__)
@@ -56,6 +58,7 @@ def ensure_synthetic_data(cfg: Config, comm: Any) -> str | None:
         return None
     root = dataset_root(cfg)
     if (root / datagen.MANIFEST_NAME).is_file():
+        check_synthetic_settings(root, cfg)
         LOG.debug("synthetic dataset already in %s: not generated again", root)
         return None
     syn = cfg.data.synthetic
@@ -67,6 +70,29 @@ def ensure_synthetic_data(cfg: Config, comm: Any) -> str | None:
     return (f"cosmotrain: generated {syn.samples} synthetic samples ({counts}, "
             f"{cfg.model.width}^3, seed {syn.seed}) in {root} in "
             f"{time.perf_counter() - started:.1f} s")
+
+
+def check_synthetic_settings(root: Path, cfg: Config) -> None:
+    """Raise a :class:`ConfigError` when the synthetic dataset already in ``root`` was
+    generated with other settings than ``cfg`` asks for (every rank reads the same
+    manifest: collective).  Why: it is reused rather than generated again, and a run that
+    changed ``data.synthetic`` or ``model.width`` would otherwise train on the old data
+    without a word.  The data is never replaced here: the message says how."""
+    try:
+        manifest = json.loads((root / datagen.MANIFEST_NAME).read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError("data.source", f"synthetic, but {root / datagen.MANIFEST_NAME} "
+                          f"cannot be read ({err})", f"remove {root} to generate it anew")
+    syn = cfg.data.synthetic
+    wanted = {"generator": synthetic.GENERATOR_NAME, "samples": syn.samples,
+              "width": cfg.model.width, "seed": syn.seed, "val_fraction": syn.val_fraction}
+    differ = [f"{key} {manifest.get(key)!r} where the config asks for {value!r}"
+              for key, value in wanted.items() if manifest.get(key) != value]
+    if differ:
+        raise ConfigError("data.synthetic", f"the dataset already in {root} was made with "
+                          f"{'; '.join(differ)}",
+                          f"remove or rename {root} to generate it anew, or choose another "
+                          f"output.dir")
 
 
 def build_job(cfg: Config, comm: Any, splits: tuple[str, ...] | None = None,
