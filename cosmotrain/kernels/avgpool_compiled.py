@@ -30,7 +30,7 @@ USE_COMPILED = True
 # Input gradients of at least this many bytes are written past the caches: they outgrow
 # the last-level cache and the convolution before reads them from memory anyway, and a
 # plain store first reads each line it writes.  The paper network's pool1 (134 MB a
-# sample): measured in docs/PERFORMANCE.md, "Fourth pass".
+# sample): 14.0 -> 9.6 ms (docs/PERFORMANCE.md, "Fifth pass").
 STREAM_BYTES = 64 << 20
 
 
@@ -74,9 +74,10 @@ def backward(dy: np.ndarray, pool, activation: Optional[tuple] = None) -> np.nda
     finished: the bits of :func:`.activation.leaky_relu_backward` after the pooling's, in
     one pass over dx instead of two more."""
     dx = np.empty(pool.x_shape, np.float32)
+    stream = int(dx.nbytes >= STREAM_BYTES)
     _run(1, dy, dx, pool, pool.out + pool.x_shape[2:],
-         (pool.out[1] + 1) * pool.out[2] + 3 * pool.x_shape[4], dx.nbytes >= STREAM_BYTES,
-         activation=activation)
+         (pool.out[1] + 1) * pool.out[2] + 3 * pool.x_shape[4],
+         lambda n, c0: [stream, *_activation_args(activation, n, c0)])
     return dx
 
 
@@ -88,11 +89,11 @@ def takes_activation(y, pool) -> bool:
 
 
 def _run(which: int, src: np.ndarray, dst: np.ndarray, pool, sizes: tuple,
-         scratch: int, *stream: bool, activation: Optional[tuple] = None) -> None:
-    """The forward (0) or backward (1, with its ``stream`` flag and ``activation``) loop
-    over ``pool.chunks`` (whole channels of one sample) on the kernel workers; ``sizes``:
-    the loop's source then destination (D, H, W); ``scratch``: floats of its per-thread
-    row buffer."""
+         scratch: int, tail: Callable[[int, int], list] = lambda n, c0: []) -> None:
+    """The forward (0) or backward (1) loop over ``pool.chunks`` (whole channels of one
+    sample) on the kernel workers; ``sizes``: the loop's source then destination (D, H,
+    W); ``scratch``: floats of its per-thread row buffer; ``tail(n, c0)``: the loop's
+    last arguments for a chunk of sample n from channel c0 (the backward's)."""
     loop = _loops()[which]  # type: ignore[index]
     scale = 1.0 / int(np.prod(pool.kernel))
     whole = int(pool.whole(src.itemsize))
@@ -100,13 +101,10 @@ def _run(which: int, src: np.ndarray, dst: np.ndarray, pool, sizes: tuple,
     def work(chunk) -> None:
         n, c0, c1 = chunk
         rows = _parallel.scratch("avgpool_rows", (scratch,), np.float32)
-        extra = [int(flag) for flag in stream]
-        if which == 1:
-            extra += _activation_args(activation, n, c0)
         compiled.check(loop(compiled.address(src[n, c0]), *compiled.element_strides(src)[1:4],
                             compiled.address(dst[n, c0]), *compiled.element_strides(dst)[1:4],
                             c1 - c0, *_geometry(pool), *sizes, scale, compiled.address(rows),
-                            whole, *extra), "average pooling")
+                            whole, *tail(n, c0)), "average pooling")
 
     _parallel.map_chunks(work, pool.chunks(src.itemsize))
 

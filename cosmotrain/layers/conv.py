@@ -116,9 +116,7 @@ class SpatialConv3d(SpatialWindow, Conv3d):
     def _padding_only(self, out: Any) -> None:
         """An output box whose windows read only padding: no products, so the bias (or
         zero), then the fused activation of it, as ``_conv`` would give."""
-        out[...] = 0
-        if self.bias:
-            out += self.params["bias"].like(out).reshape(1, -1, 1, 1, 1)
+        out[...] = self.params["bias"].like(out).reshape(1, -1, 1, 1, 1) if self.bias else 0
         if self._activation is not None:  # a copy back when out is not contiguous
             out[...] = leaky_relu_forward(out, self._activation, inplace=True)
 

@@ -342,7 +342,7 @@ int cosmotrain_avgpool_backward(
         for (int r = 0; r < h_in; r++) {
             sum_rows(t, g, w_out, htab + r * kh, hn[r], w_out);
             float *target = dx + c * x_c + p * x_d + r * x_h;
-            float *out = stream || ya ? finished : target;
+            float *out = stream ? finished : target;
             int w = 0;
             if (pairs.hi > pairs.lo) {
                 for (; w < 2 * pairs.lo; w++) out[w] = indexed_sum(t, wtab + w * kw, wn[w]);
@@ -354,10 +354,7 @@ int cosmotrain_avgpool_backward(
                 const float *yr = ya + c * ya_c + p * ya_d + r * ya_h;
                 for (w = 0; w < w_in; w++) out[w] = out[w] * (yr[w] > 0.0f ? up : down);
             }
-            if (stream)
-                stream_row(target, finished, w_in);
-            else if (ya)
-                for (w = 0; w < w_in; w++) target[w] = finished[w];
+            if (stream) stream_row(target, finished, w_in);
         }
     }
 #if defined(__SSE2__)

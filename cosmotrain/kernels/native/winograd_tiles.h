@@ -155,7 +155,7 @@ static void CAT(short_input_components, SUFFIX)(const float *base, const long *w
  * zero-padded slab copy of each chunk's input took 2.4 / 4.5 / 2.9 ms of the paper
  * network's conv2 forward / data / filter gradient, 20 / 26.5 / 21 ms, on each of 2
  * workers.)  A row's m T + 2 floats: at least VL tiles go VL tiles at a time, a last
- * group of fewer copied into a zero-padded row first (a scalar loop per tile was 9-13%
+ * group of fewer copied into a zero-padded row first (a scalar loop per tile was 7-13%
  * of those passes, perf); shorter rows go to short_input_components. */
 static void CAT(input_components, SUFFIX)(
         const float *base, const long *win,
