@@ -125,6 +125,11 @@ def test_synthetic_data_made_with_other_settings_is_refused_not_reused(
             "config key 'data.synthetic': the dataset already in ")
         assert f"remove or rename {out / 'data'} to generate it anew" in str(err.value)
     assert (out / "data" / "manifest.json").read_text() == manifest  # untouched
+    (out / "data" / "manifest.json").write_text("[]")  # not a manifest: one line, no traceback
+    cfg = load_config(TINY, [*BASE, f"output.dir={out}", "train.max_steps=1"])
+    with pytest.raises(ConfigError, match="manifest.json cannot be read"):
+        runner.run_training(cfg, MPI.COMM_WORLD, resume=True)
+    (out / "data" / "manifest.json").write_text(manifest)
     train(out, monkeypatch, "train.max_steps=1", resume=True)  # the same settings: reused
 
 

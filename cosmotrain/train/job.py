@@ -80,6 +80,8 @@ def check_synthetic_settings(root: Path, cfg: Config) -> None:
     without a word.  The data is never replaced here: the message says how."""
     try:
         manifest = json.loads((root / datagen.MANIFEST_NAME).read_text())
+        if not isinstance(manifest, dict):
+            raise ValueError("not a JSON object")
     except (OSError, ValueError) as err:
         raise ConfigError("data.source", f"synthetic, but {root / datagen.MANIFEST_NAME} "
                           f"cannot be read ({err})", f"remove {root} to generate it anew")
