@@ -9,9 +9,11 @@ and its message exactly once on stderr.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -236,10 +238,10 @@ def test_the_label_pass_reports_the_first_bad_file_in_dataset_order() -> None:
     # rank 1 of 2 does items 1, 3, 5 and fails at 3; rank 0 (items 0, 2, 4) failed at 4
     rank0 = ([("train", 0, 0), ("train", 2, 2)], (4, "DataError", "data file 'f4': bad"))
     with pytest.raises(DataError, match="'f3': bad") as info:
-        _collective_pass({"train": 6}, FakeComm(1, [rank0]), work)
+        _collective_pass({"train": range(6)}, FakeComm(1, [rank0]), work)
     assert info.value.collective
-    assert _collective_pass({"train": 3}, FakeComm(0, []), lambda s, i: i)["train"].tolist() \
-        == [0, 1, 2]
+    assert _collective_pass({"train": [0, 2]}, FakeComm(0, []), lambda s, i: i)["train"] \
+        == {0: 0, 2: 2}
 
 
 # the CLI under 2 ranks: exit 2, the message exactly once, no traceback
@@ -248,8 +250,14 @@ def test_bad_files_print_once_under_two_ranks(template: dict[str, Path],
                                               tmp_path: Path) -> None:
     from conftest import stderr_of, REPO, mpiexec, subprocess_env
 
-    def cached(root: Path) -> Path:
-        open_manifest(root, 8)  # the label cache exists: the readers meet the damage
+    def unseen(root: Path, bad: Path, damage: Callable[[], None]) -> Path:
+        """The label table cached, then ``bad`` damaged behind its back (size and mtime
+        kept, as by bit rot): the label pass trusts the cache, the readers meet it."""
+        open_manifest(root, 8)
+        before = bad.stat()
+        damage()
+        os.utime(bad, ns=(before.st_atime_ns, before.st_mtime_ns))
+        assert bad.stat().st_size == before.st_size
         return root
 
     cases = []  # (name, dataset root, overrides, expected message fragment)
@@ -258,13 +266,12 @@ def test_bad_files_print_once_under_two_ranks(template: dict[str, Path],
     cases.append(("NaN label, label pass", root, [], f"data file '{bad}': 'unitPar' holds "
                   "a non-finite label"))
     root, bad = copy_of(template["int16"], tmp_path, "shape")
-    root = cached(root)
-    rewrite(bad, "full", np.zeros((8, 8, 8), np.int16), keep_layout=True)
+    root = unseen(root, bad, lambda: rewrite(bad, "full", np.zeros((8, 8, 8), np.int16)))
     cases.append(("3-D volume, preload read by both ranks", root,
                   ["parallel.depth=2"], f"data file '{bad}': 'full' has shape (8, 8, 8)"))
     root, bad = copy_of(template["float32"], tmp_path, "nan")
-    root = cached(root)
-    set_values(bad, "full", lambda v: v.__setitem__(slice(None), np.nan))
+    root = unseen(root, bad, lambda: set_values(
+        bad, "full", lambda v: v.__setitem__(slice(None), np.nan)))
     cases.append(("NaN volume, direct read by both ranks", root,
                   ["parallel.depth=2", "data.reader=direct"],
                   f"data file '{bad}': 'full' holds"))

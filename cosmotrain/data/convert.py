@@ -160,7 +160,8 @@ def _finish(manifest: Manifest, out: Path, target: formats.VolumeInfo) -> str | 
     try:
         if target.format == formats.NPY:
             write_npy_lists(out, files)
-        sample_table.save_table(out, sample_table.LABELS_NAME, files, manifest.labels)
+        stats = sample_table.file_stats(out, files, target.format)  # the new files'
+        sample_table.save_table(out, sample_table.LABELS_NAME, files, manifest.labels, stats)
         description = scan.manifest_dict(target, files, generator="cosmotrain.convert",
                                          source=str(manifest.root))
         cache.write_json(out / MANIFEST_NAME, description, where=OUT)

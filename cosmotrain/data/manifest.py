@@ -14,7 +14,8 @@ Samples are cubes of the model width ``W``.  A file whose volume is wider (a who
 universe, e.g. 512^3) holds ``(U / W)^3`` of them; sample ``g`` of a split is sub-cube
 ``g % k^3`` of file ``g // k^3``, sub-cubes in C order of their (depth, height, width)
 block indices.  Labels (every file) and, for the divide-by-mean transform, per-sample
-means come from the cached sample tables (``sample_table.py``).
+means come from the cached sample tables (``sample_table.py``), whose entries are read
+again for every file whose size or modification time changed.
 """
 
 from __future__ import annotations
@@ -168,11 +169,13 @@ def open_manifest(root: str | Path, width: int | None, comm: Any = None, *, mean
     source, volume, files = on_root(comm, lambda: _described(root, cache_dir, format))
     width = volume.width if width is None else width  # None: whole files, as on disk
     _check_width(root, volume, width)
-    labels = sample_table.file_labels(root, files, volume, comm, cache_dir)
+    stats = sample_table.file_stats(root, files, volume.format, comm)
+    labels = sample_table.file_labels(root, files, volume, stats, comm, cache_dir)
     manifest = Manifest(root, source, volume, width, files, labels)
     if means:
         origins = cube_origins(manifest.cubes_per_axis, width)
-        table = sample_table.sample_means(root, files, volume, origins, width, comm, cache_dir)
+        table = sample_table.sample_means(root, files, volume, stats, origins, width, comm,
+                                          cache_dir)
         manifest = Manifest(root, source, volume, width, files, labels, table)
     return manifest
 

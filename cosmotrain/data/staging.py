@@ -12,9 +12,11 @@ CRC-32 computed on the way, re-read and compared, checked to be a sample of the 
 shape and dtype, then renamed.  A file already staged with the same size and checksum is
 kept.  NVIDIA's ``_label.npy`` files are staged beside their volumes.  Gzip TFRecord
 files (MLPerf v1.0) are staged *inflated*: a plain record can be memory-mapped and
-sliced, so the training loop never decompresses a file.  The node's leader writes
-``manifest.json`` and the label (and mean) tables beside the copies, so a job opens the
-staged directory without touching any file it lacks.
+sliced, so the training loop never decompresses a file.  Once every rank is done, the
+node's leader writes ``manifest.json`` and the label (and mean) tables beside the copies,
+keyed on the copies' own sizes and modification times, so a job opens the staged
+directory without touching any file it lacks.  A failure on any rank is one verdict,
+printed once, and leaves no new manifest.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from cosmotrain.atomic import write_atomically
-from cosmotrain.comm.collective import agree
+from cosmotrain.comm.collective import agree, together
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.config.schema import Config
@@ -125,9 +127,27 @@ def plan_staging(cfg: Config, comm: Any, dest: Path | None = None) -> StagePlan:
 
 def run_staging(plan: StagePlan, comm: Any,
                 progress: Callable[[int], None] | None = None) -> StageReport:
-    """Copy and verify this rank's files, write the node's manifest; totals (collective)."""
+    """Copy and verify this rank's files, write the node's manifest; totals (collective).
+
+    A failure on any rank (an unreadable source, a full disk) is one verdict on every
+    rank, the lowest failing rank's, printed once; no manifest is written then, so a
+    half-staged directory is never taken for a dataset."""
     plan.node.Barrier()
     start = time.perf_counter()
+    copied, inflated = together(comm, lambda: _stage_files(plan, progress))
+    plan.node.Barrier()  # the node's copies are all in place before their stats are taken
+    files = {split: list(names) for split, names in plan.manifest.files.items()}
+    stats = sample_table.file_stats(plan.dest, files, plan.manifest.volume.format, plan.node)
+    leader = plan.node.Get_rank() == 0
+    together(comm, lambda: write_metadata(plan.manifest, plan.dest, stats) if leader else None)
+    seconds = time.perf_counter() - start
+    report = _report(plan, comm, copied, seconds)
+    report.inflated = comm.allreduce(inflated)
+    return report
+
+
+def _stage_files(plan: StagePlan, progress: Callable[[int], None] | None) -> tuple[int, int]:
+    """Copy (or inflate) and verify this rank's files; ``(bytes written, files inflated)``."""
     copied = inflated = 0
     tfrecord = plan.manifest.volume.format == formats.TFRECORD
     npy = plan.manifest.volume.format == formats.NPY
@@ -144,12 +164,7 @@ def run_staging(plan: StagePlan, comm: Any,
         formats.probe(target, plan.manifest.volume)
         if progress is not None:
             progress(done)
-    if plan.node.Get_rank() == 0:
-        write_metadata(plan.manifest, plan.dest)
-    seconds = time.perf_counter() - start
-    report = _report(plan, comm, copied, seconds)
-    report.inflated = comm.allreduce(inflated)
-    return report
+    return copied, inflated
 
 
 def copy_verified(source: Path, target: Path) -> int:
@@ -212,17 +227,18 @@ def checksum(path: Path) -> int:
     return crc
 
 
-def write_metadata(manifest: Manifest, dest: Path) -> None:
+def write_metadata(manifest: Manifest, dest: Path, stats: sample_table.Stats) -> None:
     """``manifest.json`` and the sample tables of ``manifest``, written into ``dest`` (by
-    every node's leader: through temporary names of its own, as the copies)."""
+    every node's leader: through temporary names of its own, as the copies); the tables
+    are keyed on ``stats``, those of the staged copies (:func:`sample_table.file_stats`)."""
     try:
         dest.mkdir(parents=True, exist_ok=True)
         cache.write_json(dest / MANIFEST_NAME, manifest.to_dict(), where=DEST)
         files = {split: list(names) for split, names in manifest.files.items()}
-        sample_table.save_table(dest, sample_table.LABELS_NAME, files, manifest.labels)
+        sample_table.save_table(dest, sample_table.LABELS_NAME, files, manifest.labels, stats)
         if manifest.means is not None:
             sample_table.save_table(dest, sample_table.means_name(manifest.width), files,
-                                    manifest.means)
+                                    manifest.means, stats)
     except OSError as err:
         raise DataError(dest / MANIFEST_NAME, f"cannot be written: {err}",
                         "check free space and permissions of the stage directory") from err
