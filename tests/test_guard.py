@@ -46,6 +46,29 @@ def test_a_large_finite_gradient_is_not_mistaken_for_inf() -> None:
     assert gradients_finite([huge])
 
 
+def test_device_sums_are_added_on_the_device_and_read_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU route, numpy standing in for cupy: every per-array sum is a 'device'
+    scalar, stacked and read in one go instead of one wait per parameter."""
+    from types import SimpleNamespace
+
+    from cosmotrain.device import xp
+
+    stacked: list[int] = []
+
+    def stack(values: list) -> np.ndarray:
+        stacked.append(len(values))
+        return np.stack(values)
+    cupy = SimpleNamespace(stack=stack, ndarray=SimpleNamespace)  # holds no array
+    monkeypatch.setattr(xp, "_loaded_cupy", lambda: cupy)
+    monkeypatch.setattr(xp, "is_device_array", lambda a: isinstance(a, np.generic))
+    grads = [np.ones((3, 4), np.float32), None, np.full(1000, 3e38, np.float32),
+             np.zeros(5, np.float32)]
+    assert gradients_finite(grads) and stacked == [3]
+    grads[3][1] = np.nan
+    assert not gradients_finite(grads) and stacked == [3, 3]
+
+
 def test_the_message_names_the_step_and_what_went_non_finite() -> None:
     line = non_finite_message(7, float("nan"), 2)
     assert "gradients of step 6 on 2 rank(s)" in line and "loss of step 7 (nan)" in line
