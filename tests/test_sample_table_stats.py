@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 from conftest import mpiexec, subprocess_env
@@ -78,6 +79,21 @@ def test_a_file_replaced_under_its_name_is_read_again_and_alone(
     opened.clear()
     open_manifest(tmp_path, 4, means=True)
     assert opened == []  # the refreshed tables were stored with the new stats
+
+
+def test_a_dataset_rewritten_under_the_same_names_is_rescanned(tmp_path: Path) -> None:
+    """Wider volumes under the old names: the scan cache and the tables follow, nothing
+    needs deleting."""
+    write_universes(tmp_path, 4, 2, "channels-last", "int16", val_files=1)
+    assert open_manifest(tmp_path, 4).disk_width == 4
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/*.hdf5")}
+    write_universes(tmp_path, 8, 2, "channels-last", "int16", val_files=1, seed=5)
+    for path, mtime in before.items():  # the rewrite moves every mtime on
+        os.utime(path, ns=(mtime + 10**9, mtime + 10**9))
+    manifest = open_manifest(tmp_path, 4)
+    assert manifest.disk_width == 8 and manifest.count("train") == 16
+    with h5py.File(tmp_path / "train/universe_001.hdf5") as handle:
+        np.testing.assert_array_equal(manifest.labels["train"][1], handle["unitPar"][()])
 
 
 def test_a_removed_label_file_is_noticed(tmp_path: Path) -> None:

@@ -80,3 +80,13 @@ def write_npz(path: Path, arrays: Mapping[str, np.ndarray],
 def files_key(files: list[str] | tuple[str, ...]) -> str:
     """A fingerprint of a split's file list: a cached table is valid for this list only."""
     return hashlib.sha1("\n".join(files).encode()).hexdigest()
+
+
+def file_stat(path: Path) -> tuple[int, int]:
+    """``(size, mtime in ns)`` of ``path``, the key a cached entry about it is valid for;
+    ``(-1, -1)`` when it cannot be stat-ed (missing: whatever reads it names the fault)."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return -1, -1
+    return status.st_size, status.st_mtime_ns

@@ -203,7 +203,8 @@ def read_description(root: Path, cache_dir: str | None = None, format: str = sca
         description = _read_json(cached)
         same_files = {s: v.get("files") for s, v in description.get("splits", {}).items()
                       } == listing
-        if same_files and format in (scan.AUTO, description.get("format", formats.HDF5)):
+        if same_files and format in (scan.AUTO, description.get("format", formats.HDF5)) \
+                and _still_probed(root, description):
             return cached, description
     description = scan.describe(root, format)
     try:
@@ -212,6 +213,16 @@ def read_description(root: Path, cache_dir: str | None = None, format: str = sca
     except (OSError, WriteError):
         target = root  # nowhere to cache it: rescanned next time, not an error
     return target, description
+
+
+def _still_probed(root: Path, description: Mapping[str, Any]) -> bool:
+    """Whether the file whose header fixed a scan's shape, dtype and layout (``probed``:
+    name, size, mtime) is unchanged: a dataset rewritten under the same names is
+    rescanned, not read against its old shape."""
+    probed = description.get("probed")
+    if not isinstance(probed, list) or len(probed) != 3:
+        return False  # a scan from before the key: rescanned once
+    return [*cache.file_stat(root / str(probed[0]))] == list(probed[1:])
 
 
 def parse_description(path: Path, description: Mapping[str, Any]

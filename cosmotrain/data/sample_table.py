@@ -27,7 +27,6 @@ do not invalidate its table.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -71,15 +70,7 @@ def file_stats(root: Path, files: Mapping[str, Sequence[str]], format: str,
 
 def _stat_row(path: Path, format: str) -> tuple[int, ...]:
     label = npy_sample.label_path(path) if format == formats.NPY else None
-    return _size_and_mtime(path) + (_size_and_mtime(label) if label else (-1, -1))
-
-
-def _size_and_mtime(path: Path) -> tuple[int, int]:
-    try:
-        status = os.stat(path)
-    except OSError:
-        return -1, -1  # missing or unreadable: probing it (if ever needed) names the fault
-    return status.st_size, status.st_mtime_ns
+    return cache.file_stat(path) + (cache.file_stat(label) if label else (-1, -1))
 
 
 def file_labels(root: Path, files: Mapping[str, Sequence[str]], expect: formats.VolumeInfo,

@@ -23,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from cosmotrain.data import formats, npy_sample
+from cosmotrain.data import cache, formats, npy_sample
 from cosmotrain.errors import DataError
 
 SCAN_GENERATOR = "cosmotrain.scan"
@@ -77,7 +77,9 @@ def describe(root: Path, format: str = AUTO) -> dict[str, Any]:
     chosen = dataset_format(splits, format)
     first = next(iter(splits.values()))[0]
     info, _ = formats.probe(Path(root) / first, format=chosen)
-    return manifest_dict(info, splits, generator=SCAN_GENERATOR, source=how)
+    return manifest_dict(info, splits, generator=SCAN_GENERATOR, source=how,
+                         probed=[first, *cache.file_stat(Path(root) / first)])
+
 
 
 def manifest_dict(info: formats.VolumeInfo, splits: dict[str, list[str]],
