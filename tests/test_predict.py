@@ -132,6 +132,43 @@ def test_unlabelled_files_get_predictions_and_no_mae(trained: Path, tmp_path: Pa
     assert "has no 'unitPar' labels" in refused.stderr
 
 
+def test_a_csv_out_holds_the_same_rows_as_the_hdf5_file(trained: Path, tmp_path: Path) -> None:
+    import csv
+
+    for name in ("p.h5", "p.csv"):
+        done = run_cli("predict", "--checkpoint", str(checkpoint_of(trained)), "--data",
+                       str(trained / "data"), "--out", str(tmp_path / name), ranks=2)
+        assert done.returncode == 0, done.stderr
+    with open(tmp_path / "p.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert list(rows[0]) == ["split", "file", "cube", *(f"prediction_{i}" for i in range(4)),
+                             *(f"target_{i}" for i in range(4))]
+    found = read_predictions(tmp_path / "p.h5")
+    assert [r["split"] for r in rows] == ["train"] * 15 + ["validation"] * 4
+    for split, result in found.items():
+        mine = [r for r in rows if r["split"] == split]
+        assert [r["file"] for r in mine] == result["file"]
+        assert [int(r["cube"]) for r in mine] == result["cube"].tolist()
+        for kind in ("prediction", "target"):
+            table = np.array([[float(r[f"{kind}_{i}"]) for i in range(4)] for r in mine],
+                             dtype=np.float32)
+            np.testing.assert_array_equal(table, result[kind])  # 9 digits: exact float32
+    nan_row = csv_text_with_a_nan_target()
+    assert nan_row.endswith(",nan,nan,nan,nan")
+
+
+def csv_text_with_a_nan_target() -> str:
+    """The CSV row of an unlabelled sample (its targets are NaN)."""
+    from cosmotrain.train.predict import SplitPredictions, csv_text
+
+    result = SplitPredictions("train", np.full((1, 4), 0.25, np.float32),
+                              np.full((1, 4), np.nan, np.float32), ["a.h5"],
+                              np.zeros(1, np.int32))
+    text = csv_text({"train": result}).splitlines()
+    assert text[1].startswith("train,a.h5,0,0.25,0.25,0.25,0.25")
+    return text[1]
+
+
 def test_bad_predict_arguments_exit_2(trained: Path, tmp_path: Path) -> None:
     data = str(trained / "data")
     missing = run_cli("predict", "--checkpoint", str(tmp_path / "nope.h5"), "--data", data,

@@ -115,7 +115,8 @@ def predict(
         help="A checkpoint written by cosmotrain train (output.dir/checkpoints/*.h5).")],
     data: Annotated[Path, typer.Option(
         help="Dataset directory to predict (labelled or not; any layout the readers know).")],
-    out: Annotated[Path, typer.Option(help="HDF5 file to write the predictions to.")],
+    out: Annotated[Path, typer.Option(
+        help="File to write the predictions to: CSV if it ends in .csv, else HDF5.")],
     split: Annotated[Optional[list[str]], typer.Option(
         help="Only this split of the dataset (repeatable; default: every split).")] = None,
     batch_size: Annotated[Optional[int], typer.Option(

@@ -10,7 +10,8 @@ Each rank predicts the rows it holds once the model has gathered whole samples; 
 collects ``(index, prediction)`` pairs, puts them in dataset order and checks that every
 sample came back exactly once, so the file is the same at any rank count.
 
-Output (HDF5, written atomically; docs/TRAINING.md has the table)::
+Output (written atomically; docs/TRAINING.md has the tables): CSV when ``--out`` ends in
+``.csv`` (one row per sample: split, file, cube, the predictions, the targets), else HDF5::
 
     /                   attrs: format, checkpoint, step, data, width, transform
     /<split>/prediction float32 [N, 4]  sample i of the split in row i
@@ -22,6 +23,8 @@ Output (HDF5, written atomically; docs/TRAINING.md has the table)::
 
 from __future__ import annotations
 
+import csv
+import io
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +33,7 @@ import h5py
 import numpy as np
 import yaml
 
-from cosmotrain.atomic import check_writable, write_hdf5_atomically
+from cosmotrain.atomic import check_writable, write_hdf5_atomically, write_text_atomically
 from cosmotrain.config.load import config_from_mapping, parse_assignment
 from cosmotrain.config.layout import sample_groups
 from cosmotrain.config.schema import AUTO, Config
@@ -134,7 +137,7 @@ def check_out(out: Path) -> Path:
     out = Path(out)
     if out.is_dir():
         raise UserError(f"--out '{out}' is a directory; name an HDF5 file such as "
-                        f"{out / 'predictions.h5'}")
+                        f"{out / 'predictions.h5'} (or a .csv file)")
     check_writable(out.parent, where="--out")
     return out
 
@@ -195,8 +198,11 @@ def in_dataset_order(manifest: Manifest, split: str, prediction: np.ndarray
 def write_predictions(out: Path, results: dict[str, SplitPredictions],
                       state: CheckpointState, checkpoint: Path, cfg: Config) -> Path:
     """Write the prediction file atomically (rank 0): built in memory, then written with
-    plain file I/O, so a full or read-only disk is a WriteError and leaves no ``.tmp``."""
+    plain file I/O, so a full or read-only disk is a WriteError and leaves no ``.tmp``.
+    A ``.csv`` name gets CSV (:func:`csv_text`), any other HDF5."""
     out = check_out(out)
+    if out.suffix.lower() == ".csv":
+        return write_text_atomically(out, csv_text(results), where="--out")
 
     def fill(f: h5py.File) -> None:
         f.attrs.update({"format": FORMAT, "format_version": 1,
@@ -220,6 +226,24 @@ def _write_split(group: h5py.Group, result: SplitPredictions) -> None:
     if errors is not None:
         group.attrs.update({"mae": errors.mae, "mse": errors.mse,
                             "mean_mae": errors.mean_mae})
+
+
+def csv_text(results: dict[str, SplitPredictions]) -> str:
+    """The predictions as CSV: a header, then one row per sample, splits in turn, each in
+    dataset order; float32 values with 9 significant digits (they read back exactly),
+    ``nan`` for the targets of unlabelled files."""
+    outputs = next(iter(results.values())).prediction.shape[1] if results else 0
+    header = ["split", "file", "cube", *(f"prediction_{i}" for i in range(outputs)),
+              *(f"target_{i}" for i in range(outputs))]
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(header)
+    for split, result in results.items():
+        for row in range(len(result.prediction)):
+            values = [*result.prediction[row], *result.target[row]]
+            writer.writerow([split, result.file[row], int(result.cube[row]),
+                             *(f"{float(v):.9g}" for v in values)])
+    return buffer.getvalue()
 
 
 def describe(results: dict[str, SplitPredictions], out: Path) -> list[str]:
