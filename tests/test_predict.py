@@ -157,6 +157,20 @@ def test_a_csv_out_holds_the_same_rows_as_the_hdf5_file(trained: Path, tmp_path:
     assert nan_row.endswith(",nan,nan,nan,nan")
 
 
+def test_existing_predictions_are_kept_unless_overwrite(trained: Path, tmp_path: Path) -> None:
+    out = tmp_path / "earlier.csv"
+    out.write_text("another run's predictions\n")
+    args = ["predict", "--checkpoint", str(checkpoint_of(trained)), "--data",
+            str(trained / "data"), "--out", str(out), "--split", "validation"]
+    refused = run_cli(*args, ranks=2)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.count(f"--out '{out}' already exists; pass --overwrite") == 1
+    assert out.read_text() == "another run's predictions\n"
+    done = run_cli(*args, "--overwrite")
+    assert done.returncode == 0, done.stderr
+    assert out.read_text().startswith("split,file,cube,")
+
+
 def csv_text_with_a_nan_target() -> str:
     """The CSV row of an unlabelled sample (its targets are NaN)."""
     from cosmotrain.train.predict import SplitPredictions, csv_text

@@ -468,6 +468,6 @@ def test_predictions_onto_a_full_disk(tmp_path: Path, disk_full_after,
     with pytest.raises(WriteError, match=f"preds.h5': {ENOSPC}; free space or choose "
                                          f"another --out"):
         predict.write_predictions(out, {"validation": result}, make_state(8),
-                                  tmp_path / "c.h5", cfg)
+                                  tmp_path / "c.h5", cfg, overwrite=True)
     assert [p.name for p in tmp_path.iterdir()] == ["preds.h5"]
     assert out.read_bytes() == before

@@ -123,6 +123,8 @@ def predict(
         help="Samples per global batch (default: the training batch, rounded up to a "
              "multiple of the sample groups).", min=1)] = None,
     overrides: SetOption = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace --out when it exists.")] = False,
 ) -> None:
     """Per-sample predictions in dataset order at any rank count (and MAE when labelled)."""
     from cosmotrain.comm import world
@@ -132,7 +134,7 @@ def predict(
     comm = world()
     defaults = [f"data.cache_dir={user_cache_dir()}"]  # this machine's; --set still wins
     results = run_prediction(checkpoint, data, out, comm,
-                             [*defaults, *(overrides or []), *extra], split)
+                             [*defaults, *(overrides or []), *extra], split, overwrite)
     if results is not None:
         print("\n".join(describe(results, out)))
 

@@ -91,15 +91,16 @@ def predict_config(config_yaml: str, data: Path, overrides: list[str], world_siz
 
 
 def run_prediction(checkpoint: Path, data: Path, out: Path, comm: Any,
-                   overrides: list[str] | None = None, splits: list[str] | None = None
-                   ) -> dict[str, SplitPredictions] | None:
+                   overrides: list[str] | None = None, splits: list[str] | None = None,
+                   overwrite: bool = False) -> dict[str, SplitPredictions] | None:
     """Predict every sample of ``splits`` (default: all) and write ``out`` (collective).
 
-    ``out`` is checked first (rank 0 writes it): a directory, or a location that cannot
-    be written, fails on every rank before the checkpoint or any data is read.
+    ``out`` is checked first (rank 0 writes it): a directory, an existing file (unless
+    ``overwrite``: another run's predictions are never replaced unasked), or a location
+    that cannot be written, fails on every rank before the checkpoint or any data is read.
     Returns the results on rank 0, None elsewhere.
     """
-    check_out_collectively(out, comm)
+    check_out_collectively(out, comm, overwrite)
     state = load_predict_checkpoint(checkpoint)
     cfg = predict_config(state.config_yaml, data, list(overrides or []), comm.Get_size())
     try:
@@ -118,7 +119,7 @@ def run_prediction(checkpoint: Path, data: Path, out: Path, comm: Any,
     if comm.Get_rank() != 0:
         return None
     final = {split: result for split, result in results.items() if result is not None}
-    write_predictions(out, final, state, checkpoint, cfg)
+    write_predictions(out, final, state, checkpoint, cfg, overwrite)
     return final
 
 
@@ -131,24 +132,28 @@ def load_predict_checkpoint(checkpoint: Path) -> CheckpointState:
         raise DamagedCheckpoint(err.path, err.problem, NOT_A_CHECKPOINT_FIX) from None
 
 
-def check_out(out: Path) -> Path:
-    """Refuse an ``--out`` that is a directory or whose directory cannot be written
-    (created if missing, then probed with a small file): UserError / WriteError."""
+def check_out(out: Path, overwrite: bool = False) -> Path:
+    """Refuse an ``--out`` that is a directory, that exists (unless ``overwrite``) or
+    whose directory cannot be written (created if missing, then probed with a small
+    file): UserError / WriteError."""
     out = Path(out)
     if out.is_dir():
         raise UserError(f"--out '{out}' is a directory; name an HDF5 file such as "
                         f"{out / 'predictions.h5'} (or a .csv file)")
+    if out.exists() and not overwrite:
+        raise UserError(f"--out '{out}' already exists; pass --overwrite to replace it, or "
+                        f"choose another file")
     check_writable(out.parent, where="--out")
     return out
 
 
-def check_out_collectively(out: Path, comm: Any) -> None:
+def check_out_collectively(out: Path, comm: Any, overwrite: bool = False) -> None:
     """:func:`check_out` on rank 0, its verdict raised alike on every rank (so every rank
     exits 2 and rank 0 prints one line), before any rank does any work."""
     verdict: tuple[Any, ...] | None = None
     if comm.Get_rank() == 0:
         try:
-            check_out(out)
+            check_out(out, overwrite)
         except WriteError as err:
             cause = err.reason if err.errno is None else OSError(err.errno, err.reason)
             verdict = ("write", err.path, cause)
@@ -196,11 +201,12 @@ def in_dataset_order(manifest: Manifest, split: str, prediction: np.ndarray
 
 
 def write_predictions(out: Path, results: dict[str, SplitPredictions],
-                      state: CheckpointState, checkpoint: Path, cfg: Config) -> Path:
+                      state: CheckpointState, checkpoint: Path, cfg: Config,
+                      overwrite: bool = False) -> Path:
     """Write the prediction file atomically (rank 0): built in memory, then written with
     plain file I/O, so a full or read-only disk is a WriteError and leaves no ``.tmp``.
     A ``.csv`` name gets CSV (:func:`csv_text`), any other HDF5."""
-    out = check_out(out)
+    out = check_out(out, overwrite)
     if out.suffix.lower() == ".csv":
         return write_text_atomically(out, csv_text(results), where="--out")
 
