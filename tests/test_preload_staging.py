@@ -65,6 +65,37 @@ def test_default_destination_is_under_tmpdir(cli, tmp_path: Path,
     assert code == 2 and "is the dataset itself" in err
 
 
+def test_a_dest_holding_another_dataset_is_refused(cli, tmp_path: Path) -> None:
+    """Same directory name, same file names, other data: nothing of the first copy is
+    replaced; the same dataset re-stages; an empty or older staging directory is taken."""
+    for name, seed in (("a", 0), ("b", 1)):
+        write_universes(tmp_path / name / "data", 4, 2, "channels-last", "int16", seed=seed)
+    stage = tmp_path / "stage"
+    args = [*ARGS, "--dest", str(stage)]
+    code, _, err = cli("preload", "--set", f"data.path={tmp_path / 'a/data'}", *args)
+    assert code == 0, err
+    before = {p: p.read_bytes() for p in stage.rglob("*") if p.is_file()}
+    code, out, err = cli("preload", "--set", f"data.path={tmp_path / 'b/data'}", *args)
+    assert code == 2 and not out
+    assert err.count(f"--dest '{stage}' holds a staging of '{tmp_path / 'a/data'}'") == 1
+    assert "choose another --dest, or remove that directory first" in err
+    assert {p: p.read_bytes() for p in stage.rglob("*") if p.is_file()} == before
+    code, _, err = cli("preload", "--set", f"data.path={tmp_path / 'a/data'}", *args)
+    assert code == 0, err
+    (stage / ".cosmotrain-stage.json").unlink()  # a staging by an older cosmotrain
+    code, _, err = cli("preload", "--set", f"data.path={tmp_path / 'a/data'}", *args)
+    assert code == 0, err
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other/notes.txt").write_text("mine")
+    code, _, err = cli("preload", "--set", f"data.path={tmp_path / 'a/data'}", *ARGS,
+                       "--dest", str(tmp_path / "other"))
+    assert code == 2 and "holds files that are not a staging of it" in err
+    (tmp_path / "empty").mkdir()
+    code, _, err = cli("preload", "--set", f"data.path={tmp_path / 'a/data'}", *ARGS,
+                       "--dest", str(tmp_path / "empty"))
+    assert code == 0, err
+
+
 def test_local_shuffle_stages_the_shards_of_the_nodes_groups(tmp_path: Path) -> None:
     write_universes(tmp_path, 8, 3, "channels-last", "int16", val_files=2)
     manifest = open_manifest(tmp_path, 4)  # 24 train samples, 8 per file; 16 validation

@@ -17,6 +17,7 @@ from test_data_manifest import write_universes
 
 from cosmotrain.data import cache, formats, npy_sample, sample_table
 from cosmotrain.data.manifest import MANIFEST_NAME, open_manifest
+from cosmotrain.data.stage_claim import record_source
 from cosmotrain.errors import DataError
 
 ARGS = ["--set", "model.width=4", "--set", "train.batch_size=2"]
@@ -155,6 +156,7 @@ def test_staged_and_converted_tables_are_valid_for_the_new_files(
 def test_staging_failures_on_two_ranks_are_one_verdict(tmp_path: Path) -> None:
     """Each rank fails on a file of its own: one line, exit 2, no manifest written."""
     write_universes(tmp_path / "data", 4, 3, "channels-last", "int16", val_files=1)
+    record_source(tmp_path / "stage", tmp_path / "data")  # an interrupted staging of it
     for name in ("universe_000.hdf5", "universe_001.hdf5"):  # one per rank of the node
         (tmp_path / "stage/train" / name / "in-the-way").mkdir(parents=True)
     cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "cosmotrain", "preload",

@@ -16,7 +16,9 @@ sliced, so the training loop never decompresses a file.  Once every rank is done
 node's leader writes ``manifest.json`` and the label (and mean) tables beside the copies,
 keyed on the copies' own sizes and modification times, so a job opens the staged
 directory without touching any file it lacks.  A failure on any rank is one verdict,
-printed once, and leaves no new manifest.
+printed once, and leaves no new manifest.  A ``--dest`` holding another dataset's copy
+(or anything but a staging of this dataset) is refused before anything is written
+(``stage_claim.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from cosmotrain.config.schema import Config
 from cosmotrain.data import cache, formats, npy_sample, order, sample_table, tfrecord_sample
 from cosmotrain.data.manifest import MANIFEST_NAME, Manifest
 from cosmotrain.data.open import dataset_root, open_dataset
+from cosmotrain.data.stage_claim import record_source, stage_problem
 from cosmotrain.errors import DataError
 
 CHUNK = 1 << 23  # 8 MiB copy buffer
@@ -118,6 +121,8 @@ def plan_staging(cfg: Config, comm: Any, dest: Path | None = None) -> StagePlan:
     group = grid.coord("sample")
     grid.free()
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    agree(comm, stage_problem(dest, manifest.root, manifest.files, DEST)
+          if node.Get_rank() == 0 else None)
     node_groups = set(node.allgather(group))
     files = node_files(manifest, cfg.train.batch_size, layout.sample, node_groups,
                        cfg.data.shuffle)
@@ -132,13 +137,15 @@ def run_staging(plan: StagePlan, comm: Any,
     A failure on any rank (an unreadable source, a full disk) is one verdict on every
     rank, the lowest failing rank's, printed once; no manifest is written then, so a
     half-staged directory is never taken for a dataset."""
+    leader = plan.node.Get_rank() == 0
+    together(comm, lambda: record_source(plan.dest, plan.manifest.root, DEST)
+             if leader else None)
     plan.node.Barrier()
     start = time.perf_counter()
     copied, inflated = together(comm, lambda: _stage_files(plan, progress))
     plan.node.Barrier()  # the node's copies are all in place before their stats are taken
     files = {split: list(names) for split, names in plan.manifest.files.items()}
     stats = sample_table.file_stats(plan.dest, files, plan.manifest.volume.format, plan.node)
-    leader = plan.node.Get_rank() == 0
     together(comm, lambda: write_metadata(plan.manifest, plan.dest, stats) if leader else None)
     seconds = time.perf_counter() - start
     report = _report(plan, comm, copied, seconds)

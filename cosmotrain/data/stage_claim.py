@@ -1,0 +1,68 @@
+"""Whose copy a stage directory holds, so that staging never writes over another dataset.
+
+Staging replaces a file in ``--dest`` whose bytes differ from the source's file of the
+same name.  That is right for a re-run over the same dataset (a damaged or outdated
+copy), and wrong for a directory holding something else: the default destination,
+``$TMPDIR/cosmotrain/<dataset directory name>``, is shared by two datasets whose
+directories have the same name, and a job may be training from the copy there.  So each
+node's leader records the source in ``<dest>/.cosmotrain-stage.json`` before the first
+copy, and staging goes ahead only into a directory that is missing or empty, records
+the same source, or (written before the record existed) holds a ``manifest.json``
+listing the same files.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from cosmotrain.data import cache
+from cosmotrain.data.manifest import MANIFEST_NAME
+
+STAGE_RECORD = ".cosmotrain-stage.json"
+
+
+def stage_problem(dest: Path, source: Path, files: Mapping[str, Sequence[str]],
+                  option: str = "--dest") -> str | None:
+    """Why ``dest`` cannot take a staging of dataset ``source`` with ``files``; None when
+    it can."""
+    if not dest.exists():
+        return None
+    if not dest.is_dir():
+        return f"{option} '{dest}' is a file; choose a directory"
+    recorded = recorded_source(dest)
+    if recorded == str(source.resolve()) or (recorded is None and _lists(dest, files)):
+        return None
+    if recorded is None and not any(dest.iterdir()):
+        return None
+    held = f"a staging of '{recorded}'" if recorded else "files that are not a staging of it"
+    return (f"{option} '{dest}' holds {held}; staging '{source}' there would replace "
+            f"them: choose another {option}, or remove that directory first")
+
+
+def record_source(dest: Path, source: Path, option: str = "--dest") -> None:
+    """Record ``source`` as what ``dest`` holds a staging of (atomically; a write the disk
+    refuses is a WriteError naming the file)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    cache.write_json(dest / STAGE_RECORD, {"source": str(source.resolve())}, where=option)
+
+
+def recorded_source(dest: Path) -> str | None:
+    """The source recorded in ``dest``, if a readable record is there."""
+    try:
+        source = json.loads((dest / STAGE_RECORD).read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return source if isinstance(source, str) else None
+
+
+def _lists(dest: Path, files: Mapping[str, Sequence[str]]) -> bool:
+    """Whether ``dest`` has a ``manifest.json`` listing exactly ``files`` (a staging made
+    before the record existed)."""
+    try:
+        splits = json.loads((dest / MANIFEST_NAME).read_text()).get("splits", {})
+        return {s: list(v.get("files", [])) for s, v in splits.items()} == \
+            {s: list(names) for s, names in files.items()}
+    except (OSError, ValueError, AttributeError):
+        return False
