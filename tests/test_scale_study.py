@@ -247,6 +247,28 @@ def test_a_run_the_trainer_refuses_is_skipped(strong: Path, tmp_path: Path) -> N
     assert point["reason"].startswith("cosmotrain train refused it: config key 'model.width'")
 
 
+def test_an_earlier_study_is_refused_or_moved_aside(strong: Path, tmp_path: Path) -> None:
+    """Run again into its --out, a study would have replaced the earlier results with
+    skipped points: refused before anything runs; --overwrite moves them aside."""
+    out = tmp_path / "again"
+    args = ("--ranks", "1", "--strategies", "N1", "--machine", "none", "--out", str(out))
+    first = study(*args)
+    assert first.returncode == 0, first.stdout + first.stderr
+    earlier = (out / "results.json").read_text()
+    refused = study(*args)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.count(f"--out '{out}' holds an earlier study (results.json") == 1
+    assert "pass --overwrite to move it into" in refused.stderr and not refused.stdout
+    assert (out / "results.json").read_text() == earlier
+    moved = study(*args, "--overwrite")
+    assert moved.returncode == 0, moved.stdout + moved.stderr
+    [previous] = out.glob("previous-*")
+    assert (previous / "results.json").read_text() == earlier
+    assert (previous / "points/p1-N1/metrics.jsonl").is_file()
+    assert "reusing the dataset" in moved.stdout and (out / "data").is_dir()
+    assert by_name(results(out))["p1-N1"]["status"] == "ok"
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--ranks", "0,2"], "--ranks '0,2'"),
     (["--ranks", "1,x"], "--ranks '1,x'"),

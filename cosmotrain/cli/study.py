@@ -134,6 +134,9 @@ def scale_study(
         "--report", help="Only re-render results.csv/.md and the plots of the study in "
                          "this directory from its results.json (with --machine: price the "
                          "measured points again on that model first).")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Move an earlier study in --out into --out/previous-<time>/ "
+                            "(its dataset stays, reused) instead of refusing.")] = False,
 ) -> None:
     """Measured strong or weak scaling: one short training run per point, tables, plots,
     measured vs predicted."""
@@ -162,7 +165,7 @@ def scale_study(
         strategies=parse_strategy_names(strategies) if strategies is not None else None,
         overrides=tuple(overrides or ()), steps=steps, warmup=warmup, machine=machine,
         ranks_per_node=ranks_per_node, launcher=launcher.value, data=data,
-        timeout_s=timeout, default_machine=machine_file())
+        timeout_s=timeout, default_machine=machine_file(), overwrite=overwrite)
     results = run_study(spec)
     failed = [p.name for p in results["points"] if p.status == "failed"]
     if failed:

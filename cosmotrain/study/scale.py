@@ -35,6 +35,7 @@ from cosmotrain.study import launch
 from cosmotrain.study.launch import Launcher
 from cosmotrain.study.points import Point, build_points, check_explicit, default_strategies
 from cosmotrain.study.report import measure, render, write_results
+from cosmotrain.study.study_dir import claim_study_dir
 
 NO_MACHINE = "none"
 
@@ -57,6 +58,7 @@ class StudySpec:
     data: Path | None = None
     timeout_s: float | None = None
     default_machine: Path | None = None  # the calibrated file without --machine (CLI's)
+    overwrite: bool = False  # move an earlier study in ``out`` aside (study_dir.py)
 
 
 def point_overrides(point: Point, spec: StudySpec, data_dir: Path) -> list[str]:
@@ -117,7 +119,8 @@ def load_study_machine(spec: str | None, default: Path | None = None
 
 def run_study(spec: StudySpec, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Measure every point of ``spec``; write results.json (after each point), results.csv,
-    results.md and the plots into ``spec.out``; return the results."""
+    results.md and the plots into ``spec.out``; return the results.  An earlier study in
+    ``spec.out`` is refused, or with ``spec.overwrite`` moved aside (``study_dir.py``)."""
     spec = _absolute(spec)
     base = load_config(spec.config, spec.overrides)
     machine, machine_note = load_study_machine(spec.machine, spec.default_machine)
@@ -135,9 +138,12 @@ def run_study(spec: StudySpec, echo: Callable[[str], None] = print) -> dict[str,
     for point in runnable:
         launcher.words(point.ranks)  # no launcher for P > 1: one error, before any run
     results = _results(spec, base, names, launcher, machine, machine_note, data_dir, points)
+    moved = claim_study_dir(spec.out, spec.overwrite)  # only now: a bad spec moves nothing
     echo(f"scale-study: {spec.mode} scaling of {spec.config.name} over ranks "
          f"{','.join(map(str, spec.ranks))}: {len(runnable)} point(s) to run, "
          f"{len(points) - len(runnable)} skipped; {machine_note}")
+    if moved:
+        echo(moved)
     spec.out.mkdir(parents=True, exist_ok=True)
     if runnable and spec.data is None:
         _ensure_dataset(spec, base, launcher, runnable, echo)

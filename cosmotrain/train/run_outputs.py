@@ -96,7 +96,7 @@ def check_fresh_directory(out_dir: str | Path, mode: str, *, now: float | None =
 
 
 def _move_aside(out: Path, now: float) -> MovedAside:
-    dest = _new_previous_dir(out, now)
+    dest = new_previous_dir(out, now)
     moved = []
     for name in RUN_OUTPUTS:
         source = out / name
@@ -124,8 +124,9 @@ def _move_mlperf_log(out: Path, dest: Path) -> bool:
     return True
 
 
-def _new_previous_dir(out: Path, now: float) -> Path:
-    """Create ``previous-<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``... when it exists)."""
+def new_previous_dir(out: Path, now: float, option: str = "output.dir") -> Path:
+    """Create ``previous-<YYYYmmdd-HHMMSS>`` in ``out`` (``-2``, ``-3``... when it
+    exists); ``option`` names ``out`` in the error when it cannot."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     for n in range(1, 1000):
         dest = out / (f"previous-{stamp}" + (f"-{n}" if n > 1 else ""))
@@ -134,5 +135,5 @@ def _new_previous_dir(out: Path, now: float) -> Path:
             return dest
         except FileExistsError:
             continue
-    raise RunDirError(f"output.dir '{out}': too many previous-{stamp}* directories; "
-                      f"clean up or choose another output.dir")
+    raise RunDirError(f"{option} '{out}': too many previous-{stamp}* directories; "
+                      f"clean up or choose another {option}")
