@@ -86,3 +86,12 @@ def test_plan_errors_exit_2(tmp_path: Path) -> None:
     none = run("plan", *sets(*TINY), "--ranks", "3", "--machine", "h100",
                "--memory-per-rank", "0.000001")
     assert none.returncode == 2 and "no strategy for 3 rank(s) fits" in none.stderr
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("# my own config, with comments\nmodel: {name: tiny}\n")
+    kept = run("plan", *sets(*TINY), "--ranks", "2", "--machine", "h100", "--apply", str(mine))
+    assert kept.returncode == 2 and f"--apply '{mine}' already exists" in kept.stderr
+    assert mine.read_text().startswith("# my own config")
+    replaced = run("plan", *sets(*TINY), "--ranks", "2", "--machine", "h100", "--apply",
+                   str(mine), "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    assert yaml.safe_load(mine.read_text())["model"]["name"] == "tiny"

@@ -63,6 +63,8 @@ def plan(
         "--apply", help="Write the config with the best strategy's parallel section here.")]
     = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace the --apply file when it exists.")] = False,
 ) -> None:
     """Rank the parallel strategies for a config on P ranks by predicted step time."""
     from cosmotrain.cli.machine import command_machine, note
@@ -70,6 +72,9 @@ def plan(
     from cosmotrain.plan.planner import node_layout, plan as make_plan
     from cosmotrain.plan.report import plan_json, plan_table, write_applied
 
+    if apply is not None and apply.exists() and not overwrite:
+        raise UserError(f"--apply '{apply}' already exists (a config of yours?); pass "
+                        f"--overwrite to replace it, or name a new file")
     cfg = load_config(config_file, overrides or [])
     model, line = command_machine(machine)
     nodes = node_layout(ranks, ranks_per_node, slurm_per_node(), model)
