@@ -34,8 +34,11 @@ def stage_problem(dest: Path, source: Path, files: Mapping[str, Sequence[str]],
     recorded = recorded_source(dest)
     if recorded == str(source.resolve()) or (recorded is None and _lists(dest, files)):
         return None
-    if recorded is None and not any(dest.iterdir()):
-        return None
+    try:
+        if recorded is None and not any(dest.iterdir()):
+            return None
+    except OSError as err:
+        return f"{option} '{dest}' cannot be listed ({err}); choose another {option}"
     held = f"a staging of '{recorded}'" if recorded else "files that are not a staging of it"
     return (f"{option} '{dest}' holds {held}; staging '{source}' there would replace "
             f"them: choose another {option}, or remove that directory first")
