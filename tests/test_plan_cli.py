@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -55,6 +57,24 @@ def test_calibration_measures_layers_concurrency_and_links(machine_file: Path) -
     assert machine.intra.collectives["allreduce"][2].b > 0 and machine.intra.p2p.b > 0
     assert set(machine.intra.alone) == set(machine.intra.collectives)
     assert machine.element_time["optimizer"] > 0
+
+
+def test_a_new_calibration_keeps_the_one_before(machine_file: Path, tmp_path: Path) -> None:
+    from cosmotrain.study.calibrate import save_keeping_previous
+
+    machine = MachineModel.load(machine_file)
+    path = tmp_path / "machine.json"
+    assert save_keeping_previous(machine, path) == (path, None)
+    earlier = path.read_text()
+    saved, previous = save_keeping_previous(replace(machine, name="later"), path, now=0.0)
+    assert saved == path and MachineModel.load(path).name == "later"
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(0))
+    assert previous == tmp_path / f"machine.previous-{stamp}.json"
+    assert previous.read_text() == earlier
+    again = save_keeping_previous(machine, path, now=0.0)[1]
+    assert again is not None and again.name.endswith("-2.json") and again != previous
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["machine.json", previous.name, again.name])  # no temporary file left
 
 
 def test_plan_ranks_applies_and_auto_uses_it(machine_file: Path, tmp_path: Path) -> None:

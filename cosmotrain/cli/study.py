@@ -30,7 +30,8 @@ def calibrate(
     """Fit the performance model's constants on this machine (run under mpiexec -n P)."""
     from cosmotrain.comm import world
     from cosmotrain.config import load_config
-    from cosmotrain.study.calibrate import Settings, calibrate as run_calibration
+    from cosmotrain.study.calibrate import (Settings, calibrate as run_calibration,
+                                            save_keeping_previous)
 
     cfg = load_config(config_file, overrides or [])
     comm = world()
@@ -39,8 +40,9 @@ def calibrate(
     machine = run_calibration(cfg, comm, settings,
                               lambda line: print(line, flush=True) if rank == 0 else None)
     if machine is not None:
-        path = machine.save(out or machine_file())
-        print(f"machine model written to {path}")
+        path, previous = save_keeping_previous(machine, out or machine_file())
+        kept = f" (the calibration there before is kept as {previous})" if previous else ""
+        print(f"machine model written to {path}{kept}")
 
 
 @app.command()

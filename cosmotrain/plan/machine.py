@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cosmotrain.atomic import write_text_atomically
 from cosmotrain.errors import DataError
 
 FORMAT = "cosmotrain-machine-2"  # 2: per-k layer curves (1 had one-thread fits)
@@ -179,11 +180,13 @@ class MachineModel:
         data["format"] = FORMAT
         return data
 
-    def save(self, path: str | Path) -> Path:
+    def save(self, path: str | Path, where: str = "--out") -> Path:
+        """Write the model as JSON, atomically (a job reading it meanwhile, e.g. for
+        ``parallel: auto``, sees the old file or the new one, never a part)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_json(), indent=1, sort_keys=True))
-        return path
+        return write_text_atomically(path, json.dumps(self.to_json(), indent=1,
+                                                      sort_keys=True), where, unique=True)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> MachineModel:

@@ -29,10 +29,12 @@ training does.  The result is one JSON file (``MachineModel``).
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -85,6 +87,24 @@ def calibrate(cfg: Config, comm: Any, settings: Settings, log: Callable[[str], N
         machine.notes = (f"calibrated with {size} rank(s) on one node; inter-node links "
                          "copy the intra-node ones (calibrate across nodes to measure them)")
     return machine if rank == 0 else None
+
+
+def save_keeping_previous(machine: MachineModel, path: Path,
+                          now: float | None = None) -> tuple[Path, Path | None]:
+    """Write ``machine`` to ``path`` (atomically); a calibration already there is kept
+    beside it as ``<name>.previous-<YYYYmmdd-HHMMSS>.json`` (a 64-rank calibration from a
+    cluster is not lost to a later one on a laptop).  Returns both paths."""
+    path, previous = Path(path), None
+    if path.is_file():
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if now is None
+                                                              else now))
+        for n in range(1, 1000):
+            previous = path.with_name(f"{path.stem}.previous-{stamp}"
+                                      f"{f'-{n}' if n > 1 else ''}{path.suffix}")
+            if not previous.exists():
+                break
+        shutil.copy2(path, previous)
+    return machine.save(path), previous
 
 
 def levels(size: int) -> list[int]:
