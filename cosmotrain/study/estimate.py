@@ -19,7 +19,6 @@ calibration always wins and nothing mistakes an estimate for one.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -28,7 +27,6 @@ from pathlib import Path
 
 import numpy as np
 
-from cosmotrain.atomic import write_text_atomically
 from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.config.load import load_config
 from cosmotrain.config.schema import Config
@@ -71,9 +69,7 @@ def cached_estimate(path: Path, log: Callable[[str], None]) -> tuple[MachineMode
             f"is; delete {path} to measure again when it is quiet")
     machine = estimated_machine(probe(log))
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomically(path, json.dumps(machine.to_json(), indent=1, sort_keys=True),
-                              where="COSMOTRAIN_MACHINE", unique=True)
+        machine.save(path, where="COSMOTRAIN_MACHINE")
     except (UserError, OSError) as err:
         return machine, f"not cached ({err})"
     return machine, f"saved to {path}"
