@@ -12,7 +12,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import mpiexec, subprocess_env
+from conftest import abort_on_error, mpiexec, subprocess_env
 from test_data_manifest import write_universes
 
 from cosmotrain.data import cache, formats, npy_sample, sample_table
@@ -166,3 +166,53 @@ def test_staging_failures_on_two_ranks_are_one_verdict(tmp_path: Path) -> None:
     errors = [line for line in out.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and "universe_000.hdf5" in errors[0], out.stderr
     assert not (tmp_path / "stage" / MANIFEST_NAME).exists()
+
+
+@pytest.mark.parallel(nprocs=2)
+@abort_on_error
+def test_two_ranks_read_again_only_the_changed_files_and_agree() -> None:
+    """The stats are taken and the changed entries read over both ranks; every rank ends
+    with the same tables, equal to a fresh build's."""
+    import shutil
+    import tempfile
+
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    assert world.size == 2
+    root = Path(world.bcast(tempfile.mkdtemp() if world.rank == 0 else None))
+    if world.rank == 0:
+        write_universes(root, 8, 5, "channels-last", "int16", val_files=2)
+    world.Barrier()
+    open_manifest(root, 4, world, means=True)
+    if world.rank == 0:
+        for i in (1, 3):  # one changed file for each rank's share, and one not
+            rewrite(root / f"train/universe_{i:03d}.hdf5",
+                    np.full(4, 0.1 * i, np.float32), float(i), layout="channels-last",
+                    dtype="int16")
+    world.Barrier()
+    probed: list[str] = []
+    probe = formats.probe
+
+    def counted(path: Path, *args: object, **kw: object) -> object:
+        probed.append(Path(path).name)
+        return probe(path, *args, **kw)
+    formats.probe = counted
+    try:
+        changed = open_manifest(root, 4, world, means=True)
+    finally:
+        formats.probe = probe
+    assert sorted(sum(world.allgather(probed), [])) == ["universe_001.hdf5",
+                                                        "universe_003.hdf5"]
+    assert len(probed) == 1  # shared out: one each
+    if world.rank == 0:
+        fresh = root.parent / (root.name + "-fresh")
+        shutil.copytree(root, fresh, ignore=shutil.ignore_patterns("cosmotrain-*"))
+    world.Barrier()
+    rebuilt = open_manifest(Path(str(root) + "-fresh"), 4, world, means=True)
+    for split in ("train", "validation"):
+        np.testing.assert_array_equal(changed.labels[split], rebuilt.labels[split])
+        np.testing.assert_array_equal(changed.means[split], rebuilt.means[split])
+    for other in world.allgather(changed.labels["train"]):
+        np.testing.assert_array_equal(other, changed.labels["train"])
+    np.testing.assert_array_equal(changed.labels["train"][3], np.full(4, 0.3, np.float32))
