@@ -42,7 +42,8 @@ VOLUME_NAMES = {HDF5: "'full'", TFRECORD: "feature 'x'", NPY: "the '_data.npy' a
 LABEL_NAMES = {HDF5: "'unitPar'", TFRECORD: "feature 'y'", NPY: "'_label.npy'"}
 
 Box = tuple[slice, slice, slice]
-REPLACE_HINT = "replace or remove the file, then rebuild the manifest (delete its cache)"
+REPLACE_HINT = ("replace the file (a replaced file is read again at the next start), or remove "
+                "it and its line in any list or manifest.json naming it")
 LABEL_RANGE = (-1.0, 1.0)  # unitPar: normalised cosmological parameters
 LABEL_HINT = (f"labels are the 4 normalised cosmological parameters, each in "
               f"[{LABEL_RANGE[0]:g}, {LABEL_RANGE[1]:g}]: fix or replace the file")
