@@ -111,20 +111,30 @@ def test_a_removed_label_file_is_noticed(tmp_path: Path) -> None:
     assert not np.isnan(labels[0]).any() and np.isnan(labels[1]).all()  # now unlabelled
 
 
-def test_a_table_from_before_the_stats_is_rebuilt(tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    write_universes(tmp_path, 4, 2, "channels-last", "int16", val_files=1)
+def test_a_table_from_before_the_stats_is_read_again_for_the_files_present(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local-shuffle stage of an earlier version lacks most files: those keep their
+    entries, the others are read again once, and the table is stored with stats."""
+    write_universes(tmp_path, 4, 3, "channels-last", "int16", val_files=1)
+    (tmp_path / "train.txt").write_text("".join(f"train/universe_{i:03d}.hdf5\n"
+                                                for i in range(3)))
+    (tmp_path / "val.txt").write_text("validation/universe_000.hdf5\n")
     manifest = open_manifest(tmp_path, 4)
     files = {split: list(names) for split, names in manifest.files.items()}
     old = {f"table_{s}": manifest.labels[s] for s in files}  # the layout of earlier versions
     old.update({f"key_{s}": np.array(cache.files_key(names)) for s, names in files.items()})
     cache.write_npz(tmp_path / sample_table.LABELS_NAME, old)
+    (tmp_path / "train/universe_002.hdf5").unlink()  # not staged on this node
     opened = count_reads(monkeypatch)
-    rebuilt = open_manifest(tmp_path, 4)
+    again = open_manifest(tmp_path, 4)
     assert sorted(opened) == ["universe_000.hdf5"] * 2 + ["universe_001.hdf5"]
-    np.testing.assert_array_equal(rebuilt.labels["train"], manifest.labels["train"])
+    np.testing.assert_array_equal(again.labels["train"], manifest.labels["train"])
     with np.load(tmp_path / sample_table.LABELS_NAME) as stored:
-        assert stored["stat_train"].shape == (2, sample_table.STAT_FIELDS)
+        assert stored["stat_train"].shape == (3, sample_table.STAT_FIELDS)
+        assert stored["stat_train"][2].tolist() == [-1, -1, -1, -1]
+    opened.clear()
+    open_manifest(tmp_path, 4)
+    assert opened == []
 
 
 def test_a_vanished_file_is_named(tmp_path: Path) -> None:

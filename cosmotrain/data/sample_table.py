@@ -19,10 +19,12 @@ A table stores, beside its values, the size and modification time (ns) of every 
 read, and of each NVIDIA ``_label.npy`` beside its volume (:func:`file_stats`, taken
 collectively at every open: one ``stat`` per file, shared out over the ranks).  Entries
 whose file changed since (replaced, rewritten, its labels removed) are read again, only
-those; a table whose file list differs from the manifest's, or that predates the stored
-stats, is rebuilt whole.  Writers of a table for files they just wrote (staging,
-``convert``) store the stats of those files, so a staged copy's new modification times
-do not invalidate its table.
+those, as ``make`` and rsync's quick check decide (a same-size rewrite within the file
+system's timestamp tick goes unseen).  A table whose file list differs from the
+manifest's is rebuilt whole; one written before the stats were stored is read again for
+every file present (the absent ones of a local-shuffle stage keep their entries).
+Writers of a table for files they just wrote (staging, ``convert``) store the stats of
+those files, so a staged copy's new modification times do not invalidate its table.
 """
 
 from __future__ import annotations
@@ -185,27 +187,37 @@ def _load(root: Path, name: str, files: Mapping[str, Sequence[str]], stats: Stat
         if count == 0:
             usable[split], todo[split] = np.zeros(0), []
             continue
-        if stored is None or len(stored[0]) != count or stored[1].shape != stats[split].shape:
+        if stored is None or len(stored[0]) != count:
             todo[split] = list(range(count))
             continue
         usable[split] = stored[0]
-        changed = np.flatnonzero((stored[1] != stats[split]).any(axis=1))
+        changed = _changed_files(stored[1], stats[split])
         todo[split] = [f * per_file + k for f in changed.tolist() for k in range(per_file)]
     return usable, todo
 
 
+def _changed_files(stored: np.ndarray | None, now: np.ndarray) -> np.ndarray:
+    """Indices of the files whose entries must be read again: those whose stats differ;
+    for a table from before the stats (``stored`` None), every file present (a file
+    absent here, as a local-shuffle stage lacks most, keeps its stored entry)."""
+    if stored is None or stored.shape != now.shape:
+        return np.flatnonzero(now[:, 0] >= 0)
+    return np.flatnonzero((stored != now).any(axis=1))
+
+
 def _stored_split(root: Path, name: str, split: str, names: Sequence[str],
-                  cache_dir: str | None) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(values, stats)`` of ``split`` in the cached table, if it holds this file list."""
+                  cache_dir: str | None) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """``(values, stats)`` of ``split`` in the cached table, if it holds this file list
+    (stats None: a table written before they were stored)."""
     path = cache.find(Path(root), name, cache_dir)
     if path is None:
         return None
     try:
         with np.load(path) as stored:
-            if str(stored.get(f"key_{split}", "")) != cache.files_key(list(names)) or \
-                    f"stat_{split}" not in stored:
-                return None  # another file list, or a table from before the stats
-            return stored[f"table_{split}"], stored[f"stat_{split}"]
+            if str(stored.get(f"key_{split}", "")) != cache.files_key(list(names)):
+                return None  # another file list
+            stats = stored[f"stat_{split}"] if f"stat_{split}" in stored else None
+            return stored[f"table_{split}"], stats
     except (OSError, ValueError, KeyError):
         return None  # an unreadable cache is rebuilt, never fatal
 
