@@ -81,7 +81,6 @@ def describe(root: Path, format: str = AUTO) -> dict[str, Any]:
                          probed=[first, *cache.file_stat(Path(root) / first)])
 
 
-
 def manifest_dict(info: formats.VolumeInfo, splits: dict[str, list[str]],
                   **extra: Any) -> dict[str, Any]:
     """A manifest in ``cosmotrain datagen``'s format (counts are files) plus ``extra`` keys."""

@@ -35,7 +35,7 @@ from cosmotrain.study import launch
 from cosmotrain.study.launch import Launcher
 from cosmotrain.study.points import Point, build_points, check_explicit, default_strategies
 from cosmotrain.study.report import measure, render, write_results
-from cosmotrain.study.study_dir import claim_study_dir
+from cosmotrain.study.study_dir import POINTS_DIR, claim_study_dir
 
 NO_MACHINE = "none"
 
@@ -74,7 +74,7 @@ def point_overrides(point: Point, spec: StudySpec, data_dir: Path) -> list[str]:
             "train.log_every=1", "train.validate_every=0", "train.target_mae=null",
             "train.checkpoint_every_epochs=0", "train.checkpoint_every_steps=null",
             "train.keep_checkpoints=1", "data.source=files", f"data.path={data_dir}",
-            f"output.dir={spec.out / 'points' / point.name}"]
+            f"output.dir={spec.out / POINTS_DIR / point.name}"]
 
 
 def point_config(point: Point, spec: StudySpec, data_dir: Path) -> Config:
@@ -267,7 +267,7 @@ def run_point(point: Point, spec: StudySpec, launcher: Launcher, data_dir: Path,
     sets = point_overrides(point, spec, data_dir)
     point.command = launcher.words(point.ranks) + launch.cosmotrain_command(
         "train", "--config", str(spec.config), *[w for s in sets for w in ("--set", s)])
-    point_dir = spec.out / "points" / point.name
+    point_dir = spec.out / POINTS_DIR / point.name
     point.output_dir = str(point_dir)
     done = launch.run_logged(point.command, point_dir, timeout_s)
     remove_checkpoints(point_dir)
