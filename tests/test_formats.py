@@ -117,6 +117,35 @@ def test_a_file_written_by_the_tfrecord_package_is_read(datasets: dict[str, Path
             assert np.array_equal(got, want)
 
 
+def test_a_float_list_volume_is_read_as_float32(datasets: dict[str, Path],
+                                               tmp_path: Path) -> None:
+    """Older preparations stored ``x`` as a packed float_list (the PyPI ``tfrecord``
+    package writes it here, independently): a float32 dataset holding the same counts,
+    memory-mapped like the bytes; a NaN in it is named when read."""
+    writer = pytest.importorskip("tfrecord.writer")
+    reference = open_manifest(datasets["hdf5"], None)
+    (tmp_path / "train").mkdir()
+    names = reference.files["train"]
+    for i, name in enumerate(names):
+        volume, labels = formats.read_sample(reference.root / name)
+        values = np.moveaxis(volume, 0, -1).astype(np.float32).ravel()
+        if i == 1:
+            values[5] = np.nan
+        record = writer.TFRecordWriter(str(tmp_path / "train" / f"univ_{i:03d}.tfrecord"))
+        record.write({"x": (values.tolist(), "float"), "y": (labels.tolist(), "float")})
+        record.close()
+    manifest = open_manifest(tmp_path, 8)
+    assert manifest.volume == formats.VolumeInfo((16, 16, 16, 4), "float32",
+                                                 "channels-last", "tfrecord")
+    np.testing.assert_array_equal(manifest.labels["train"], reference.labels["train"])
+    box = (slice(2, 9), slice(0, 16), slice(3, 11))
+    got = formats.read_block(tmp_path / manifest.files["train"][0], manifest.volume, box)
+    want = formats.read_block(reference.root / names[0], reference.volume, box)
+    assert got.dtype == np.float32 and np.array_equal(got, want.astype(np.float32))
+    with pytest.raises(DataError, match="univ_001.tfrecord'.*non-finite"):
+        formats.read_block(tmp_path / manifest.files["train"][1], manifest.volume)
+
+
 def test_nvidia_numpy_lists_are_followed_and_checked(datasets: dict[str, Path],
                                                      tmp_path: Path) -> None:
     root = tmp_path / "nv"
@@ -196,6 +225,10 @@ def test_tfrecord_features_of_the_wrong_kind_are_named(tmp_path: Path) -> None:
     cases = {"no x": ({"y": np.zeros(4, np.float32)}, "has no feature 'x'"),
              "wrong length": ({"x": cube[:-2], "y": np.zeros(4, np.float32)},
                               "feature 'x' holds 4094 bytes, not an int16 cube"),
+             "wrong float count": ({"x": np.zeros(8 ** 3 * 4 - 1, np.float32)},
+                                   "feature 'x' holds 8188 bytes, not a float32 cube"),
+             "int64 x": ({"x": np.zeros(8, np.int64)},
+                         r"feature 'x': expected one bytes value, found 8 int64 value\(s\)"),
              "five labels": ({"x": cube, "y": np.zeros(5, np.float32)},
                              r"feature 'y' has shape \(5,\)"),
              "label range": ({"x": cube, "y": np.full(4, 3, np.float32)},

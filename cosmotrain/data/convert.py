@@ -56,10 +56,11 @@ class ConvertReport:
 
 def target_volume(source: formats.VolumeInfo, format: str) -> formats.VolumeInfo:
     """What the converted files hold: the source's cubes in ``format`` (TFRecord: int16
-    channels-last, the only kind it holds)."""
+    channels-last, the only kind written)."""
     if format == formats.TFRECORD and source.dtype != "int16":
-        raise UserError(f"TFRecord holds int16 counts but the source's volumes are "
-                        f"{source.dtype}: convert to hdf5 or npy instead")
+        raise UserError(f"TFRecord holds int16 counts as written (MLPerf's format) but "
+                        f"the source's volumes are {source.dtype}: convert to hdf5 or npy "
+                        f"instead")
     layout = formats.CHANNELS_LAST if format == formats.TFRECORD else source.layout
     return formats.VolumeInfo(formats.volume_shape(source.width, layout), source.dtype,
                               layout, format)

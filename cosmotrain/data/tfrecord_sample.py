@@ -2,7 +2,8 @@
 
 One sample per ``.tfrecord`` file: one record (``tfrecord_codec``) whose ``Example`` has
 feature ``x``, the raw little-endian int16 cube ``[W, W, W, 4]`` (D, H, W, C; W = 128 in
-MLPerf), and feature ``y``, the 4 float32 labels (absent: unlabelled).  MLPerf v1.0 files
+MLPerf; older preparations wrote it as a packed float_list of float32 counts, read as a
+float32 dataset), and feature ``y``, the 4 float32 labels (absent: unlabelled).  MLPerf v1.0 files
 are whole-file gzip streams under the same name (magic bytes ``1f 8b``); v0.7 files are
 plain.
 
@@ -31,17 +32,18 @@ from cosmotrain.data.tfrecord_codec import (FeatureValue, Record, TFRecordError,
                                             encode_example, float_values, frame_record,
                                             parse_record)
 from cosmotrain.data.volume import (CHANNELS_LAST, NUM_CHANNELS, TFRECORD, Box, SampleNames,
-                                    VolumeInfo, check_expected, checked_labels, copy_block,
-                                    encode_counts, to_layout)
+                                    VolumeInfo, check_expected, check_finite, checked_labels,
+                                    copy_block, encode_counts, to_layout)
 from cosmotrain.errors import DataError, UserError
 
 GZIP_MAGIC = b"\x1f\x8b"
 SUFFIXES = (".tfrecord", ".tfrecords")
 VOLUME_FEATURE, LABEL_FEATURE = "x", "y"
 ITEM = np.dtype("<i2")  # x holds little-endian int16 counts
+FLOAT_ITEM = np.dtype("<f4")  # or, in older preparations, a packed float_list of counts
 FORMAT_HINT = ("expected one TFRecord Example per file (plain or gzip) with feature 'x' "
-               "(bytes: int16 [W, W, W, 4]) and feature 'y' (4 floats), as MLPerf HPC "
-               "CosmoFlow writes them")
+               "(bytes: int16 [W, W, W, 4], or a packed float_list of as many float32) "
+               "and feature 'y' (4 floats), as MLPerf HPC CosmoFlow writes them")
 GZIP_LEVEL = 6
 
 
@@ -100,10 +102,13 @@ def read_block(path: Path, expect: VolumeInfo, box: Box | None = None,
         info = _volume_info(path, buffer, record)
         check_expected(path, info, expect)
         feature = record.features[VOLUME_FEATURE]
-        volume = np.frombuffer(buffer, dtype=ITEM, count=feature.length // ITEM.itemsize,
+        item = np.dtype(info.dtype).newbyteorder("<")
+        volume = np.frombuffer(buffer, dtype=item, count=feature.length // item.itemsize,
                                offset=feature.offset).reshape(info.shape)
         block = copy_block(path, volume, info, box, origin, channels, out)
         del volume  # the map cannot close while a view of it is alive
+    if block.dtype.kind == "f":
+        check_finite(path, block)
     return block
 
 
@@ -149,18 +154,25 @@ def _record(path: Path, buffer: bytes | mmap.mmap, verify: bool) -> Record:
 
 
 def _volume_info(path: Path, buffer: bytes | mmap.mmap, record: Record) -> VolumeInfo:
-    """The cube's shape from the length of ``x``: ``W**3 * 4`` int16 values."""
+    """The cube's shape and dtype from ``x``: ``W**3 * 4`` int16 values (bytes, MLPerf) or
+    float32 values (a packed float_list, as older preparations wrote them)."""
     feature = record.features[VOLUME_FEATURE]
     try:
-        length = len(bytes_value(buffer, feature))
+        if feature.kind == "float" and (feature.packed or feature.count == 0):
+            item, length = FLOAT_ITEM, feature.length if feature.count else 0
+        else:
+            item, length = ITEM, len(bytes_value(buffer, feature))
     except TFRecordError as err:
         raise DataError(path, f"feature '{VOLUME_FEATURE}': {err}", FORMAT_HINT) from err
-    voxels = length // (ITEM.itemsize * NUM_CHANNELS)
+    voxels = length // (item.itemsize * NUM_CHANNELS)
     width = round(voxels ** (1 / 3)) if voxels > 0 else 0
-    if width < 1 or width ** 3 * NUM_CHANNELS * ITEM.itemsize != length:
-        raise DataError(path, f"feature '{VOLUME_FEATURE}' holds {length} bytes, not an "
-                        f"int16 cube [W, W, W, 4] (128^3 x 4 is 16777216 bytes)", FORMAT_HINT)
-    return VolumeInfo((width, width, width, NUM_CHANNELS), "int16", CHANNELS_LAST, TFRECORD)
+    if width < 1 or width ** 3 * NUM_CHANNELS * item.itemsize != length:
+        kind = "an int16" if item == ITEM else "a float32"
+        raise DataError(path, f"feature '{VOLUME_FEATURE}' holds {length} bytes, not "
+                        f"{kind} cube [W, W, W, 4] (128^3 x 4 is "
+                        f"{128 ** 3 * 4 * item.itemsize} bytes)", FORMAT_HINT)
+    return VolumeInfo((width, width, width, NUM_CHANNELS), item.name, CHANNELS_LAST,
+                      TFRECORD)
 
 
 def _labels(path: Path, buffer: bytes | mmap.mmap, record: Record) -> np.ndarray:
