@@ -7,7 +7,8 @@ hdf5       ``*.hdf5`` / ``*.h5``: datasets ``full``,       :mod:`.hdf5_sample`
            ``unitPar`` (any layout, int16 or float32)
 tfrecord   ``*.tfrecord``: one ``Example`` record          :mod:`.tfrecord_sample`
            (``x``: int16 [W, W, W, 4] bytes, ``y``: 4
-           floats), plain or whole-file gzip (MLPerf)
+           floats), plain or whole-file gzip (MLPerf);
+           ``<file>#<k>``: record k of a file of several
 npy        ``<name>_data.npy`` + ``<name>_label.npy``      :mod:`.npy_sample`
            (NVIDIA's MLPerf layout)
 =========  ==============================================  ==============================
@@ -46,7 +47,8 @@ __all__ = [
     "LABEL_RANGE", "LAYOUTS", "LAYOUT_ATTR", "NPY", "NUM_CHANNELS", "NUM_LABELS",
     "REPLACE_HINT", "TFRECORD", "VOLUME_DATASET", "Box", "VolumeInfo", "check_finite",
     "check_layout", "detect_layout", "encode_counts", "format_of", "from_layout",
-    "label_problem", "probe", "renamed", "read_block", "read_sample", "sample_name", "to_layout",
+    "label_problem", "probe", "renamed", "read_block", "read_sample", "sample_file",
+    "sample_name", "to_layout",
     "volume_problem", "volume_shape", "write_sample",
 ]
 
@@ -68,6 +70,12 @@ def format_of(path: Path | str) -> str | None:
         if mod.is_sample_name(name):
             return format
     return None
+
+
+def sample_file(path: Path | str) -> Path:
+    """The file holding the sample at ``path``: ``path`` itself, but for the address
+    ``<file>#<k>`` of a record in a TFRecord file of several (``tfrecord_sample``)."""
+    return tfrecord_sample.sample_file(path)
 
 
 def sample_name(stem: str, format: str) -> str:

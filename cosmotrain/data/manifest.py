@@ -201,8 +201,8 @@ def read_description(root: Path, cache_dir: str | None = None, format: str = sca
     cached = cache.find(root, SCAN_CACHE_NAME, cache_dir)
     if cached is not None:
         description = _read_json(cached)
-        same_files = {s: v.get("files") for s, v in description.get("splits", {}).items()
-                      } == listing
+        same_files = {s: scan.listed_files(v["files"]) if isinstance(v.get("files"), list)
+                      else None for s, v in description.get("splits", {}).items()} == listing
         if same_files and format in (scan.AUTO, description.get("format", formats.HDF5)) \
                 and _still_probed(root, description):
             return cached, description
@@ -222,7 +222,7 @@ def _still_probed(root: Path, description: Mapping[str, Any]) -> bool:
     probed = description.get("probed")
     if not isinstance(probed, list) or len(probed) != 3:
         return False  # a scan from before the key: rescanned once
-    return [*cache.file_stat(root / str(probed[0]))] == list(probed[1:])
+    return [*cache.file_stat(formats.sample_file(root / str(probed[0])))] == list(probed[1:])
 
 
 def parse_description(path: Path, description: Mapping[str, Any]

@@ -72,7 +72,8 @@ def file_stats(root: Path, files: Mapping[str, Sequence[str]], format: str,
 
 def _stat_row(path: Path, format: str) -> tuple[int, ...]:
     label = npy_sample.label_path(path) if format == formats.NPY else None
-    return cache.file_stat(path) + (cache.file_stat(label) if label else (-1, -1))
+    return cache.file_stat(formats.sample_file(path)) + (cache.file_stat(label) if label
+                                                         else (-1, -1))
 
 
 def file_labels(root: Path, files: Mapping[str, Sequence[str]], expect: formats.VolumeInfo,

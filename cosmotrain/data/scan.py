@@ -10,6 +10,9 @@ Recognised layouts, tried in this order:
    one, with ``files_label.lst`` checked against it);
 3. sample files directly in the directory: one ``train`` split.
 
+TFRecord files of several records (the 2019_02 universes, 64 a file) are listed record
+by record, as ``<file>#<k>`` addresses (:func:`records_listed`).
+
 The format comes from the file names (``formats.format_of``) unless ``data.format`` names
 one; a directory holding the samples of two formats must name one.  Files are taken in
 sorted name order (list files: in their order).  The first file fixes the volume shape,
@@ -23,7 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from cosmotrain.data import cache, formats, npy_sample
+from cosmotrain.data import cache, formats, npy_sample, tfrecord_sample
 from cosmotrain.errors import DataError
 
 SCAN_GENERATOR = "cosmotrain.scan"
@@ -75,10 +78,37 @@ def describe(root: Path, format: str = AUTO) -> dict[str, Any]:
     """A manifest dictionary for ``root``: the discovered files and the first file's header."""
     how, splits = discover(root, format)
     chosen = dataset_format(splits, format)
+    if chosen == formats.TFRECORD:
+        splits = records_listed(root, splits)
     first = next(iter(splits.values()))[0]
     info, _ = formats.probe(Path(root) / first, format=chosen)
+    stat = cache.file_stat(formats.sample_file(Path(root) / first))
     return manifest_dict(info, splits, generator=SCAN_GENERATOR, source=how,
-                         probed=[first, *cache.file_stat(Path(root) / first)])
+                         probed=[first, *stat])
+
+
+def records_listed(root: Path, splits: dict[str, list[str]]) -> dict[str, list[str]]:
+    """TFRecord files of several records listed record by record (``<file>#<k>``), when
+    the first file holds several: then every file is counted (its framing walked), so a
+    dataset of one-record files (MLPerf's) costs the count of one file."""
+    first = next(iter(splits.values()))[0]
+    if tfrecord_sample.record_address(first)[1] is not None or \
+            tfrecord_sample.record_count(Path(root) / first) == 1:
+        return splits
+    return {split: [entry for name in names for entry in _records_of(root, name)]
+            for split, names in splits.items()}
+
+
+def _records_of(root: Path, name: str) -> list[str]:
+    if tfrecord_sample.record_address(name)[1] is not None:
+        return [name]  # a list file may address records itself
+    return tfrecord_sample.record_addresses(name, tfrecord_sample.record_count(root / name))
+
+
+def listed_files(entries: list[str]) -> list[str]:
+    """The files of a split's sample entries, in order, each once (the listing a scan
+    starts from; records' addresses collapse to their file)."""
+    return list(dict.fromkeys(str(formats.sample_file(entry)) for entry in entries))
 
 
 def manifest_dict(info: formats.VolumeInfo, splits: dict[str, list[str]],

@@ -55,7 +55,8 @@ class StagePlan:
     dest: Path
     mode: str
     node: Any  # communicator of the ranks sharing this node
-    mine: list[str]  # relative paths this rank copies
+    mine: list[str]  # relative paths of the files this rank copies
+    entries: dict[str, list[str]]  # the samples in each of them (records' addresses)
 
 
 @dataclass
@@ -93,7 +94,8 @@ def default_dest(cfg: Config) -> Path:
 
 def node_files(manifest: Manifest, batch_size: int, groups: int, node_groups: set[int],
                mode: str) -> list[str]:
-    """Relative paths a node hosting sample groups ``node_groups`` (of ``groups``) reads."""
+    """The sample entries (relative paths, or records' addresses) a node hosting sample
+    groups ``node_groups`` (of ``groups``) reads."""
     wanted = []
     for split, files in manifest.files.items():
         if mode == "global":
@@ -124,10 +126,13 @@ def plan_staging(cfg: Config, comm: Any, dest: Path | None = None) -> StagePlan:
     agree(comm, stage_problem(dest, manifest.root, manifest.files, DEST)
           if node.Get_rank() == 0 else None)
     node_groups = set(node.allgather(group))
-    files = node_files(manifest, cfg.train.batch_size, layout.sample, node_groups,
-                       cfg.data.shuffle)
-    mine = files[node.Get_rank()::node.Get_size()]
-    return StagePlan(manifest, dest, cfg.data.shuffle, node, mine)
+    by_file: dict[str, list[str]] = {}
+    for entry in node_files(manifest, cfg.train.batch_size, layout.sample, node_groups,
+                            cfg.data.shuffle):
+        by_file.setdefault(str(formats.sample_file(entry)), []).append(entry)
+    mine = list(by_file)[node.Get_rank()::node.Get_size()]
+    return StagePlan(manifest, dest, cfg.data.shuffle, node, mine,
+                     {relpath: by_file[relpath] for relpath in mine})
 
 
 def run_staging(plan: StagePlan, comm: Any,
@@ -168,7 +173,8 @@ def _stage_files(plan: StagePlan, progress: Callable[[int], None] | None) -> tup
         labels = npy_sample.label_path(source)
         if npy and labels.exists():  # NVIDIA's labels travel with their volumes
             copied += copy_verified(labels, npy_sample.label_path(target))
-        formats.probe(target, plan.manifest.volume)
+        for entry in plan.entries[relpath]:  # every sample of the copy, its CRCs checked
+            formats.probe(plan.dest / entry, plan.manifest.volume)
         if progress is not None:
             progress(done)
     return copied, inflated

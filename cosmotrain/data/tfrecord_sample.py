@@ -48,12 +48,51 @@ GZIP_LEVEL = 6
 
 
 NAMES = SampleNames(SUFFIXES)
-is_sample_name, sample_name, sample_stem = (NAMES.is_sample_name, NAMES.sample_name,
-                                            NAMES.sample_stem)
+sample_name = NAMES.sample_name
+RECORD_MARK = "#"  # ``<file>#<k>``: record k of a file holding several
+
+
+def record_address(path: Path | str) -> tuple[Path, int | None]:
+    """``(file, k)`` of the sample address ``<file>#<k>`` (record ``k``, from 0, of a file
+    of several records, as the scan lists them); ``(path, None)`` for a file name."""
+    path = Path(path)
+    stem, mark, index = path.name.rpartition(RECORD_MARK)
+    if mark and index.isdigit() and NAMES.is_sample_name(stem):
+        return path.with_name(stem), int(index)
+    return path, None
+
+
+def sample_file(path: Path | str) -> Path:
+    """The file holding the sample at ``path`` (an address's file, else ``path``)."""
+    return record_address(path)[0]
+
+
+def record_addresses(relpath: str, count: int) -> list[str]:
+    """The addresses of the ``count`` records of the file ``relpath``."""
+    return [f"{relpath}{RECORD_MARK}{k}" for k in range(count)]
+
+
+def is_sample_name(name: str) -> bool:
+    return NAMES.is_sample_name(record_address(name)[0].name)
+
+
+def sample_stem(name: str) -> str:
+    """A sample's stem: the file's, with ``_<k>`` (3 digits at least) for record ``k``."""
+    file, index = record_address(name)
+    stem = NAMES.sample_stem(file.name)
+    return stem if index is None else f"{stem}_{index:03d}"
+
+
+def record_count(path: Path) -> int:
+    """How many records the file ``path`` holds (framing only; gzip: inflated first)."""
+    with _opened(path) as buffer:
+        return len(_offsets(path, buffer))
 
 
 def is_gzip(path: Path) -> bool:
-    """True when the file is a whole-file gzip stream (MLPerf v1.0), by its magic bytes."""
+    """True when the file (holding the sample at ``path``) is a whole-file gzip stream
+    (MLPerf v1.0), by its magic bytes."""
+    path = sample_file(path)
     try:
         with open(path, "rb") as handle:
             return handle.read(2) == GZIP_MAGIC
@@ -124,7 +163,9 @@ def inflate(path: Path) -> bytes:
 
 @contextmanager
 def _opened(path: Path) -> Iterator[bytes | mmap.mmap]:
-    """The file's record bytes: inflated (gzip) or a read-only memory map (plain)."""
+    """The bytes of the file holding ``path`` (a file or a record's address): inflated
+    (gzip) or a read-only memory map (plain)."""
+    path = sample_file(path)
     if is_gzip(path):
         yield inflate(path)
         return
@@ -140,17 +181,50 @@ def _opened(path: Path) -> Iterator[bytes | mmap.mmap]:
 
 
 def _record(path: Path, buffer: bytes | mmap.mmap, verify: bool) -> Record:
+    """The sample's record: the file's only one, or record ``k`` of an address."""
+    index = record_address(path)[1]
+    offset = 0 if index is None else _offset_of(path, buffer, index)
     try:
-        record = parse_record(buffer, verify_payload=verify)
+        record = parse_record(buffer, verify_payload=verify, offset=offset)
     except TFRecordError as err:
         raise DataError(path, str(err), FORMAT_HINT) from err
-    if record.end != len(buffer):
-        raise DataError(path, f"holds {len(buffer) - record.end} byte(s) after its record",
-                        "expected one sample (one record) per file")
+    if index is None and record.end != len(buffer):
+        count = len(_offsets(path, buffer))
+        raise DataError(path, f"holds {count} records, not one", f"address them as "
+                        f"'{Path(path).name}{RECORD_MARK}0' to '{RECORD_MARK}{count - 1}' "
+                        f"(a scan of the directory lists them so)")
     if VOLUME_FEATURE not in record.features:
         raise DataError(path, f"has no feature '{VOLUME_FEATURE}' (it has "
                         f"{', '.join(sorted(record.features)) or 'none'})", FORMAT_HINT)
     return record
+
+
+def _offsets(path: Path, buffer: bytes | mmap.mmap) -> list[int]:
+    """Where each record of the file begins (its framing walked, payloads not read)."""
+    offsets, offset = [], 0
+    while offset < len(buffer):
+        offsets.append(offset)
+        try:
+            offset = parse_record(buffer, verify_payload=False, offset=offset).end
+        except TFRecordError as err:
+            raise DataError(path, f"record {len(offsets) - 1}: {err}", FORMAT_HINT) from err
+    return offsets
+
+
+def _offset_of(path: Path, buffer: bytes | mmap.mmap, index: int) -> int:
+    """Where record ``index`` begins (the records before it skipped by their framing)."""
+    offset = 0
+    for skipped in range(index):
+        if offset >= len(buffer):
+            break
+        try:
+            offset = parse_record(buffer, verify_payload=False, offset=offset).end
+        except TFRecordError as err:
+            raise DataError(path, f"record {skipped}: {err}", FORMAT_HINT) from err
+    if offset >= len(buffer):
+        raise DataError(path, f"has {len(_offsets(path, buffer))} record(s), no record "
+                        f"{index}", "list only the records the file holds (rescan it)")
+    return offset
 
 
 def _volume_info(path: Path, buffer: bytes | mmap.mmap, record: Record) -> VolumeInfo:
