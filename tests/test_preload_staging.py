@@ -96,6 +96,26 @@ def test_a_dest_holding_another_dataset_is_refused(cli, tmp_path: Path) -> None:
     assert code == 0, err
 
 
+def test_the_first_record_wins_over_a_concurrent_staging(tmp_path: Path) -> None:
+    """Another job recorded its dataset in the empty --dest after this one checked it:
+    this staging is refused before its first copy, and the record stays the other's."""
+    from mpi4py import MPI
+
+    from cosmotrain.data.stage_claim import record_source, recorded_source
+    from cosmotrain.errors import UserError
+
+    write_universes(tmp_path / "data", 4, 2, "channels-last", "int16", val_files=0)
+    cfg = load_config(None, [f"data.path={tmp_path / 'data'}", "model.width=4",
+                             "train.batch_size=2"])
+    plan = staging.plan_staging(cfg, MPI.COMM_SELF, tmp_path / "stage")
+    record_source(tmp_path / "stage", tmp_path / "other")  # the concurrent job, first
+    with pytest.raises(UserError, match=f"holds a staging of '{tmp_path / 'other'}'"):
+        staging.run_staging(plan, MPI.COMM_SELF)
+    assert recorded_source(tmp_path / "stage") == str(tmp_path / "other")
+    assert [p.name for p in (tmp_path / "stage").iterdir()] == [".cosmotrain-stage.json"]
+    record_source(tmp_path / "stage", tmp_path / "other")  # the same source: accepted
+
+
 def test_local_shuffle_stages_the_shards_of_the_nodes_groups(tmp_path: Path) -> None:
     write_universes(tmp_path, 8, 3, "channels-last", "int16", val_files=2)
     manifest = open_manifest(tmp_path, 4)  # 24 train samples, 8 per file; 16 validation

@@ -6,19 +6,23 @@ copy), and wrong for a directory holding something else: the default destination
 ``$TMPDIR/cosmotrain/<dataset directory name>``, is shared by two datasets whose
 directories have the same name, and a job may be training from the copy there.  So each
 node's leader records the source in ``<dest>/.cosmotrain-stage.json`` before the first
-copy, and staging goes ahead only into a directory that is missing or empty, records
-the same source, or (written before the record existed) holds a ``manifest.json``
-listing the same files.
+copy (the first record wins: two jobs staging two datasets at once cannot both pass),
+and staging goes ahead only into a directory that is missing or empty, records the same
+source, or (written before the record existed) holds a ``manifest.json`` listing the
+same files.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from cosmotrain.data import cache
 from cosmotrain.data.manifest import MANIFEST_NAME
+from cosmotrain.errors import UserError
 
 STAGE_RECORD = ".cosmotrain-stage.json"
 
@@ -39,16 +43,35 @@ def stage_problem(dest: Path, source: Path, files: Mapping[str, Sequence[str]],
             return None
     except OSError as err:
         return f"{option} '{dest}' cannot be listed ({err}); choose another {option}"
+    return _held(dest, source, recorded, option)
+
+
+def _held(dest: Path, source: Path, recorded: str | None, option: str) -> str:
     held = f"a staging of '{recorded}'" if recorded else "files that are not a staging of it"
     return (f"{option} '{dest}' holds {held}; staging '{source}' there would replace "
             f"them: choose another {option}, or remove that directory first")
 
 
 def record_source(dest: Path, source: Path, option: str = "--dest") -> None:
-    """Record ``source`` as what ``dest`` holds a staging of (atomically; a write the disk
-    refuses is a WriteError naming the file)."""
+    """Record ``source`` as what ``dest`` holds a staging of, unless a record is there:
+    the first record wins (it is linked into place whole, never replaced), so a
+    concurrent staging of another dataset that passed :func:`stage_problem` too is
+    refused here (:class:`UserError`).  A write the disk refuses is a WriteError."""
     dest.mkdir(parents=True, exist_ok=True)
-    cache.write_json(dest / STAGE_RECORD, {"source": str(source.resolve())}, where=option)
+    wanted = str(source.resolve())
+    tmp = cache.write_json(dest / f"{STAGE_RECORD}.{os.getpid()}.{secrets.token_hex(4)}",
+                           {"source": wanted}, where=option)
+    try:
+        os.link(tmp, dest / STAGE_RECORD)  # fails when a record is there: it stays
+    except FileExistsError:
+        pass
+    except OSError:  # no hard links on this file system: the record is replaced whole
+        os.replace(tmp, dest / STAGE_RECORD)
+    finally:
+        tmp.unlink(missing_ok=True)
+    recorded = recorded_source(dest)
+    if recorded != wanted:
+        raise UserError(_held(dest, source, recorded, option))
 
 
 def recorded_source(dest: Path) -> str | None:
