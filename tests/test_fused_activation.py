@@ -200,3 +200,28 @@ def test_fusion_holds_for_one_forward_only() -> None:
     v = np.array([-1.0, 2.0])
     assert act.forward(v, Context()) is v and v[0] == -1.0  # applied before: untouched
     np.testing.assert_array_equal(act.forward(v, Context()), [-0.1, 2.0])  # spent
+
+
+def test_an_average_pooling_after_a_layer_that_is_no_activation_runs_alone() -> None:
+    """conv -> avg pool (no LeakyReLU between): the pooling asks the convolution for an
+    activation's backward, gets none, and the gradients are those of the layers apart."""
+    from cosmotrain.nn import factory
+    from cosmotrain.nn.containers import Sequential
+    from cosmotrain.nn.layers import Pool3d as Pool
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 2, 6, 6, 6), dtype=np.float32)
+    conv = factory.conv("conv", 2, 3, 3, 1, 1)
+    pool = Pool(name="pool", mode="avg", kernel=(2, 2, 2), stride=(2, 2, 2),
+                padding=((0, 0),) * 3)
+    ctx = Context(training=True, step=0, seed=0)
+    net = Sequential(name="n", items=[conv, pool])
+    dy = np.ones_like(net.forward(x, ctx))
+    net.backward(dy, ctx)
+    alone = factory.conv("conv", 2, 3, 3, 1, 1)
+    alone.params["weight"].data[...] = conv.params["weight"].data
+    pooled = Pool(name="pool", mode="avg", kernel=(2, 2, 2), stride=(2, 2, 2),
+                  padding=((0, 0),) * 3)
+    pooled.forward(alone.forward(x, ctx), ctx)
+    alone.backward(pooled.backward(dy, ctx), ctx)
+    np.testing.assert_array_equal(conv.params["weight"].grad, alone.params["weight"].grad)

@@ -55,8 +55,11 @@ def test_large_steps_run_on_fewer_samples(monkeypatch: pytest.MonkeyPatch) -> No
 def test_curves_and_shapes_from_the_timed_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     runs = []
 
-    def fake(sequence, cfg, comm, k, cores, repeats):  # 1 ns per output element
+    fused = []
+
+    def fake(sequence, cfg, comm, k, cores, repeats, fuse=True):  # 1 ns per element
         runs.append(sequence)
+        fused.append(fuse)
         return np.array([layer_elements(layer) * 1e-9 for layer in sequence])
 
     monkeypatch.setattr(layer_timing, "timed_sequence", fake)
@@ -68,6 +71,7 @@ def test_curves_and_shapes_from_the_timed_steps(monkeypatch: pytest.MonkeyPatch)
     assert all(shapes[shape_key(layer)] == pytest.approx(layer_elements(layer) * 1e-9)
                for seq in steps for layer in seq)
     assert not {shape_key(layer) for layer in extra} & set(shapes)  # no step's shapes
+    assert fused == [True] * len(steps) + [False]  # unrelated shrunk layers: unfused
     assert len(steps) <= len(level_sequences(works, 2))  # covered steps are skipped
     assert all(len(curve.points) >= 2 for curve in curves.values())  # shrunk second points
     conv = next(layer for seq in runs for layer in seq if layer.kind == "Conv3d")
@@ -86,6 +90,66 @@ def test_step_timer_times_every_layer_on_fresh_copies() -> None:
     assert all(p.grad is None for engine in step.engines for p in engine.params.values())
     single = timed_sequence(sequence[:2], CFG, MPI.COMM_SELF, 1, 1, 1)
     assert single.shape == (2,) and (single > 0).all()
+
+
+def called_backwards(engines: list) -> list[str]:
+    """Wraps each engine's backward; the list fills with the names of those that run."""
+    ran: list[str] = []
+    for engine in engines:
+        def backward(dy, ctx, engine=engine, inner=engine.backward):
+            ran.append(engine.name)
+            return inner(dy, ctx)
+        engine.backward = backward
+    return ran
+
+
+@pytest.mark.parametrize("model, handed", [
+    ("cosmoflow", {f"act{i}" for i in range(1, 6)}),  # to conv1, to the avg poolings
+    ("cosmoflow-mlperf", set()),  # conv -> max pool -> act: nothing to hand over
+])
+def test_the_step_timer_fuses_as_training_does(model: str, handed: set[str]) -> None:
+    """Sample parallel (every layer serial): the same activations are applied in the
+    convolutions and the same backwards handed to a neighbour as in a Sequential step."""
+    from cosmotrain.nn.containers import Sequential
+    from cosmotrain.nn.module import Context
+
+    cfg = load_config(None, [f"model.name={model}", "model.width=32", "train.batch_size=2"])
+    sequence = tuple(layer for layer in build_workload(cfg, Strategy(1)).layers
+                     if math.prod(layer.out_shape))
+    timer = StepTimer([make_layer(layer, cfg) for layer in sequence], sequence)
+    timed = called_backwards(timer.engines)
+    timer.run(lambda: None, 1)
+    engines = [make_layer(layer, cfg) for layer in sequence]
+    stepped = called_backwards(engines)
+    net = Sequential(name="net", items=engines)
+    ctx = Context(training=True, step=1, seed=0)
+    x = np.random.default_rng(0).standard_normal(sequence[0].in_shape, dtype=np.float32)
+    net.backward(np.ones_like(net.forward(x, ctx)), ctx)
+    assert timed == stepped and "fc1" in timed
+    assert {layer.name for layer in sequence} - set(timed) == handed
+    unfused = StepTimer([make_layer(layer, cfg) for layer in sequence], sequence, fuse=False)
+    alone = called_backwards(unfused.engines)
+    unfused.run(lambda: None, 1)
+    assert "act1" in alone and len(alone) == len(sequence)
+
+
+def test_block_layers_fuse_as_the_distributed_layers_do() -> None:
+    """On blocks a pooling takes no activation and a channel convolution none; the two
+    parts are separate sequences."""
+    from cosmotrain.study.layer_timing import _chain_starts
+
+    spatial = build_workload(CFG, Strategy.parse("D2")).layers
+    starts = _chain_starts(spatial, True)
+    names = [layer.name for layer in spatial]
+    pool = names.index("pool1")
+    assert starts[pool] == pool and starts[names.index("act1")] == names.index("conv1")
+    head = next(i for i, layer in enumerate(spatial) if layer.part != spatial[0].part)
+    assert starts[head] == head
+    channel = build_workload(CFG, Strategy.parse("C2F2")).layers
+    starts = _chain_starts(channel, True)
+    act = [layer.name for layer in channel].index("act2")
+    assert starts[act] == act  # after a channel convolution: not linked
+    assert _chain_starts(spatial, False) == list(range(len(spatial)))
 
 
 @pytest.mark.parallel(nprocs=2)

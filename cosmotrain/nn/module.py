@@ -129,6 +129,13 @@ class Layer:
         (an average pooling: ``kernels/pool_activation.py``), where no layer before that
         activation takes it.  Layers that cannot do nothing."""
 
+    def give_backward_to_next(self, before: Sequence[Layer]) -> tuple[Any, float] | None:
+        """Asked by the layer after this one (:meth:`take_preceding_activation`) for this
+        layer's backward as ``(y, slope)`` to run in its own pass: a LeakyReLU's.  Other
+        layers have none to give (None), so an average pooling after a convolution, a
+        batch norm or a block runs its own backward alone."""
+        return None
+
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
         """``(dotted name, parameter)`` in a stable order, PyTorch-style names."""
         base = f"{prefix}{self.name}." if self.name else prefix

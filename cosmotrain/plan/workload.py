@@ -77,6 +77,7 @@ class LayerWork:
     stride: tuple[int, ...] = (1, 1, 1)
     forward_calls: tuple[float, ...] = ()  # spatial conv: output elements of each kernel call
     copied: float = 0.0  # spatial conv / pool: elements its halo handling copies (fwd + bwd)
+    mode: str = ""  # a pooling's: "avg" or "max" (the calibrator times the model's own)
 
     @property
     def forward_flops(self) -> float:
@@ -194,7 +195,8 @@ class _Builder:
         return LayerWork(cost.name, cost.kind, BLOCKS,
                          (samples, channels_in, *spatial_in),
                          (samples, channels_out, *spatial_out), not first,
-                         _kernel(layer), tuple(transfers), _stride(layer), calls, copied)
+                         _kernel(layer), tuple(transfers), _stride(layer), calls, copied,
+                         getattr(layer, "mode", ""))
 
     def head_layer(self, cost: LayerCost, layer: Layer, samples: int, first: bool
                    ) -> LayerWork:
@@ -207,7 +209,7 @@ class _Builder:
                                         calls=2, kind="bn_allreduce"))
         return LayerWork(cost.name, cost.kind, SAMPLES, (samples,) + cost.in_shape[1:],
                          (samples,) + cost.out_shape[1:], not first, _kernel(layer),
-                         tuple(transfers), _stride(layer))
+                         tuple(transfers), _stride(layer), mode=getattr(layer, "mode", ""))
 
     def _channel_conv(self, cost: LayerCost, layer: Conv3d, samples: int,
                       spatial_in: tuple[int, ...], spatial_out: tuple[int, ...], first: bool

@@ -81,7 +81,8 @@ def probe(log: Callable[[str], None] = lambda line: None) -> Probe:
     cores = os.cpu_count() or 1
     cfg = load_config(None, PROBE_CONFIG)
     sequence = probe_sequence(cfg)
-    timer = StepTimer([make_layer(layer, cfg) for layer in sequence], sequence)
+    # unfused: the probe prices each kind per element (dropout by LeakyReLU's rate)
+    timer = StepTimer([make_layer(layer, cfg) for layer in sequence], sequence, fuse=False)
     before = _parallel.num_workers()
     try:
         seconds, speedup = _thread_passes(timer, cores, log)

@@ -31,12 +31,12 @@ from cosmotrain.comm.threads import threads_per_rank
 from cosmotrain.config.schema import Config
 from cosmotrain.kernels import _parallel
 from cosmotrain.kernels.geometry import normalize_padding
-from cosmotrain.nn import factory
+from cosmotrain.nn import containers, factory
 from cosmotrain.nn.layers import Dropout, Flatten, LeakyReLU, Pool3d
 from cosmotrain.nn.module import Context, Layer
 from cosmotrain.plan.cost import layer_elements, layer_key, shape_key
 from cosmotrain.plan.machine import Curve
-from cosmotrain.plan.workload import LayerWork, Workload
+from cosmotrain.plan.workload import BLOCKS, LayerWork, Workload
 
 MAX_ELEMENTS = 40_000_000  # a step whose largest local output is larger runs fewer samples
 WARMUP_PASSES = 2  # untimed passes first: fresh allocations of a new step's sizes page in
@@ -104,7 +104,8 @@ def layer_curves(works: list[Workload], cfg: Config, comm: Any, k: int, cores: i
             exact.setdefault(shape_key(layer), []).append(float(value))
     extra = second_points(points, level_sequences(works, k))
     if extra:
-        _record(points, extra, timed_sequence(extra, cfg, comm, k, cores, repeats))
+        _record(points, extra, timed_sequence(extra, cfg, comm, k, cores, repeats,
+                                              fuse=False))
     curves: dict[str, list[tuple[float, float]]] = {}
     for (key, elements), seconds in sorted(points.items()):
         curves.setdefault(key, []).append((elements, float(np.median(seconds))))
@@ -133,15 +134,16 @@ def _record(points: dict[tuple[str, float], list[float]], sequence: Sequence,
 
 
 def timed_sequence(sequence: Sequence, cfg: Config, comm: Any, k: int, cores: int,
-                   repeats: int) -> np.ndarray:
+                   repeats: int, fuse: bool = True) -> np.ndarray:
     """Per layer, the median over passes of its share of the slowest busy rank's step
     (collective: ranks ``k`` and up only take part in the barriers).
 
     A pass's layer times are the mean over the busy ranks, scaled so that they add up to
-    the slowest rank's whole pass (:func:`slowest_step_shares`)."""
+    the slowest rank's whole pass (:func:`slowest_step_shares`).  ``fuse``: neighbours
+    fuse as in training (:class:`StepTimer`); False for a step of unrelated layers."""
     busy = comm.Get_rank() < k
     engines = [make_layer(layer, cfg) for layer in sequence] if busy else []
-    step = StepTimer(engines, sequence) if busy else None
+    step = StepTimer(engines, sequence, fuse) if busy else None
     passes = np.zeros((WARMUP_PASSES + repeats, len(sequence)))
     if busy:
         _parallel.set_blas_threads(threads_per_rank(k, cores, cores))
@@ -177,15 +179,24 @@ class StepTimer:
     """Runs standalone engine layers as one training step and times each of them.
 
     Inputs and output gradients are random arrays of each layer's local shapes, copied
-    afresh before every pass (activations work in place) and outside the timing."""
+    afresh before every pass (activations work in place) and outside the timing.
 
-    def __init__(self, engines: list[Layer], sequence: Sequence) -> None:
+    With ``fuse``, neighbours that the step's ``Sequential`` runs fused are fused here too,
+    by the same protocol (``nn/containers.py``): a convolution applies the LeakyReLU after
+    it in its kernels, the first convolution runs that activation's backward in its filter
+    gradient, an average pooling the backward of the activation before it; the fused
+    activation then costs (nearly) nothing and its neighbour what it costs in training.
+    Neighbours are linked as the model links them (:func:`_linked`); the layers of a step
+    of unrelated shrunk layers are not (``fuse`` False)."""
+
+    def __init__(self, engines: list[Layer], sequence: Sequence, fuse: bool = True) -> None:
         rng = np.random.default_rng(0)
         self.engines = engines
         self.inputs = [_input(layer, rng) for layer in sequence]
         ctx = Context(training=True, step=0, seed=0)
         self.grads = [np.ones_like(engine.forward(x.copy(), ctx))
                       for engine, x in zip(engines, self.inputs)]
+        self.chain_start = _chain_starts(sequence, fuse)
         self._clear()
 
     def run(self, sync: Callable[[], None], step: int) -> np.ndarray:
@@ -197,19 +208,65 @@ class StepTimer:
         sync()
         for i, engine in enumerate(self.engines):
             started = time.perf_counter()
+            self._offer_activation(i)
             engine.forward(inputs[i], ctx)
             seconds[i] += time.perf_counter() - started
         for i in reversed(range(len(self.engines))):
             started = time.perf_counter()
-            self.engines[i].backward(grads[i], ctx)
+            if not self._handed_over(i):
+                self.engines[i].backward(grads[i], ctx)
             seconds[i] += time.perf_counter() - started
         self._clear()
         return seconds
+
+    def _offer_activation(self, i: int) -> None:
+        """Before layer ``i``'s forward, as ``Sequential.forward`` does: it may apply the
+        activation after it, when the two are linked."""
+        linked = i + 1 < len(self.engines) and self.chain_start[i + 1] <= i
+        if linked and containers.FUSE_ACTIVATIONS:
+            follower = self.engines[i + 1]
+            applied = self.engines[i].take_activation(follower.activation_slope())
+            follower.set_applied_by_previous(applied)
+
+    def _handed_over(self, i: int) -> bool:
+        """Before layer ``i``'s backward, as ``Sequential.backward`` does: True when a layer
+        before it runs this backward; else it may take the activation before it."""
+        before = self.engines[self.chain_start[i]:i]
+        if not before or not containers.FUSE_ACTIVATIONS:
+            return False
+        if self.engines[i].hand_over_backward(before):
+            return True
+        self.engines[i].take_preceding_activation(before)
+        return False
 
     def _clear(self) -> None:
         for engine in self.engines:
             for param in engine.params.values():
                 param.grad = None
+
+
+def _chain_starts(sequence: Sequence, fuse: bool) -> list[int]:
+    """For each layer, the first layer of the run of linked neighbours it belongs to
+    (itself when it is linked to none)."""
+    starts: list[int] = []
+    for i, layer in enumerate(sequence):
+        linked = fuse and i > 0 and _linked(sequence[i - 1], layer)
+        starts.append(starts[i - 1] if linked else i)
+    return starts
+
+
+def _linked(before: LayerWork, layer: LayerWork) -> bool:
+    """Whether training may fuse ``layer`` with the one ``before`` it: two layers of one
+    part (the block part and the sample part are separate sequences), but on blocks a
+    spatial pooling never takes the activation before it and a channel convolution
+    (all-gathered input, reduce-scattered output) neither applies one nor takes its
+    backward (``layers/pool.py``, ``layers/channel_conv.py``)."""
+    if before.part != layer.part:
+        return False
+    if layer.part == BLOCKS:
+        channel = any(t.kind in ("allgather", "reduce_scatter") for t in before.transfers)
+        return layer.kind != "Pool3d" and not channel
+    return True
 
 
 def _input(layer: LayerWork, rng: np.random.Generator) -> np.ndarray:
@@ -226,8 +283,8 @@ def make_layer(layer: LayerWork, cfg: Config) -> Layer:
         conv.needs_input_grad = layer.input_grad
         return conv
     if layer.kind == "Pool3d":
-        return Pool3d(name=layer.name, mode="avg", kernel=layer.kernel, stride=layer.stride,
-                      padding=normalize_padding(layer.kernel[0] // 2))
+        return Pool3d(name=layer.name, mode=layer.mode or "avg", kernel=layer.kernel,
+                      stride=layer.stride, padding=normalize_padding(_pool_padding(layer)))
     if layer.kind == "BatchNorm3d":
         return factory.batchnorm(layer.name, layer.in_shape[1])
     if layer.kind == "Linear":
@@ -239,6 +296,14 @@ def make_layer(layer: LayerWork, cfg: Config) -> Layer:
     if layer.kind == "Flatten":
         return Flatten(name=layer.name)
     return LeakyReLU(name=layer.name, slope=cfg.model.leaky_slope or 0.01)
+
+
+def _pool_padding(layer: LayerWork) -> int:
+    """The padding that gives the pooling its output depth from its input depth (the
+    paper network's 3/2 poolings pad 1, MLPerf's 2/2 ones none)."""
+    k, s = layer.kernel[0], layer.stride[0]
+    excess = (layer.out_shape[2] - 1) * s + k - layer.in_shape[2]
+    return max(0, -(-excess // 2))
 
 
 def quiet_barrier(comm: Any) -> None:
