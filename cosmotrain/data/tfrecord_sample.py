@@ -1,11 +1,12 @@
 """The MLPerf HPC CosmoFlow TFRecord sample, read and written without TensorFlow.
 
-One sample per ``.tfrecord`` file: one record (``tfrecord_codec``) whose ``Example`` has
-feature ``x``, the raw little-endian int16 cube ``[W, W, W, 4]`` (D, H, W, C; W = 128 in
-MLPerf; older preparations wrote it as a packed float_list of float32 counts, read as a
-float32 dataset), and feature ``y``, the 4 float32 labels (absent: unlabelled).  MLPerf v1.0 files
-are whole-file gzip streams under the same name (magic bytes ``1f 8b``); v0.7 files are
-plain.
+One sample per ``.tfrecord`` file (or per record of a file of several, addressed as
+``<file>#<k>``: :func:`record_address`): one record (``tfrecord_codec``) whose
+``Example`` has feature ``x``, the raw little-endian int16 cube ``[W, W, W, 4]`` (D, H,
+W, C; W = 128 in MLPerf; older preparations wrote it as a packed float_list of float32
+counts, read as a float32 dataset), and feature ``y``, the 4 float32 labels (absent:
+unlabelled).  MLPerf v1.0 files are whole-file gzip streams under the same name (magic
+bytes ``1f 8b``); v0.7 files are plain.
 
 - A plain file is memory-mapped and the ``x`` bytes are addressed where they lie, so the
   direct reader reads only a rank's hyperslab.  Only the record's framing is parsed per
@@ -19,6 +20,7 @@ plain.
 from __future__ import annotations
 
 import gzip
+import itertools
 import mmap
 import zlib
 from collections.abc import Iterator
@@ -200,31 +202,29 @@ def _record(path: Path, buffer: bytes | mmap.mmap, verify: bool) -> Record:
 
 
 def _offsets(path: Path, buffer: bytes | mmap.mmap) -> list[int]:
-    """Where each record of the file begins (its framing walked, payloads not read)."""
-    offsets, offset = [], 0
-    while offset < len(buffer):
-        offsets.append(offset)
-        try:
-            offset = parse_record(buffer, verify_payload=False, offset=offset).end
-        except TFRecordError as err:
-            raise DataError(path, f"record {len(offsets) - 1}: {err}", FORMAT_HINT) from err
-    return offsets
+    """Where each record of the file begins."""
+    return list(_walk(path, buffer))
 
 
 def _offset_of(path: Path, buffer: bytes | mmap.mmap, index: int) -> int:
     """Where record ``index`` begins (the records before it skipped by their framing)."""
-    offset = 0
-    for skipped in range(index):
-        if offset >= len(buffer):
-            break
-        try:
-            offset = parse_record(buffer, verify_payload=False, offset=offset).end
-        except TFRecordError as err:
-            raise DataError(path, f"record {skipped}: {err}", FORMAT_HINT) from err
-    if offset >= len(buffer):
+    offset = next(itertools.islice(_walk(path, buffer), index, None), None)
+    if offset is None:
         raise DataError(path, f"has {len(_offsets(path, buffer))} record(s), no record "
                         f"{index}", "list only the records the file holds (rescan it)")
     return offset
+
+
+def _walk(path: Path, buffer: bytes | mmap.mmap) -> Iterator[int]:
+    """The records' offsets, one after the other (framing walked, payloads not read)."""
+    offset, number = 0, 0
+    while offset < len(buffer):
+        yield offset
+        try:
+            offset = parse_record(buffer, verify_payload=False, offset=offset).end
+        except TFRecordError as err:
+            raise DataError(path, f"record {number}: {err}", FORMAT_HINT) from err
+        number += 1
 
 
 def _volume_info(path: Path, buffer: bytes | mmap.mmap, record: Record) -> VolumeInfo:
