@@ -20,7 +20,6 @@ bytes ``1f 8b``); v0.7 files are plain.
 from __future__ import annotations
 
 import gzip
-import itertools
 import mmap
 import zlib
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from cosmotrain.atomic import write_bytes_atomically
+from cosmotrain.data import cache
 from cosmotrain.data.tfrecord_codec import (FeatureValue, Record, TFRecordError, bytes_value,
                                             encode_example, float_values, frame_record,
                                             parse_record)
@@ -47,6 +47,9 @@ FORMAT_HINT = ("expected one TFRecord Example per file (plain or gzip) with feat
                "(bytes: int16 [W, W, W, 4], or a packed float_list of as many float32) "
                "and feature 'y' (4 floats), as MLPerf HPC CosmoFlow writes them")
 GZIP_LEVEL = 6
+#: record offsets of the files of several records read in this process, by (file, size,
+#: mtime); a handful of integers a file
+_OFFSETS: dict[tuple[str, int, int], tuple[int, ...]] = {}
 
 
 NAMES = SampleNames(SUFFIXES)
@@ -207,12 +210,18 @@ def _offsets(path: Path, buffer: bytes | mmap.mmap) -> list[int]:
 
 
 def _offset_of(path: Path, buffer: bytes | mmap.mmap, index: int) -> int:
-    """Where record ``index`` begins (the records before it skipped by their framing)."""
-    offset = next(itertools.islice(_walk(path, buffer), index, None), None)
-    if offset is None:
-        raise DataError(path, f"has {len(_offsets(path, buffer))} record(s), no record "
-                        f"{index}", "list only the records the file holds (rescan it)")
-    return offset
+    """Where record ``index`` begins.  The file's offsets are found once per process and
+    kept by its size and modification time: a reader comes back to a file for each of its
+    records, and walking 63 records' framing cost 2.4 ms a read."""
+    file = sample_file(path)
+    key = (str(file), *cache.file_stat(file))
+    offsets = _OFFSETS.get(key)
+    if offsets is None:
+        offsets = _OFFSETS.setdefault(key, tuple(_offsets(path, buffer)))
+    if index >= len(offsets):
+        raise DataError(path, f"has {len(offsets)} record(s), no record {index}",
+                        "list only the records the file holds (rescan it)")
+    return offsets[index]
 
 
 def _walk(path: Path, buffer: bytes | mmap.mmap) -> Iterator[int]:
