@@ -19,6 +19,7 @@ bytes ``1f 8b``); v0.7 files are plain.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import mmap
 import zlib
@@ -47,9 +48,6 @@ FORMAT_HINT = ("expected one TFRecord Example per file (plain or gzip) with feat
                "(bytes: int16 [W, W, W, 4], or a packed float_list of as many float32) "
                "and feature 'y' (4 floats), as MLPerf HPC CosmoFlow writes them")
 GZIP_LEVEL = 6
-#: record offsets of the files of several records read in this process, by (file, size,
-#: mtime); a handful of integers a file
-_OFFSETS: dict[tuple[str, int, int], tuple[int, ...]] = {}
 
 
 NAMES = SampleNames(SUFFIXES)
@@ -188,7 +186,7 @@ def _opened(path: Path) -> Iterator[bytes | mmap.mmap]:
 def _record(path: Path, buffer: bytes | mmap.mmap, verify: bool) -> Record:
     """The sample's record: the file's only one, or record ``k`` of an address."""
     index = record_address(path)[1]
-    offset = 0 if index is None else _offset_of(path, buffer, index)
+    offset = 0 if index is None else _offset_of(path, index)
     try:
         record = parse_record(buffer, verify_payload=verify, offset=offset)
     except TFRecordError as err:
@@ -209,19 +207,23 @@ def _offsets(path: Path, buffer: bytes | mmap.mmap) -> list[int]:
     return list(_walk(path, buffer))
 
 
-def _offset_of(path: Path, buffer: bytes | mmap.mmap, index: int) -> int:
-    """Where record ``index`` begins.  The file's offsets are found once per process and
-    kept by its size and modification time: a reader comes back to a file for each of its
-    records, and walking 63 records' framing cost 2.4 ms a read."""
+def _offset_of(path: Path, index: int) -> int:
+    """Where record ``index`` begins, from the file's offsets (:func:`_file_offsets`)."""
     file = sample_file(path)
-    key = (str(file), *cache.file_stat(file))
-    offsets = _OFFSETS.get(key)
-    if offsets is None:
-        offsets = _OFFSETS.setdefault(key, tuple(_offsets(path, buffer)))
+    offsets = _file_offsets(str(file), *cache.file_stat(file))
     if index >= len(offsets):
         raise DataError(path, f"has {len(offsets)} record(s), no record {index}",
                         "list only the records the file holds (rescan it)")
     return offsets[index]
+
+
+@functools.lru_cache(maxsize=4096)
+def _file_offsets(file: str, size: int, mtime_ns: int) -> tuple[int, ...]:
+    """The record offsets of ``file``, walked once per process for each size and
+    modification time it has (a memo: a reader comes back to a file for each of its
+    records, and walking 63 records' framing cost 2.4 ms a read)."""
+    with _opened(Path(file)) as buffer:
+        return tuple(_walk(Path(file), buffer))
 
 
 def _walk(path: Path, buffer: bytes | mmap.mmap) -> Iterator[int]:
