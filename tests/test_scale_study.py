@@ -258,7 +258,7 @@ def test_an_earlier_study_is_refused_or_moved_aside(strong: Path, tmp_path: Path
     refused = study(*args)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert refused.stderr.count(f"--out '{out}' holds an earlier study (results.json") == 1
-    assert "pass --overwrite to move it into" in refused.stderr and not refused.stdout
+    assert "--overwrite to move it into" in refused.stderr and not refused.stdout
     assert (out / "results.json").read_text() == earlier
     moved = study(*args, "--overwrite")
     assert moved.returncode == 0, moved.stdout + moved.stderr
@@ -267,6 +267,37 @@ def test_an_earlier_study_is_refused_or_moved_aside(strong: Path, tmp_path: Path
     assert (previous / "points/p1-N1/metrics.jsonl").is_file()
     assert "reusing the dataset" in moved.stdout and (out / "data").is_dir()
     assert by_name(results(out))["p1-N1"]["status"] == "ok"
+
+
+def test_a_stopped_study_resumes_with_the_points_it_lacks(strong: Path, tmp_path: Path) -> None:
+    """An allocation ended during p2-N2: --resume keeps p1-N1 (not run again), runs
+    p2-N2 after setting its interrupted attempt aside; other settings are refused."""
+    out = tmp_path / "stopped"
+    args = ("--ranks", "1,2", "--strategies", "data", "--machine", "none", "--data",
+            str(strong / "data"), "--out", str(out))
+    first = study(*args)
+    assert first.returncode == 0, first.stdout + first.stderr
+    doc = results(out)
+    n2 = by_name(doc)["p2-N2"]
+    n2.update(status="pending", measured=None)  # as results.json stands mid-point
+    (out / "results.json").write_text(json.dumps(doc))
+    n1_metrics = (out / "points/p1-N1/metrics.jsonl").read_bytes()
+    refused = study(*args, "--steps", "4")
+    assert refused.returncode == 2 and "pass --resume to measure only" in refused.stderr
+    other = study(*args, "--steps", "4", "--resume")
+    assert other.returncode == 2, other.stdout + other.stderr
+    assert "--resume: the study in --out" in other.stderr and "steps 3" in other.stderr
+    resumed = study(*args, "--resume")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "1 point(s) to run, 0 skipped, 1 measured before (--resume)" in resumed.stdout
+    points = by_name(results(out))
+    assert points["p1-N1"]["status"] == points["p2-N2"]["status"] == "ok"
+    assert points["p1-N1"]["measured"] == by_name(doc)["p1-N1"]["measured"]
+    assert (out / "points/p1-N1/metrics.jsonl").read_bytes() == n1_metrics
+    [aside] = (out / "points").glob("p2-N2.previous-*")
+    assert (aside / "metrics.jsonl").is_file()  # the interrupted attempt, kept
+    both = study(*args, "--resume", "--overwrite")
+    assert both.returncode == 2 and "pass one of them" in both.stderr
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -144,6 +144,9 @@ def scale_study(
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Move an earlier study in --out into --out/previous-<time>/ "
                             "(its dataset stays, reused) instead of refusing.")] = False,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue the study in --out (one stopped by its allocation's "
+                         "end): keep the points it measured, run the others.")] = False,
 ) -> None:
     """Measured strong or weak scaling: one short training run per point, tables, plots,
     measured vs predicted."""
@@ -165,6 +168,9 @@ def scale_study(
         raise UserError(f"scale-study needs {', '.join(missing)} (or --report DIR); e.g. "
                         f"cosmotrain scale-study --config configs/tiny.yaml --ranks 1,2 "
                         f"--out runs/study")
+    if resume and overwrite:
+        raise UserError("--resume continues the study in --out and --overwrite starts "
+                        "afresh: pass one of them")
     if warmup >= steps:
         raise UserError(f"--warmup {warmup} leaves none of --steps {steps}; use more steps")
     spec = StudySpec(
@@ -172,7 +178,8 @@ def scale_study(
         strategies=parse_strategy_names(strategies) if strategies is not None else None,
         overrides=tuple(overrides or ()), steps=steps, warmup=warmup, machine=machine,
         ranks_per_node=ranks_per_node, launcher=launcher.value, data=data,
-        timeout_s=timeout, default_machine=machine_file(), overwrite=overwrite)
+        timeout_s=timeout, default_machine=machine_file(), overwrite=overwrite,
+        resume=resume)
     results = run_study(spec)
     failed = [p.name for p in results["points"] if p.status == "failed"]
     if failed:

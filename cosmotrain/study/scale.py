@@ -34,8 +34,9 @@ from cosmotrain.plan.workload import build_workload
 from cosmotrain.study import launch
 from cosmotrain.study.launch import Launcher
 from cosmotrain.study.points import Point, build_points, check_explicit, default_strategies
-from cosmotrain.study.report import measure, render, write_results
-from cosmotrain.study.study_dir import POINTS_DIR, claim_study_dir
+from cosmotrain.study.report import document, measure, render, write_results
+from cosmotrain.study.study_dir import (POINTS_DIR, adopt_measured, claim_study_dir,
+                                        measured_before, set_aside_point_dir)
 
 NO_MACHINE = "none"
 
@@ -59,6 +60,7 @@ class StudySpec:
     timeout_s: float | None = None
     default_machine: Path | None = None  # the calibrated file without --machine (CLI's)
     overwrite: bool = False  # move an earlier study in ``out`` aside (study_dir.py)
+    resume: bool = False  # keep the points an earlier study in ``out`` measured
 
 
 def point_overrides(point: Point, spec: StudySpec, data_dir: Path) -> list[str]:
@@ -120,7 +122,8 @@ def load_study_machine(spec: str | None, default: Path | None = None
 def run_study(spec: StudySpec, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Measure every point of ``spec``; write results.json (after each point), results.csv,
     results.md and the plots into ``spec.out``; return the results.  An earlier study in
-    ``spec.out`` is refused, or with ``spec.overwrite`` moved aside (``study_dir.py``)."""
+    ``spec.out`` is refused, with ``spec.overwrite`` moved aside, with ``spec.resume``
+    continued: its measured points kept, the others run (``study_dir.py``)."""
     spec = _absolute(spec)
     base = load_config(spec.config, spec.overrides)
     machine, machine_note = load_study_machine(spec.machine, spec.default_machine)
@@ -134,14 +137,18 @@ def run_study(spec: StudySpec, echo: Callable[[str], None] = print) -> dict[str,
     points = build_points(names, spec.ranks, base.train.batch_size, spec.mode, planner)
     data_dir = spec.data or spec.out / "data"
     _check_points(points, spec, data_dir, machine, launcher.ranks_per_node)
+    results = _results(spec, base, names, launcher, machine, machine_note, data_dir, points)
+    kept = adopt_measured(points, measured_before(spec.out, document(results))) \
+        if spec.resume else 0
     runnable = [p for p in points if p.status == "pending"]
     for point in runnable:
         launcher.words(point.ranks)  # no launcher for P > 1: one error, before any run
-    results = _results(spec, base, names, launcher, machine, machine_note, data_dir, points)
-    moved = claim_study_dir(spec.out, spec.overwrite)  # only now: a bad spec moves nothing
+    # only now, once the spec has passed every check: a bad one moves nothing
+    moved = claim_study_dir(spec.out, spec.overwrite, resume=spec.resume)
     echo(f"scale-study: {spec.mode} scaling of {spec.config.name} over ranks "
          f"{','.join(map(str, spec.ranks))}: {len(runnable)} point(s) to run, "
-         f"{len(points) - len(runnable)} skipped; {machine_note}")
+         f"{len(points) - len(runnable) - kept} skipped"
+         f"{f', {kept} measured before (--resume)' if kept else ''}; {machine_note}")
     if moved:
         echo(moved)
     spec.out.mkdir(parents=True, exist_ok=True)
@@ -269,6 +276,7 @@ def run_point(point: Point, spec: StudySpec, launcher: Launcher, data_dir: Path,
         "train", "--config", str(spec.config), *[w for s in sets for w in ("--set", s)])
     point_dir = spec.out / POINTS_DIR / point.name
     point.output_dir = str(point_dir)
+    set_aside_point_dir(point_dir)  # a resumed study's interrupted attempt is kept
     done = launch.run_logged(point.command, point_dir, timeout_s)
     remove_checkpoints(point_dir)
     point.exit_code, point.stderr_tail = done.exit_code, done.stderr_tail
