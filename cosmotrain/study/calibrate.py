@@ -49,6 +49,7 @@ from cosmotrain.plan.workload import LayerWork, Workload, build_workload
 from cosmotrain.study.layer_timing import layer_curves, quiet_barrier
 from cosmotrain.tensor.channel_collectives import allgather_channels, reduce_scatter_channels
 from cosmotrain.train.optim import build_optimizer
+from cosmotrain.train.run_outputs import previous_name
 
 MESSAGE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 23)
 MAX_MESSAGE_BYTES = 1 << 27  # the largest collective timed (larger ones extrapolate)
@@ -96,13 +97,7 @@ def save_keeping_previous(machine: MachineModel, path: Path,
     cluster is not lost to a later one on a laptop).  Returns both paths."""
     path, previous = Path(path), None
     if path.is_file():
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if now is None
-                                                              else now))
-        for n in range(1, 1000):
-            previous = path.with_name(f"{path.stem}.previous-{stamp}"
-                                      f"{f'-{n}' if n > 1 else ''}{path.suffix}")
-            if not previous.exists():
-                break
+        previous = previous_name(path, now)
         shutil.copy2(path, previous)
     return machine.save(path), previous
 

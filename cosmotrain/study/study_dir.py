@@ -24,7 +24,7 @@ from cosmotrain.atomic import fsync_path
 from cosmotrain.errors import UserError
 from cosmotrain.study.points import Point
 from cosmotrain.study.report import RESULTS_CSV, RESULTS_JSON, RESULTS_MD, load_results
-from cosmotrain.train.run_outputs import new_previous_dir
+from cosmotrain.train.run_outputs import new_previous_dir, previous_name
 
 POINTS_DIR = "points"
 #: what marks a directory as holding a study (the results are written after each point)
@@ -103,12 +103,6 @@ def set_aside_point_dir(point_dir: Path, now: float | None = None) -> Path | Non
     interrupted study resumed), to ``<name>.previous-<time>`` beside it; where it went."""
     if not point_dir.exists():
         return None
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if now is None
-                                                          else now))
-    for n in range(1, 1000):
-        dest = point_dir.with_name(f"{point_dir.name}.previous-{stamp}"
-                                   f"{f'-{n}' if n > 1 else ''}")
-        if not dest.exists():
-            os.rename(point_dir, dest)
-            return dest
-    raise UserError(f"too many earlier attempts beside {point_dir}; clean them up")
+    dest = previous_name(point_dir, now)
+    os.rename(point_dir, dest)
+    return dest
