@@ -77,6 +77,26 @@ def test_a_new_calibration_keeps_the_one_before(machine_file: Path, tmp_path: Pa
         ["machine.json", previous.name, again.name])  # no temporary file left
 
 
+def test_a_calibration_that_cannot_keep_the_one_before_replaces_nothing(
+        machine_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import shutil
+
+    from cosmotrain.errors import WriteError
+    from cosmotrain.study.calibrate import save_keeping_previous
+
+    path = tmp_path / "machine.json"
+    path.write_text(machine_file.read_text())
+
+    def full(src: object, dst: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(shutil, "copy2", full)
+    machine = MachineModel.load(machine_file)
+    with pytest.raises(WriteError, match="machine.previous-.*No space left on device"):
+        save_keeping_previous(replace(machine, name="later"), path)
+    assert path.read_text() == machine_file.read_text()
+
+
 def test_plan_ranks_applies_and_auto_uses_it(machine_file: Path, tmp_path: Path) -> None:
     out = tmp_path / "planned.yaml"
     done = run("plan", *sets(*TINY), "--ranks", "4", "--machine", str(machine_file),

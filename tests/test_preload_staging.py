@@ -116,6 +116,24 @@ def test_the_first_record_wins_over_a_concurrent_staging(tmp_path: Path) -> None
     record_source(tmp_path / "stage", tmp_path / "other")  # the same source: accepted
 
 
+def test_without_hard_links_a_record_is_still_never_replaced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import os
+
+    from cosmotrain.data.stage_claim import record_source, recorded_source
+    from cosmotrain.errors import UserError
+
+    def no_links(src: object, dst: object) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+    monkeypatch.setattr(os, "link", no_links)
+    record_source(tmp_path / "stage", tmp_path / "first")
+    with pytest.raises(UserError, match=f"holds a staging of '{tmp_path / 'first'}'"):
+        record_source(tmp_path / "stage", tmp_path / "second")
+    assert recorded_source(tmp_path / "stage") == str(tmp_path / "first")
+    assert [p.name for p in (tmp_path / "stage").iterdir()] == [".cosmotrain-stage.json"]
+
+
 def test_local_shuffle_stages_the_shards_of_the_nodes_groups(tmp_path: Path) -> None:
     write_universes(tmp_path, 8, 3, "channels-last", "int16", val_files=2)
     manifest = open_manifest(tmp_path, 4)  # 24 train samples, 8 per file; 16 validation

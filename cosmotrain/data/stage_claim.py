@@ -61,12 +61,14 @@ def record_source(dest: Path, source: Path, option: str = "--dest") -> None:
     wanted = str(source.resolve())
     tmp = cache.write_json(dest / f"{STAGE_RECORD}.{os.getpid()}.{secrets.token_hex(4)}",
                            {"source": wanted}, where=option)
+    record = dest / STAGE_RECORD
     try:
-        os.link(tmp, dest / STAGE_RECORD)  # fails when a record is there: it stays
+        os.link(tmp, record)  # fails when a record is there: it stays, compared below
     except FileExistsError:
-        pass
-    except OSError:  # no hard links on this file system: the record is replaced whole
-        os.replace(tmp, dest / STAGE_RECORD)
+        pass  # recorded before (this source re-staged, or a concurrent staging first)
+    except OSError:  # no hard links on this file system: moved in whole, never over one
+        if not record.exists():
+            os.replace(tmp, record)
     finally:
         tmp.unlink(missing_ok=True)
     recorded = recorded_source(dest)

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from cosmotrain.config.schema import Config
+from cosmotrain.errors import WriteError
 from cosmotrain.kernels import _parallel
 from cosmotrain.nn.module import Parameter
 from cosmotrain.plan.cost import BYTES, layer_elements, layer_key
@@ -98,7 +99,10 @@ def save_keeping_previous(machine: MachineModel, path: Path,
     path, previous = Path(path), None
     if path.is_file():
         previous = previous_name(path, now)
-        shutil.copy2(path, previous)
+        try:
+            shutil.copy2(path, previous)
+        except OSError as err:  # nothing replaced yet: one line, the old file intact
+            raise WriteError(previous, err, where="--out") from err
     return machine.save(path), previous
 
 

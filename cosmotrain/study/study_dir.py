@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from cosmotrain.atomic import fsync_path
-from cosmotrain.errors import UserError
+from cosmotrain.errors import UserError, WriteError
 from cosmotrain.study.points import Point
 from cosmotrain.study.report import RESULTS_CSV, RESULTS_JSON, RESULTS_MD, load_results
 from cosmotrain.train.run_outputs import new_previous_dir, previous_name
@@ -104,5 +104,8 @@ def set_aside_point_dir(point_dir: Path, now: float | None = None) -> Path | Non
     if not point_dir.exists():
         return None
     dest = previous_name(point_dir, now)
-    os.rename(point_dir, dest)
+    try:
+        os.rename(point_dir, dest)
+    except OSError as err:  # nothing moved: one line
+        raise WriteError(dest, err, where="--out") from err
     return dest
