@@ -32,7 +32,7 @@ from mpi4py import MPI
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.layers.channel_conv import ChannelConv3d
 from cosmotrain.tensor.channel_split import comm_volume, halo_elements
-from cosmotrain.train.step import HybridStep
+from cosmotrain.engine.step import HybridStep
 
 
 def state_arrays(step: HybridStep, name: str) -> list[Any]:

@@ -28,7 +28,9 @@ from typing import Callable, Dict, Optional
 __import__("cosmotrain")  # before numpy: sets OpenBLAS's idle spin (cosmotrain/__init__.py)
 import numpy as np
 
-from cosmotrain.kernels import _parallel, compiled_choice, conv3d, direct, winograd
+from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.compiled import choice as compiled_choice, direct, winograd
+from cosmotrain.kernels import conv3d
 from cosmotrain.kernels.geometry import ConvGeometry
 
 from bench_conv_layout import best_of  # this folder: the best-of-n timer

@@ -35,13 +35,14 @@ __import__("cosmotrain")  # before numpy: sets OpenBLAS's idle spin (cosmotrain/
 import numpy as np
 
 from cosmotrain.device.heap import reuse_freed_memory
-from cosmotrain.kernels import _parallel, compiled_choice
+from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.compiled import choice as compiled_choice
 from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
 from cosmotrain.kernels.conv3d import (conv3d_backward_data, conv3d_backward_filter,
                                        conv3d_forward)
 from cosmotrain.kernels.pool3d import (avg_pool3d_backward, avg_pool3d_forward,
                                        max_pool3d_backward, max_pool3d_forward)
-from cosmotrain.kernels.channel_sums import channel_sums
+from cosmotrain.kernels.cpu.channel_sums import channel_sums
 
 try:
     import torch
@@ -279,7 +280,7 @@ def main() -> None:
                         help="keep freed memory in glibc's heap (cosmotrain/device/heap.py)")
     parser.add_argument("--no-direct", action="store_true",
                         help="GEMM lowerings only: no compiled direct convolution loops "
-                        "(cosmotrain/kernels/direct.py), for A/B runs")
+                        "(cosmotrain/kernels/compiled/direct.py), for A/B runs")
     args = parser.parse_args()
     compiled_choice.USE_DIRECT = not args.no_direct
     if args.reuse_freed_memory and not reuse_freed_memory():

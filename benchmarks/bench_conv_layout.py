@@ -21,10 +21,10 @@ __import__("cosmotrain")  # before numpy: sets OpenBLAS's idle spin (cosmotrain/
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from cosmotrain.kernels import _parallel
+from cosmotrain.kernels.cpu import workers as _parallel
 from cosmotrain.kernels.conv3d import conv3d_forward
 from cosmotrain.kernels.geometry import plan_chunks
-from cosmotrain.kernels.lowering import fill_slab
+from cosmotrain.kernels.cpu.lowering import fill_slab
 
 LAYERS = [("conv1", 4, 16, 128), ("conv2", 16, 32, 64), ("conv3", 32, 64, 32)]
 BUDGET = 4 << 20

@@ -39,7 +39,8 @@ from cosmotrain.device import step_memory  # noqa: E402
 from cosmotrain.device.heap import reuse_freed_memory  # noqa: E402
 
 from cosmotrain.config.schema import ModelConfig  # noqa: E402
-from cosmotrain.kernels import _parallel, compiled_choice  # noqa: E402
+from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.compiled import choice as compiled_choice  # noqa: E402
 from cosmotrain.kernels.loss import mse_backward, mse_sum  # noqa: E402
 from cosmotrain.models import build_model  # noqa: E402
 from cosmotrain.nn import containers  # noqa: E402
@@ -47,7 +48,7 @@ from cosmotrain.nn.module import Context  # noqa: E402
 from cosmotrain.nn.profile import LayerTimer  # noqa: E402
 from cosmotrain.plan.flops import training_flops  # noqa: E402
 from cosmotrain.plan.memory import training_memory  # noqa: E402
-from cosmotrain.train.optim import Adam  # noqa: E402
+from cosmotrain.engine.optim import Adam  # noqa: E402
 
 
 def make_batch(batch: int, width: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -256,7 +257,7 @@ def main() -> None:
                         "against not, alternating step by step (nn/containers.py)")
     parser.add_argument("--no-direct", action="store_true",
                         help="GEMM lowerings only: no compiled direct convolution loops "
-                        "(cosmotrain/kernels/direct.py), for A/B runs")
+                        "(cosmotrain/kernels/compiled/direct.py), for A/B runs")
     args = parser.parse_args()
     if args.threads < 1:
         parser.error(f"--threads must be at least 1, got {args.threads}")

@@ -65,12 +65,12 @@ from cosmotrain.config.load import load_config  # noqa: E402
 from cosmotrain.config.schema import Config  # noqa: E402
 from cosmotrain.device import step_memory  # noqa: E402
 from cosmotrain.device.heap import reuse_freed_memory  # noqa: E402
-from cosmotrain.kernels import compiled_choice  # noqa: E402
-from cosmotrain.kernels._parallel import KernelThreads, configure_threads  # noqa: E402
+from cosmotrain.kernels.compiled import choice as compiled_choice  # noqa: E402
+from cosmotrain.kernels.cpu.workers import KernelThreads, configure_threads  # noqa: E402
 from cosmotrain.models import build_model  # noqa: E402
 from cosmotrain.nn.module import Context  # noqa: E402
 from cosmotrain.tensor.dist_tensor import DistTensor  # noqa: E402
-from cosmotrain.train.step import HybridStep  # noqa: E402
+from cosmotrain.engine.step import HybridStep  # noqa: E402
 
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4  # float32, different summation orders
 
@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="compare loss and gradients with the one-process twin, no timing")
     parser.add_argument("--no-direct", action="store_true",
                         help="GEMM lowerings only: no compiled direct convolution loops "
-                        "(cosmotrain/kernels/direct.py), for A/B runs")
+                        "(cosmotrain/kernels/compiled/direct.py), for A/B runs")
     args = parser.parse_args(argv)
     compiled_choice.USE_DIRECT = not args.no_direct
     if args.steps < 1 or args.warmup < 0:

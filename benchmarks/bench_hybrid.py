@@ -33,14 +33,14 @@ import numpy as np
 from mpi4py import MPI
 
 from cosmotrain.comm.grid import ProcessGrid
-from cosmotrain.comm.threads import job_threads
-from cosmotrain.comm.timers import PHASES
+from cosmotrain.runtime.threads import job_threads
+from cosmotrain.runtime.timers import PHASES
 from cosmotrain.config.load import load_config
 from cosmotrain.config.layout import resolve_parallel
-from cosmotrain.kernels._parallel import KernelThreads
+from cosmotrain.kernels.cpu.workers import KernelThreads
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
-from cosmotrain.train.step import HybridStep, hybrid_step_from_config, job_runtime
+from cosmotrain.engine.step import HybridStep, hybrid_step_from_config, job_runtime
 
 
 def input_block(dist: Any, coord: tuple[int, ...]) -> DistTensor:

@@ -51,15 +51,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from bench_hybrid import build_step, targets  # noqa: E402
 
-from cosmotrain.comm.threads import job_threads  # noqa: E402
+from cosmotrain.runtime.threads import job_threads  # noqa: E402
 from cosmotrain.config.load import load_config  # noqa: E402
 from cosmotrain.device import step_memory  # noqa: E402
-from cosmotrain.kernels._parallel import KernelThreads  # noqa: E402
+from cosmotrain.kernels.cpu.workers import KernelThreads  # noqa: E402
 from cosmotrain.errors import UserError  # noqa: E402
 from cosmotrain.nn.module import Context  # noqa: E402
 from cosmotrain.nn.profile import LayerTimer  # noqa: E402
 from cosmotrain.tensor.dist_tensor import DistTensor  # noqa: E402
-from cosmotrain.train.step import HybridStep  # noqa: E402
+from cosmotrain.engine.step import HybridStep  # noqa: E402
 
 PRECISIONS = ("fp32", "tf32", "bf16")
 

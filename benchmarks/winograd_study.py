@@ -35,7 +35,7 @@ from typing import Callable, Dict, List
 __import__("cosmotrain")  # before numpy: sets OpenBLAS's idle spin (cosmotrain/__init__.py)
 import numpy as np
 
-from cosmotrain.kernels import _parallel
+from cosmotrain.kernels.cpu import workers as _parallel
 from cosmotrain.kernels.conv3d import conv3d_forward
 
 LAYERS = [("conv2", 32, 64, 2), ("conv3", 64, 128, 4), ("conv4", 128, 256, 8),

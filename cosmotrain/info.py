@@ -18,7 +18,7 @@ import cosmotrain
 from cosmotrain.device.probe import nccl_loads
 from cosmotrain.device.xp import import_cupy
 from cosmotrain.device import step_memory
-from cosmotrain.kernels import direct
+from cosmotrain.kernels.compiled import direct
 
 
 def package_versions() -> dict[str, str]:

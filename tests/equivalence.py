@@ -24,8 +24,8 @@ from cosmotrain.layers.shards import gather_full
 from cosmotrain.models import build_model
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
-from cosmotrain.train.optim import build_optimizer
-from cosmotrain.train.step import hybrid_step_from_config
+from cosmotrain.engine.optim import build_optimizer
+from cosmotrain.engine.step import hybrid_step_from_config
 
 STEPS = 3
 BATCH = 4

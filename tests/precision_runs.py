@@ -23,7 +23,7 @@ from cosmotrain.device.xp import to_host
 from cosmotrain.nn.module import Context
 from cosmotrain.precision import widen
 from cosmotrain.tensor.dist_tensor import DistTensor
-from cosmotrain.train.step import hybrid_step_from_config, job_runtime
+from cosmotrain.engine.step import hybrid_step_from_config, job_runtime
 
 STEPS = 3
 BATCH = 4

@@ -57,7 +57,7 @@ ENVIRONMENT_READERS = {
     "cosmotrain/__init__.py",  # OpenBLAS's idle spin, set before numpy loads OpenBLAS
     "cosmotrain/cli/app.py",  # the user's settings: machine file, cache directory
     "cosmotrain/cli/run.py",  # the job id and the fault hook
-    "cosmotrain/comm/threads.py",  # the thread variables the BLAS pool obeys
+    "cosmotrain/runtime/threads.py",  # the thread variables the BLAS pool obeys
     "cosmotrain/study/launch.py",  # the environment a launched job inherits
     "cosmotrain/study/scale.py",  # the thread and Slurm variables a study records
     "cosmotrain/info.py",  # CUDA_VISIBLE_DEVICES, reported as found

@@ -32,7 +32,7 @@ from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.nn.module import Context
 from cosmotrain.precision import is_bf16
 from cosmotrain.tensor.dist_tensor import DistTensor
-from cosmotrain.train.step import hybrid_step_from_config
+from cosmotrain.engine.step import hybrid_step_from_config
 
 COSMOFLOW = ["model.name=cosmoflow", "model.width=32", "model.dropout=0.2"]
 TINY_BN = ["model.name=tiny", "model.width=13", "model.batchnorm=true", "model.dropout=0.3"]

@@ -24,7 +24,7 @@ from conftest import abort_on_error
 from equivalence import (STEPS, adam64_failures, broadcast_refs, everyone_failures,
                          make_config, ranks_of, run_waves)
 
-from cosmotrain.kernels import _parallel
+from cosmotrain.kernels.cpu import workers as _parallel
 from cosmotrain.layers.channel_conv import ChannelConv3d
 from cosmotrain.tensor.channel_split import comm_volume
 

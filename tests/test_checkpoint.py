@@ -15,16 +15,17 @@ import h5py
 import numpy as np
 import pytest
 
-from cosmotrain import atomic
+from cosmotrain.files import atomic
 from cosmotrain.config.schema import ModelConfig
 from cosmotrain.errors import DataError, WriteError
 from cosmotrain.models import build_model
-from cosmotrain.train import checkpoint as ck
-from cosmotrain.train.checkpoint import (CheckpointState, DamagedCheckpoint, checkpoint_dir,
-                                         checkpoint_name, latest_checkpoint, list_checkpoints,
-                                         load_checkpoint, newest_intact_checkpoint,
-                                         save_checkpoint)
-from cosmotrain.train.optim import Adam
+from cosmotrain.train.checkpoints import checkpoint as ck
+from cosmotrain.train.checkpoints.checkpoint import (CheckpointState, DamagedCheckpoint,
+                                                      checkpoint_dir, checkpoint_name,
+                                                      latest_checkpoint, list_checkpoints,
+                                                      load_checkpoint, newest_intact_checkpoint,
+                                                      save_checkpoint)
+from cosmotrain.engine.optim import Adam
 
 CONFIG = "model:\n  name: tiny  # ünïcode survives\ntrain:\n  batch_size: 4\n"
 

@@ -12,8 +12,8 @@ import yaml
 from cosmotrain.config import load_config
 from cosmotrain.config.expand import PATH_KEYS
 from cosmotrain.errors import ConfigError
-from cosmotrain.train.resume_check import PATH_KEYS as COMPARED_AS_PATHS
-from cosmotrain.train.schedule import build_schedule
+from cosmotrain.train.checkpoints.resume_check import PATH_KEYS as COMPARED_AS_PATHS
+from cosmotrain.engine.schedule import build_schedule
 
 S = "optimizer.schedule"
 

@@ -16,7 +16,7 @@ import itertools
 import numpy as np
 import pytest
 
-from cosmotrain.kernels import _parallel, depth_lowering
+from cosmotrain.kernels.cpu import workers as _parallel, depth_lowering
 from cosmotrain.kernels import conv3d as conv
 from cosmotrain.kernels.conv3d import (conv3d_backward_data, conv3d_backward_filter,
                                        conv3d_forward)

@@ -7,7 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cosmotrain.kernels import _parallel, compiled_choice, conv3d, direct
+from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.compiled import choice as compiled_choice, direct
+from cosmotrain.kernels import conv3d
 from cosmotrain.kernels.geometry import ConvGeometry
 
 # (input shape, filters, compiled loops on): the kernel each reaches with the AVX-512

@@ -24,9 +24,9 @@ from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.data.datagen import generate_dataset
 from cosmotrain.data.open import make_reader, open_dataset
 from cosmotrain.data.placement import BlockPlacement
-from cosmotrain.kernels import _parallel
+from cosmotrain.kernels.cpu import workers as _parallel
 from cosmotrain.nn.module import Context
-from cosmotrain.train.step import hybrid_step_from_config
+from cosmotrain.engine.step import hybrid_step_from_config
 
 STEPS = 4
 RTOL = 1e-5

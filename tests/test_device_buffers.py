@@ -1,4 +1,4 @@
-"""The transports (``cosmotrain/device/transport/``) without a GPU.
+"""The transports (``cosmotrain/comm/transport/``) without a GPU.
 
 * numpy arrays: every call hands MPI the caller's own array (no copy, no staging), and
   bfloat16 travels as a uint16 view of the same memory;
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from conftest import abort_on_error
 
-from cosmotrain.device.transport import displacements
-from cosmotrain.device.transport import make_transport as DeviceBuffers
+from cosmotrain.comm.transport import displacements
+from cosmotrain.comm.transport import make_transport as DeviceBuffers
 from cosmotrain.precision import bfloat16
 
 
@@ -194,7 +194,7 @@ def run_collectives(comm: Any, transport: DeviceBuffers, wrap: Any) -> dict[str,
 def halo_round_trip(comm: Any, transport: DeviceBuffers, wrap: Any) -> list[np.ndarray]:
     """Forward and backward halo exchanges of a D2 grid through ``transport``."""
     from cosmotrain.comm.grid import ProcessGrid
-    from cosmotrain.comm.runtime import Runtime
+    from cosmotrain.runtime.job_runtime import Runtime
     from cosmotrain.config.layout import Layout as ParallelLayout
     from cosmotrain.tensor.distribution import Distribution
     from cosmotrain.tensor.halo import HaloExchange

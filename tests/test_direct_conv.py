@@ -1,4 +1,4 @@
-"""The compiled direct convolution loops (cosmotrain/kernels/direct.py) against references.
+"""The compiled direct convolution loops (cosmotrain/kernels/compiled/direct.py) against references.
 
 Each case runs the AVX-512 and the AVX2 loops (whichever this CPU runs) in float32 and
 compares them with the direct-loop float64 reference of test_conv3d: odd widths (partial
@@ -17,7 +17,8 @@ import shutil
 import numpy as np
 import pytest
 
-from cosmotrain.kernels import _parallel, compiled_choice, direct, winograd
+from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.compiled import choice as compiled_choice, direct, winograd
 from cosmotrain.kernels import conv3d as conv
 from cosmotrain.kernels.geometry import ConvGeometry
 from test_conv3d import reference_conv3d
@@ -51,7 +52,7 @@ def test_library_is_built_where_it_can_be() -> None:
     """On x86-64 Linux with a C compiler and AVX2 the install builds and loads the loops."""
     if platform.machine() != "x86_64" or shutil.which("cc") is None or not _cpu_has_avx2():
         pytest.skip("no C compiler or no AVX2 CPU: the numpy kernels run instead")
-    assert direct.available(), "pip install did not build cosmotrain.kernels._directconv"
+    assert direct.available(), "pip install did not build cosmotrain.kernels.compiled._directconv"
     assert direct.instruction_set() in ("avx512", "avx2")
 
 
@@ -351,7 +352,7 @@ def _compare_with_lowerings(x, w, r, monkeypatch) -> None:
 def test_a_failed_allocation_in_the_loops_is_an_error() -> None:
     """The filter gradients and pooling report -1 when they cannot allocate their
     buffers (they then wrote no usable result): an error, never a silent partial sum."""
-    from cosmotrain.kernels import compiled
+    from cosmotrain.kernels.compiled import library as compiled
 
     compiled.check(0, "x")
     with pytest.raises(MemoryError, match="Winograd filter gradient: out of memory"):

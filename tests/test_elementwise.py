@@ -7,10 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cosmotrain.kernels import _parallel, activation
-from cosmotrain.kernels import channel_sums as channel_sums_module
+from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels import activation
+from cosmotrain.kernels.cpu import channel_sums as channel_sums_module
 from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
-from cosmotrain.kernels.channel_sums import channel_sums
+from cosmotrain.kernels.cpu.channel_sums import channel_sums
 from cosmotrain.kernels.batchnorm import (bn_backward_apply, bn_backward_local_sums,
                                           bn_local_sums, bn_normalize, bn_statistics)
 from cosmotrain.kernels.dropout import dropout_keep_mask, global_linear_index

@@ -40,7 +40,8 @@ from equivalence import (everyone_failures, hybrid_short_run, make_config, ranks
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.layout import resolve_parallel
-from cosmotrain.kernels import _parallel, conv3d, pool3d
+from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels import conv3d, pool3d
 from cosmotrain.kernels.batchnorm import bn_local_sums, bn_statistics
 from cosmotrain.models import build_model
 

@@ -27,7 +27,7 @@ from cosmotrain.errors import DataError, UserError
 from cosmotrain.models import build_model
 from cosmotrain.nn.module import Context
 from cosmotrain.train import runner
-from cosmotrain.train.checkpoint import latest_checkpoint, load_checkpoint
+from cosmotrain.train.checkpoints.checkpoint import latest_checkpoint, load_checkpoint
 from cosmotrain.train.export import META_KEYS, export_checkpoint, exported_weights
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from conftest import REPO, mpiexec, subprocess_env
 
-from cosmotrain.train.checkpoint import list_checkpoints, load_checkpoint
+from cosmotrain.train.checkpoints.checkpoint import list_checkpoints, load_checkpoint
 
 BASE = ["model.name=tiny", "model.width=12", "data.source=synthetic",
         "data.synthetic.samples=40", "data.synthetic.val_fraction=0.1", "train.batch_size=4",

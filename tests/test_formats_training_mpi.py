@@ -22,7 +22,7 @@ from cosmotrain.data import formats
 from cosmotrain.data.convert import plan_conversion, run_conversion
 from cosmotrain.data.datagen import generate_dataset
 from cosmotrain.data.manifest import open_manifest
-from cosmotrain.kernels import _parallel
+from cosmotrain.kernels.cpu import workers as _parallel
 
 FORMATS = ("tfrecord-gzip", "tfrecord", "npy", "tfrecord-package")
 LAYOUTS = {"1 rank": (1, []), "D2": (2, ["parallel.depth=2"])}

@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 
 from cosmotrain.config.schema import ModelConfig
-from cosmotrain.kernels import _parallel, avgpool_compiled, compiled_choice, conv3d, direct
+from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.compiled import (avgpool as avgpool_compiled, choice as compiled_choice,
+                                          direct)
+from cosmotrain.kernels import conv3d
 from cosmotrain.kernels import pool3d
 from cosmotrain.kernels.pool_activation import avg_pool_leaky_backward
 from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward

@@ -46,7 +46,7 @@ from conftest import abort_on_error  # noqa: E402
 from equivalence import relative_error  # noqa: E402
 from precision_runs import over, precision_errors, step_run  # noqa: E402
 
-from cosmotrain.device.transport import make_transport as DeviceBuffers  # noqa: E402
+from cosmotrain.comm.transport import make_transport as DeviceBuffers  # noqa: E402
 from cosmotrain.kernels import (activation, batchnorm, conv3d, dropout, linear, loss,  # noqa: E402
                                 pool3d)
 from cosmotrain.precision import bfloat16, widen  # noqa: E402

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cosmotrain.device import heap
-from cosmotrain.kernels._parallel import KernelThreads
+from cosmotrain.kernels.cpu.workers import KernelThreads
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists() or heap._mallopt() is None,
                                 reason="needs Linux /proc and glibc")
@@ -55,13 +55,13 @@ def test_a_job_runtime_applies_the_setting(monkeypatch, setting: bool) -> None:
     from cosmotrain.comm.grid import ProcessGrid
     from cosmotrain.config.layout import resolve_parallel
     from cosmotrain.config.load import load_config
-    from cosmotrain.train.step import job_runtime
+    from cosmotrain.engine.step import job_runtime
 
     calls: list = []
-    monkeypatch.setattr("cosmotrain.comm.runtime.reuse_freed_memory", lambda: calls.append(1))
-    monkeypatch.setattr("cosmotrain.comm.runtime.step_memory.install",
+    monkeypatch.setattr("cosmotrain.runtime.job_runtime.reuse_freed_memory", lambda: calls.append(1))
+    monkeypatch.setattr("cosmotrain.runtime.job_runtime.step_memory.install",
                         lambda: calls.append("plan"))
-    monkeypatch.setattr("cosmotrain.comm.runtime.configure_threads", lambda threads: None)
+    monkeypatch.setattr("cosmotrain.runtime.job_runtime.configure_threads", lambda threads: None)
     cfg = load_config(None, [f"device.reuse_freed_memory={str(setting).lower()}"])
     grid = ProcessGrid(MPI.COMM_SELF, resolve_parallel(cfg, 1))
     job_runtime(cfg, grid)

@@ -33,7 +33,7 @@ from conftest import abort_on_error
 from equivalence import (adam64_failures, broadcast_refs, everyone_failures,
                          make_config, ranks_of, run_waves)
 
-from cosmotrain.kernels import _parallel
+from cosmotrain.kernels.cpu import workers as _parallel
 
 RTOL = 1e-4
 MODELS = {  # uneven blocks: 13 and 18 do not halve evenly all the way down

@@ -39,7 +39,7 @@ def test_verbose_emits_rank_tagged_debug_lines(cli, tmp_path: Path) -> None:
                for line in lines), err
     assert any(line.startswith(tag + "cosmotrain.data.open: split train: 8 sample(s), "
                                "preload reader") and "MiB stored" in line for line in lines)
-    assert any(line.startswith(tag + "cosmotrain.train.checkpoint: checkpoint ") and
+    assert any(line.startswith(tag + "cosmotrain.train.checkpoints.checkpoint: checkpoint ") and
                "ckpt_step0000002.h5 written" in line for line in lines)
     assert "[rank" not in out  # the console (stdout) stays the progress and results
 

@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from cosmotrain.comm.timers import PhaseTimers
+from cosmotrain.runtime.timers import PhaseTimers
 from cosmotrain.errors import DataError
-from cosmotrain.train.metrics import (RECORD_SCHEMAS, TIME_KEYS, MetricsLog, epoch_of,
-                                      memory_hwm_mib, metrics_path, read_metrics, summary_record, time_breakdown,
-                                      train_record, validate_record, validation_record)
-from cosmotrain.train.progress import TrainProgress, summary_table
+from cosmotrain.train.outputs.metrics import (RECORD_SCHEMAS, TIME_KEYS, MetricsLog, epoch_of,
+                                               memory_hwm_mib, metrics_path, read_metrics,
+                                               summary_record, time_breakdown, train_record,
+                                               validate_record, validation_record)
+from cosmotrain.train.outputs.progress import TrainProgress, summary_table
 
 TIMES = {**dict.fromkeys(TIME_KEYS, 0.0), "compute": 0.05, "halo": 0.01, "allreduce": 0.02,
          "io_wait": 0.005, "other": 0.001}

@@ -20,9 +20,9 @@ from test_data_manifest import write_universes
 
 from cosmotrain.device.select import Device
 from cosmotrain.errors import WriteError
-from cosmotrain.train.mlperf_file import MLPerfLog
-from cosmotrain.train.mlperf_log import accelerators_per_node, warmup_factor
-from cosmotrain.train.observers import RunStart
+from cosmotrain.train.outputs.mlperf_writer import MLPerfLog
+from cosmotrain.train.outputs.mlperf import accelerators_per_node, warmup_factor
+from cosmotrain.train.outputs.observers import RunStart
 
 TINY = ["model.name=tiny", "model.width=8", "data.source=synthetic",
         "data.synthetic.samples=10", "data.synthetic.val_fraction=0.2", "train.batch_size=4",
@@ -225,7 +225,7 @@ def test_a_fresh_log_keeps_only_the_staging_lines_at_its_end(tmp_path: Path,
 
 def test_a_refused_write_names_the_file(tmp_path: Path, mllog,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    import cosmotrain.train.mlperf_file as mlperf_file
+    import cosmotrain.train.outputs.mlperf_writer as mlperf_file
 
     log = MLPerfLog(tmp_path / "mlperf.log")
     log.event("init_start")

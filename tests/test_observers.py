@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from cosmotrain.config.load import load_config
 from cosmotrain.train import runner
-from cosmotrain.train.observers import Observer, Observers, RunStart
+from cosmotrain.train.outputs.observers import Observer, Observers, RunStart
 
 
 class Recorder(Observer):

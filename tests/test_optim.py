@@ -7,7 +7,7 @@ import pytest
 
 from cosmotrain.config.schema import OptimizerConfig
 from cosmotrain.nn.module import Parameter
-from cosmotrain.train.optim import SGD, Adam, build_optimizer
+from cosmotrain.engine.optim import SGD, Adam, build_optimizer
 
 
 def test_sgd_momentum_formula() -> None:
@@ -75,7 +75,8 @@ def test_compiled_update_is_the_numpy_update_bit_for_bit(monkeypatch, name, wd) 
     """float32 parameters take the fused loops of kernels/optim_update.py: the same
     values, bit for bit, as the numpy update (one parameter over several chunks, one
     small), over steps; the first momentum step (a copy) included."""
-    from cosmotrain.kernels import _parallel, optim_update
+    from cosmotrain.kernels.cpu import workers as _parallel
+    from cosmotrain.kernels import optim_update
 
     if optim_update._loops() is None:
         pytest.skip("the compiled loops were not built")

@@ -152,7 +152,7 @@ def test_volumes_equal_what_a_run_sends() -> None:
     from cosmotrain.nn.module import Context
     from cosmotrain.tensor import halo
     from cosmotrain.tensor.dist_tensor import DistTensor
-    from cosmotrain.train.step import hybrid_step_from_config
+    from cosmotrain.engine.step import hybrid_step_from_config
 
     comm = MPI.COMM_WORLD
     exchanges: list[halo.HaloExchange] = []

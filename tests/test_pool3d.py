@@ -14,7 +14,8 @@ from itertools import product
 import numpy as np
 import pytest
 
-from cosmotrain.kernels import _parallel, avgpool_compiled, maxpool_tiled
+from cosmotrain.kernels.cpu import workers as _parallel, maxpool_tiled
+from cosmotrain.kernels.compiled import avgpool as avgpool_compiled
 from cosmotrain.kernels import pool3d
 from cosmotrain.kernels.pool3d import (avg_pool3d_backward, avg_pool3d_forward,
                                        max_pool3d_backward, max_pool3d_forward)

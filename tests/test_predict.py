@@ -23,7 +23,7 @@ from cosmotrain.data import formats
 from cosmotrain.data.transform import apply_transform
 from cosmotrain.models import build_model
 from cosmotrain.nn.module import Context
-from cosmotrain.train.checkpoint import load_checkpoint
+from cosmotrain.train.checkpoints.checkpoint import load_checkpoint
 
 TRAIN = ["model.name=tiny", "model.width=12", "model.batchnorm=true", "data.source=synthetic",
          "data.synthetic.samples=19", "data.synthetic.val_fraction=0.2", "train.batch_size=4",

@@ -16,7 +16,7 @@ from conftest import abort_on_error
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.load import load_config
 from cosmotrain.config.layout import resolve_parallel
-from cosmotrain.kernels import _parallel
+from cosmotrain.kernels.cpu import workers as _parallel
 from cosmotrain.models import build_model
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.boxes import box_empty, intersect, to_local
@@ -58,7 +58,7 @@ def local_bn_ok(world) -> bool:
                  "parallel.bn_statistics=local"]
     cfg = load_config(None, overrides)
     grid = ProcessGrid(world, resolve_parallel(cfg, world.Get_size()))
-    from cosmotrain.train.step import hybrid_step_from_config
+    from cosmotrain.engine.step import hybrid_step_from_config
 
     step = hybrid_step_from_config(cfg, grid)
     x = np.random.default_rng(2).normal(size=(4, 4, 12, 12, 12)).astype(np.float32)

@@ -10,9 +10,9 @@ import yaml
 
 from cosmotrain.config.load import config_to_dict, dump_yaml, known_keys, load_config
 from cosmotrain.errors import UserError
-from cosmotrain.train import resume_check
-from cosmotrain.train.resume_check import (ALLOW, MISSING, REFUSE, RULES, UNKNOWN, Change,
-                                           compare_for_resume, rule_for, show)
+from cosmotrain.train.checkpoints import resume_check
+from cosmotrain.train.checkpoints.resume_check import (ALLOW, MISSING, REFUSE, RULES, UNKNOWN,
+                                                        Change, compare_for_resume, rule_for, show)
 
 CKPT = "runs/x/checkpoints/ckpt_step0000040.h5"
 

@@ -13,7 +13,7 @@ from mpi4py import MPI
 from cosmotrain.config.load import load_config
 from cosmotrain.errors import ConfigError
 from cosmotrain.train import runner
-from cosmotrain.train.observers import Observer, Observers
+from cosmotrain.train.outputs.observers import Observer, Observers
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 # 8 training samples in batches of 4: 2 steps an epoch; 2 validation samples

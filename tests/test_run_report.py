@@ -20,8 +20,8 @@ from cosmotrain.errors import UserError  # noqa: E402
 from cosmotrain.study import run_plots  # noqa: E402
 from cosmotrain.study.run_plots import joined, load_curves, write_run_plots  # noqa: E402
 from cosmotrain.train import runner  # noqa: E402
-from cosmotrain.train.checkpoint import checkpoint_dir, list_checkpoints  # noqa: E402
-from cosmotrain.train.metrics import TIME_KEYS, metrics_path, read_metrics  # noqa: E402
+from cosmotrain.train.checkpoints.checkpoint import checkpoint_dir, list_checkpoints  # noqa: E402
+from cosmotrain.train.outputs.metrics import TIME_KEYS, metrics_path, read_metrics  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 ALL_PLOTS = ["loss.png", "validation_mae.png", "throughput.png", "breakdown.png"]

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from cosmotrain.errors import UserError
-from cosmotrain.train import rundir
+from cosmotrain.files import run_lock as rundir
 from cosmotrain.train.run_outputs import check_fresh_directory
-from cosmotrain.train.rundir import (LOCK_NAME, LocalProcesses, LockHolder, RunDirError,
-                                     RunLock, this_process)
+from cosmotrain.files.run_lock import (LOCK_NAME, LocalProcesses, LockHolder, RunDirError,
+                                        RunLock, this_process)
 
 HOST = "node-a"
 STARTED = time.mktime((2026, 11, 23, 15, 2, 0, 0, 0, -1))

@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 
 from cosmotrain.comm.grid import ProcessGrid
-from cosmotrain.comm.runtime import Runtime, build_runtime
+from cosmotrain.runtime.job_runtime import Runtime, build_runtime
 from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.config.load import load_config
 from cosmotrain.device.select import Device
-from cosmotrain.kernels import _parallel, conv3d, linear
+from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels import conv3d, linear
 from cosmotrain.kernels.cuda import conv as gpu_conv
 from cosmotrain.kernels.cuda import conv_gemm
 from cosmotrain.kernels.cuda.settings import ConvSettings
@@ -31,7 +32,7 @@ from cosmotrain.models import build_model
 from cosmotrain.nn.layers import Conv3d, Linear
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
-from cosmotrain.train.step import hybrid_step_from_config
+from cosmotrain.engine.step import hybrid_step_from_config
 
 # conv1 and pool1 on blocks, conv2 and the linear layers on whole samples
 TINY = ["model.name=tiny", "model.width=13", "train.batch_size=2",

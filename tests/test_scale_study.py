@@ -24,7 +24,7 @@ from cosmotrain.config.layout import Layout as Strategy
 from cosmotrain.study.launch import Launcher, find_launcher, slurm_tasks_per_node
 from cosmotrain.study.points import build_points, parse_ranks, point_batch, spatial_strategy
 from cosmotrain.study.report import CSV_COLUMNS, document, markdown
-from cosmotrain.train.metrics import TIME_KEYS
+from cosmotrain.train.outputs.metrics import TIME_KEYS
 
 TINY = str(REPO / "configs/tiny.yaml")
 SMALL = ["--set", "model.width=12", "--set", "train.batch_size=4"]

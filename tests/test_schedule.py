@@ -10,7 +10,7 @@ import pytest
 
 from cosmotrain.config.load import load_config
 from cosmotrain.errors import ConfigError
-from cosmotrain.train.schedule import LRSchedule, build_schedule, parse_numbers
+from cosmotrain.engine.schedule import LRSchedule, build_schedule, parse_numbers
 
 S = "optimizer.schedule."
 

@@ -38,9 +38,9 @@ from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.config.load import load_config
 from cosmotrain.nn.module import Context, Parameter
 from cosmotrain.tensor.dist_tensor import DistTensor
-from cosmotrain.train.grad_sync import Bucket
-from cosmotrain.train.snapshot import full_state, optimizer_blocks
-from cosmotrain.train.step import hybrid_step_from_config
+from cosmotrain.engine.grad_sync import Bucket
+from cosmotrain.train.checkpoints.snapshot import full_state, optimizer_blocks
+from cosmotrain.engine.step import hybrid_step_from_config
 
 TINY = ["model.name=tiny", "model.width=8"]
 SGD = ["optimizer.name=sgd", "optimizer.lr=0.002", "optimizer.momentum=0.9"]
@@ -210,7 +210,8 @@ def run_to(out: Path, steps: int, shard: bool, resume: bool = False):
     from mpi4py import MPI
 
     from cosmotrain.train import runner
-    from cosmotrain.train.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint
+    from cosmotrain.train.checkpoints.checkpoint import (checkpoint_dir, latest_checkpoint,
+                                                          load_checkpoint)
 
     cfg = load_config(REPO_TINY, [*CKPT, f"output.dir={out}", f"train.max_steps={steps}",
                                   f"parallel.shard_optimizer={str(shard).lower()}"])
@@ -249,7 +250,7 @@ def test_checkpoints_do_not_depend_on_sharding_and_resume_across_it(
     from mpi4py import MPI
 
     from cosmotrain.train import runner
-    from cosmotrain.train.observers import Observers
+    from cosmotrain.train.outputs.observers import Observers
 
     world = MPI.COMM_WORLD
     monkeypatch.setattr(runner, "make_observers", lambda *args: Observers([]))

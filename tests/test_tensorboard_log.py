@@ -23,10 +23,11 @@ from tensorboardX.proto.event_pb2 import Event, SessionLog  # noqa: E402
 
 from cosmotrain.config.load import load_config  # noqa: E402
 from cosmotrain.errors import UserError  # noqa: E402
-from cosmotrain.train import runner, tensorboard_log  # noqa: E402
-from cosmotrain.train.checkpoint import checkpoint_dir, list_checkpoints  # noqa: E402
-from cosmotrain.train.metrics import TIME_KEYS, metrics_path, read_metrics  # noqa: E402
-from cosmotrain.train.observers import Observer, make_observers  # noqa: E402
+from cosmotrain.train import runner
+from cosmotrain.train.outputs import tensorboard as tensorboard_log  # noqa: E402
+from cosmotrain.train.checkpoints.checkpoint import checkpoint_dir, list_checkpoints  # noqa: E402
+from cosmotrain.train.outputs.metrics import TIME_KEYS, metrics_path, read_metrics  # noqa: E402
+from cosmotrain.train.outputs.observers import Observer, make_observers  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 

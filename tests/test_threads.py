@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cosmotrain.comm.threads import configure_threads, job_threads, threads_per_rank
-from cosmotrain.kernels import _parallel
-from cosmotrain.kernels._parallel import KernelThreads
+from cosmotrain.runtime.threads import configure_threads, job_threads, threads_per_rank
+from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.cpu.workers import KernelThreads
 
 
 @pytest.mark.parametrize("local, usable, node, expected", [
@@ -43,7 +43,7 @@ def test_configure_threads_sets_the_kernel_workers() -> None:
     ({"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "8"}, 1),
     ({"OPENBLAS_NUM_THREADS": "lots"}, None), ({"OMP_NUM_THREADS": "0"}, None)])
 def test_an_explicit_thread_count_caps_the_share(env: dict, expected: int | None) -> None:
-    from cosmotrain.comm.threads import env_thread_limit
+    from cosmotrain.runtime.threads import env_thread_limit
 
     assert env_thread_limit(env) == expected
 
@@ -90,7 +90,7 @@ def _spin_seen_by_a_fresh_process(env_value: str | None, numpy_first: bool) -> s
     if env_value is not None:
         env["OPENBLAS_THREAD_TIMEOUT"] = env_value
     imports = "import numpy, cosmotrain" if numpy_first else "import cosmotrain, numpy"
-    code = (f"{imports}\nfrom cosmotrain.kernels._parallel import blas_thread_timeout\n"
+    code = (f"{imports}\nfrom cosmotrain.kernels.cpu.workers import blas_thread_timeout\n"
             "print(blas_thread_timeout())")
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, check=True).stdout.strip()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import REPO, mpiexec, subprocess_env
 
-from cosmotrain.train.metrics import validate_record
+from cosmotrain.train.outputs.metrics import validate_record
 
 BASE = ["model.name=tiny", "model.width=12", "data.source=synthetic",
         "data.synthetic.samples=20", "data.synthetic.val_fraction=0.2",

@@ -27,15 +27,16 @@ from conftest import REPO, subprocess_env
 from test_checkpoint import assert_same, make_state
 from test_metrics import train
 
-from cosmotrain import atomic
-from cosmotrain.atomic import (PROBE_NAME, check_writable, write_bytes_atomically,
-                               write_text_atomically)
+from cosmotrain.files import atomic
+from cosmotrain.files.atomic import (PROBE_NAME, check_writable, write_bytes_atomically,
+                                      write_text_atomically)
 from cosmotrain.config import load_config, save_resolved
 from cosmotrain.errors import UserError, WriteError
 from cosmotrain.train import predict
-from cosmotrain.train.checkpoint import (checkpoint_name, list_checkpoints, load_checkpoint,
-                                         newest_intact_checkpoint, save_checkpoint)
-from cosmotrain.train.metrics import MetricsLog, read_metrics
+from cosmotrain.train.checkpoints.checkpoint import (checkpoint_name, list_checkpoints,
+                                                      load_checkpoint, newest_intact_checkpoint,
+                                                      save_checkpoint)
+from cosmotrain.train.outputs.metrics import MetricsLog, read_metrics
 
 ENOSPC = "No space left on device"
 EROFS = "Read-only file system"
@@ -137,7 +138,7 @@ def test_checkpoint_cli_exit_code_on_a_full_filesystem(small_fs: Callable[..., P
     script = ("import sys; sys.path.insert(0, 'tests')\n"
               "from test_checkpoint import make_state\n"
               "from cosmotrain.errors import UserError\n"
-              "from cosmotrain.train.checkpoint import save_checkpoint\n"
+              "from cosmotrain.train.checkpoints.checkpoint import save_checkpoint\n"
               "try:\n"
               f"    save_checkpoint({str(folder)!r}, make_state(2))\n"
               "except UserError as err:\n"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from cosmotrain.kernels import activation, batchnorm, conv3d, dropout, linear, loss, pool3d
-from cosmotrain.kernels import pool3d_xp
+from cosmotrain.kernels.cuda import pool as pool3d_xp
 from cosmotrain.nn.module import Parameter
 from cosmotrain.precision import (accumulator, bfloat16, is_bf16, narrow, storage_dtype,
                                   widen)

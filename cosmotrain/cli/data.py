@@ -118,7 +118,7 @@ def preload(
     from cosmotrain.comm import world
     from cosmotrain.console import progress
     from cosmotrain.data.staging import plan_staging, run_staging
-    from cosmotrain.train.mlperf_file import staging_logged
+    from cosmotrain.train.outputs.mlperf_writer import staging_logged
 
     extra = [f"data.shuffle={shuffle.value}"] if shuffle is not None else []
     cfg = with_user_defaults(load_user_config(config_file, [*(overrides or []), *extra]))

@@ -8,7 +8,7 @@ that another rank skipped.
 
 The grid is pure topology and immutable once built: how buffers cross MPI (the
 transport) and the communication timers belong to the job's
-:class:`~cosmotrain.comm.runtime.Runtime`.  The one cache it keeps, the channel/filter
+:class:`~cosmotrain.runtime.job_runtime.Runtime`.  The one cache it keeps, the channel/filter
 communicators per factorisation, is filled collectively and never replaced.
 """
 

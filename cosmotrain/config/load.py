@@ -351,7 +351,7 @@ def save_resolved(cfg: Config, out_dir: str | Path, name: str = "config.yaml") -
     """Write the resolved config into ``out_dir`` atomically (temporary file, then rename),
     mode 0644 (less the umask); a directory or disk that refuses it is a WriteError, and no
     temporary file is left behind."""
-    from cosmotrain.atomic import check_writable, write_text_atomically
+    from cosmotrain.files.atomic import check_writable, write_text_atomically
 
     out = check_writable(out_dir)
     return write_text_atomically(out / name, dump_yaml(cfg))

@@ -174,7 +174,7 @@ SCHEDULE_NAMES = ("constant", "step", "cosine")
 
 @dataclass
 class ScheduleConfig:
-    """The learning rate over training (``cosmotrain.train.schedule``; formulas there)."""
+    """The learning rate over training (``cosmotrain.engine.schedule``; formulas there)."""
 
     name: str = spec("constant", "learning-rate schedule after the warm-up: constant "
                      "(optimizer.lr), step (optimizer.lr x decay_factors from decay_epochs on, "

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from cosmotrain.atomic import write_bytes_atomically, write_text_atomically
+from cosmotrain.files.atomic import write_bytes_atomically, write_text_atomically
 
 def default_cache_base() -> Path:
     """The per-user cache directory when ``data.cache_dir`` is not set."""

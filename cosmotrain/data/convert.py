@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from cosmotrain.atomic import write_text_atomically
+from cosmotrain.files.atomic import write_text_atomically
 from cosmotrain.comm.collective import agree, together
 from cosmotrain.data import cache, formats, npy_sample, sample_table, scan
 from cosmotrain.data.manifest import MANIFEST_NAME, Manifest, open_manifest

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cosmotrain.atomic import write_text_atomically
+from cosmotrain.files.atomic import write_text_atomically
 from cosmotrain.data import formats, npy_sample, synthetic
 from cosmotrain.errors import UserError, WriteError
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from cosmotrain.atomic import write_hdf5_atomically
+from cosmotrain.files.atomic import write_hdf5_atomically
 from cosmotrain.data.volume import (CHANNELS_LAST, DEFAULT_DTYPE, DEFAULT_LAYOUT, DTYPES,
                                     NUM_CHANNELS, NUM_LABELS, Box, SampleNames, VolumeInfo,
                                     check_expected, check_finite, check_layout,
@@ -52,7 +52,7 @@ def write_sample(path: Path, volume_cdhw: np.ndarray, labels: np.ndarray, *,
     chose it) and leaves no ``.tmp``.
 
     The file is built in memory and written with plain file I/O, like a checkpoint
-    (:func:`cosmotrain.atomic.write_hdf5_atomically`): h5py writing a small sample onto a
+    (:func:`cosmotrain.files.atomic.write_hdf5_atomically`): h5py writing a small sample onto a
     nearly full disk segfaults in its flush.  It costs the file's size in host memory
     while it is written (1 GiB for a 512^3 int16 sample).
     """

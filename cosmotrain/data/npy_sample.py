@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cosmotrain.atomic import write_bytes_atomically
+from cosmotrain.files.atomic import write_bytes_atomically
 from cosmotrain.data.volume import (DEFAULT_DTYPE, DEFAULT_LAYOUT, DTYPES, LABEL_NAMES, NPY,
                                     NUM_CHANNELS, VOLUME_NAMES, Box, SampleNames, VolumeInfo,
                                     check_expected, check_finite, checked_labels, copy_block,

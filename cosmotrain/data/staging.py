@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cosmotrain.atomic import write_atomically
+from cosmotrain.files.atomic import write_atomically
 from cosmotrain.comm.collective import agree, together
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.layout import resolve_parallel
@@ -184,7 +184,7 @@ def copy_verified(source: Path, target: Path) -> int:
     """Copy ``source`` to ``target`` and verify its CRC-32; bytes copied (0 if kept).
 
     The copy goes through a temporary name of this process's own and is renamed once
-    verified (:func:`cosmotrain.atomic.write_atomically`): nodes staging onto one shared
+    verified (:func:`cosmotrain.files.atomic.write_atomically`): nodes staging onto one shared
     directory may copy the same file at once.  A write the disk refuses is a
     :class:`WriteError` naming ``target``; a source that cannot be read, a
     :class:`DataError` naming it.

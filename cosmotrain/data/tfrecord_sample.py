@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cosmotrain.atomic import write_bytes_atomically
+from cosmotrain.files.atomic import write_bytes_atomically
 from cosmotrain.data import cache
 from cosmotrain.data.tfrecord_codec import (FeatureValue, Record, TFRecordError, bytes_value,
                                             encode_example, float_values, frame_record,

@@ -17,7 +17,7 @@ unchanged, since a step's allocations repeat with the same sizes; what changes i
 the process stays at its peak between steps instead of dropping back.  Memory that must
 be handed back between uses lives in its own map (:mod:`.pages`), which this does not
 touch.  It is process-wide state of the C library: the job applies it once
-(``device.reuse_freed_memory``, :func:`cosmotrain.comm.runtime.build_runtime`).
+(``device.reuse_freed_memory``, :func:`cosmotrain.runtime.job_runtime.build_runtime`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from .xp import import_cupy, one_line
+from cosmotrain.device.xp import import_cupy, one_line
 
 
 @dataclass(frozen=True)

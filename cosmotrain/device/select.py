@@ -10,7 +10,7 @@ ranks on its node and the GPUs are the devices CUDA shows it (``CUDA_VISIBLE_DEV
 honoured, as CUDA numbers only the visible ones), so several ranks may share one GPU.
 
 The :class:`Device` is a value: where arrays live, their storage precision, the
-communication mode (:func:`cosmotrain.device.transport.make_transport`) and the requested
+communication mode (:func:`cosmotrain.comm.transport.make_transport`) and the requested
 convolution algorithm.  The convolution settings derived from it belong to the kernels
 (:func:`cosmotrain.kernels.cuda.settings.settings_for`).
 """
@@ -30,8 +30,8 @@ from cosmotrain.config.schema import AUTO, DeviceConfig
 from cosmotrain.errors import ConfigError
 from cosmotrain.precision import storage_dtype
 
-from .probe import Probe, ml_dtypes_imports, node_position, probe_gpu
-from .xp import import_cupy
+from cosmotrain.device.probe import Probe, ml_dtypes_imports, node_position, probe_gpu
+from cosmotrain.device.xp import import_cupy
 
 # as README.md and docs/GPU.md say: the CUDA 12 or the CUDA 13 wheels
 INSTALL_GPU = 'pip install -e ".[gpu]" (CUDA 12) or -e ".[gpu-cuda13]" (CUDA 13)'

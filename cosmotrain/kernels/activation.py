@@ -32,7 +32,8 @@ from typing import Any, Optional
 import numpy as np
 
 from cosmotrain.device.xp import array_module
-from cosmotrain.kernels import _parallel, compiled
+from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.compiled import library as compiled
 from cosmotrain.kernels.cuda import fused
 from cosmotrain.precision import is_bf16, narrow, widen
 

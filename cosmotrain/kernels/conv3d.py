@@ -71,14 +71,15 @@ import numpy as np
 from cosmotrain.device.xp import array_module, is_device_array
 from cosmotrain.precision import is_bf16, narrow, widen
 
-from . import _parallel, compiled_choice, depth_lowering, direct, winograd
-from .activation import leaky_relu_backward, leaky_relu_forward
-from .channel_sums import channel_sums
-from .conv3d_dgrad import backward_data_scatter
-from .cuda import conv as cuda_conv
-from .cuda.settings import ConvSettings
-from .geometry import ConvGeometry, PaddingLike, plan_chunks
-from .lowering import Lowering, planes_view
+from cosmotrain.kernels.cpu import workers as _parallel, depth_lowering
+from cosmotrain.kernels.compiled import choice as compiled_choice, direct, winograd
+from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
+from cosmotrain.kernels.cpu.channel_sums import channel_sums
+from cosmotrain.kernels.cpu.conv_dgrad import backward_data_scatter
+from cosmotrain.kernels.cuda import conv as cuda_conv
+from cosmotrain.kernels.cuda.settings import ConvSettings
+from cosmotrain.kernels.geometry import ConvGeometry, PaddingLike, plan_chunks
+from cosmotrain.kernels.cpu.lowering import Lowering, planes_view
 
 # Chunks (units of work for the worker pool) per sample: enough to balance two workers.
 CHUNKS_PER_SAMPLE = 8

@@ -17,7 +17,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from . import _parallel, compiled
+from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.compiled import library as compiled
 
 # Elements per chunk handed to a worker; smaller arrays are updated in one call.
 CHUNK_ELEMENTS = 1 << 18

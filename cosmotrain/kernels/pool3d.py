@@ -37,8 +37,10 @@ import numpy as np
 from cosmotrain.device.xp import array_module, is_device_array
 from cosmotrain.precision import is_bf16, narrow, widen
 
-from . import _parallel, avgpool_compiled, maxpool_tiled, pool3d_xp
-from .geometry import (Padding, PaddingLike, Triple, check_batch_shape, normalize_padding,
+from cosmotrain.kernels.cpu import workers as _parallel, maxpool_tiled
+from cosmotrain.kernels.compiled import avgpool as avgpool_compiled
+from cosmotrain.kernels.cuda import pool as pool3d_xp
+from cosmotrain.kernels.geometry import (Padding, PaddingLike, Triple, check_batch_shape, normalize_padding,
                        normalize_triple, output_shape)
 
 # Chunks (channels of one sample) are reduced whole up to WHOLE_BYTES of input, else one

@@ -16,8 +16,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import avgpool_compiled, pool3d
-from .activation import leaky_relu_backward
+from cosmotrain.kernels.compiled import avgpool as avgpool_compiled
+from cosmotrain.kernels import pool3d
+from cosmotrain.kernels.activation import leaky_relu_backward
 
 
 def avg_pool_leaky_backward(dy: Any, y: Any, slope: float, kernel, stride,

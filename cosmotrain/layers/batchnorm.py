@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cosmotrain.comm.timers import PhaseTimers
-from cosmotrain.device.transport import Transport, make_transport
+from cosmotrain.runtime.timers import PhaseTimers
+from cosmotrain.comm.transport import Transport, make_transport
 from cosmotrain.layers.blockwise import OnBlocks
 from cosmotrain.layers.shards import Shard
 from cosmotrain.nn.layers import BatchNorm3d

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from cosmotrain.comm.grid import ProcessGrid
-from cosmotrain.comm.runtime import Runtime
+from cosmotrain.runtime.job_runtime import Runtime
 from cosmotrain.device.xp import array_module
-from cosmotrain.kernels.channel_sums import channel_sums
+from cosmotrain.kernels.cpu.channel_sums import channel_sums
 from cosmotrain.layers.channel_plan import LayerChoice
 from cosmotrain.layers.conv import SpatialConv3d
 from cosmotrain.layers.shards import Shard

@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from cosmotrain.comm.grid import ProcessGrid
-from cosmotrain.comm.runtime import Runtime
+from cosmotrain.runtime.job_runtime import Runtime
 from cosmotrain.device.xp import array_module
 from cosmotrain.kernels import conv3d
 from cosmotrain.kernels.activation import leaky_relu_forward
-from cosmotrain.kernels.channel_sums import channel_sums
+from cosmotrain.kernels.cpu.channel_sums import channel_sums
 from cosmotrain.layers.window import (SpatialWindow, WindowGeometry, finish_halo_grads,
                                       halo_buffer, restore_extended, save_margins,
                                       scatter_halo_grads)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from cosmotrain.comm.grid import ProcessGrid
-from cosmotrain.comm.runtime import Runtime
+from cosmotrain.runtime.job_runtime import Runtime
 from cosmotrain.config.layout import MIN_BLOCK_PLANES, thin_splits
 from cosmotrain.config.schema import AUTO
 from cosmotrain.errors import ConfigError

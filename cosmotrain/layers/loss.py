@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from cosmotrain.comm.timers import PhaseTimers
+from cosmotrain.runtime.timers import PhaseTimers
 from cosmotrain.device.xp import array_module
 from cosmotrain.kernels.loss import mae_backward, mae_sum, mse_backward, mse_sum
 

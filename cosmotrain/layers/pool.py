@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cosmotrain.comm.grid import ProcessGrid
-from cosmotrain.comm.runtime import Runtime
+from cosmotrain.runtime.job_runtime import Runtime
 from cosmotrain.device.xp import array_module
 from cosmotrain.kernels import pool3d
 from cosmotrain.layers.window import (SpatialWindow, WindowGeometry, finish_halo_grads,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cosmotrain.comm.grid import ProcessGrid
-from cosmotrain.comm.runtime import Runtime
+from cosmotrain.runtime.job_runtime import Runtime
 from cosmotrain.device.xp import array_module
 from cosmotrain.nn.module import Context, Layer
 from cosmotrain.tensor.dist_tensor import DistTensor

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from cosmotrain.comm.grid import ProcessGrid
-from cosmotrain.comm.runtime import Runtime
+from cosmotrain.runtime.job_runtime import Runtime
 from cosmotrain.device.xp import array_module, is_device_array
 from cosmotrain.tensor.boxes import (Box, Range, box_empty, box_shape, box_slices, intersect,
                                      to_local)

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cosmotrain.atomic import write_text_atomically
+from cosmotrain.files.atomic import write_text_atomically
 from cosmotrain.errors import DataError
 
 FORMAT = "cosmotrain-machine-2"  # 2: per-k layer curves (1 had one-thread fits)

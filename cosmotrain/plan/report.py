@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from cosmotrain.atomic import write_atomically
+from cosmotrain.files.atomic import write_atomically
 from cosmotrain.config.load import config_to_dict
 from cosmotrain.config.schema import Config
 from cosmotrain.plan.cost import PHASES

@@ -41,7 +41,7 @@ import numpy as np
 
 from cosmotrain.config.schema import Config
 from cosmotrain.errors import WriteError
-from cosmotrain.kernels import _parallel
+from cosmotrain.kernels.cpu import workers as _parallel
 from cosmotrain.nn.module import Parameter
 from cosmotrain.plan.cost import BYTES, layer_elements, layer_key
 from cosmotrain.plan.machine import Curve, Fit, LinkModel, MachineModel
@@ -49,7 +49,7 @@ from cosmotrain.plan.planner import REFUSED, candidates
 from cosmotrain.plan.workload import LayerWork, Workload, build_workload
 from cosmotrain.study.layer_timing import layer_curves, quiet_barrier
 from cosmotrain.tensor.channel_collectives import allgather_channels, reduce_scatter_channels
-from cosmotrain.train.optim import build_optimizer
+from cosmotrain.engine.optim import build_optimizer
 from cosmotrain.train.run_outputs import previous_name
 
 MESSAGE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 23)

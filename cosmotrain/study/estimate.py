@@ -31,7 +31,7 @@ from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.config.load import load_config
 from cosmotrain.config.schema import Config
 from cosmotrain.errors import UserError
-from cosmotrain.kernels import _parallel
+from cosmotrain.kernels.cpu import workers as _parallel
 from cosmotrain.plan.cost import layer_elements
 from cosmotrain.plan.estimate import MEASURED_KINDS, Probe, estimate_name, estimated_machine
 from cosmotrain.plan.machine import MachineModel

@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from cosmotrain.comm.threads import threads_per_rank
+from cosmotrain.runtime.threads import threads_per_rank
 from cosmotrain.config.schema import Config
-from cosmotrain.kernels import _parallel
+from cosmotrain.kernels.cpu import workers as _parallel
 from cosmotrain.kernels.geometry import normalize_padding
 from cosmotrain.nn import containers, factory
 from cosmotrain.nn.layers import Dropout, Flatten, LeakyReLU, Pool3d

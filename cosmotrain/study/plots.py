@@ -26,7 +26,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from cosmotrain.study.points import TEMPLATES
-from cosmotrain.train.metrics import TIME_KEYS
+from cosmotrain.train.outputs.metrics import TIME_KEYS
 
 PHASE_COLOURS = {"compute": "#4c72b0", "halo": "#dd8452", "channel": "#8172b3",
                  "redistribution": "#c44e52", "allreduce": "#55a868",

@@ -21,9 +21,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cosmotrain.atomic import write_atomically
+from cosmotrain.files.atomic import write_atomically
 from cosmotrain.errors import DataError
-from cosmotrain.train.metrics import TIME_KEYS, read_metrics
+from cosmotrain.train.outputs.metrics import TIME_KEYS, read_metrics
 
 RESULTS_JSON, RESULTS_CSV, RESULTS_MD = "results.json", "results.csv", "results.md"
 COMM_KEYS = ("halo", "channel", "redistribution", "allreduce")

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cosmotrain.atomic import write_atomically
+from cosmotrain.files.atomic import write_atomically
 from cosmotrain.errors import UserError, WriteError
-from cosmotrain.train.metrics import METRICS_FILE, TIME_KEYS, read_metrics
+from cosmotrain.train.outputs.metrics import METRICS_FILE, TIME_KEYS, read_metrics
 
 PLOTS_DIR = "plots"
 LOSS_PNG, MAE_PNG = "loss.png", "validation_mae.png"

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cosmotrain.atomic import fsync_path
+from cosmotrain.files.atomic import fsync_path
 from cosmotrain.errors import UserError, WriteError
 from cosmotrain.study.points import Point
 from cosmotrain.study.report import RESULTS_CSV, RESULTS_JSON, RESULTS_MD, load_results

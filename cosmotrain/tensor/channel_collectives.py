@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from cosmotrain.device.transport import Transport, make_transport
+from cosmotrain.comm.transport import Transport, make_transport
 from cosmotrain.device.xp import array_module
 from cosmotrain.precision import is_bf16, narrow, widen
 

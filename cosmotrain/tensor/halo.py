@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cosmotrain.comm.grid import ProcessGrid
-from cosmotrain.comm.runtime import Runtime
-from cosmotrain.device.transport import Exchange
+from cosmotrain.runtime.job_runtime import Runtime
+from cosmotrain.comm.transport import Exchange
 from cosmotrain.tensor.windows import HaloPlan
 
 Region = tuple[slice, slice, slice]
@@ -96,7 +96,7 @@ class HaloExchange:
 
     def _post(self, buffer: Any, mode: str) -> Pending:
         """Pack and post through the runtime's transport (numpy: straight to MPI; device
-        arrays: staged, CUDA-aware or NCCL, see ``cosmotrain/device/transport/``)."""
+        arrays: staged, CUDA-aware or NCCL, see ``cosmotrain/comm/transport/``)."""
         batch = self.runtime.transport.exchange(self.grid.cart, buffer)
         lead, unpack = buffer.shape[:2], []
         for msg in self.messages:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cosmotrain.device.transport import Transport, make_transport
+from cosmotrain.comm.transport import Transport, make_transport
 from cosmotrain.device.xp import array_module
 from cosmotrain.tensor.boxes import Box, box_empty, box_shape, box_slices, intersect, to_local
 from cosmotrain.tensor.distribution import Distribution

@@ -2,7 +2,7 @@
 
 Rank 0 does the file-system work (the directory's other ranks may be on other nodes, and
 one writer is the point): it checks that the directory is writable, takes the run lock
-(:class:`~cosmotrain.train.rundir.RunLock`) and makes sure a fresh run does not mix with
+(:class:`~cosmotrain.files.run_lock.RunLock`) and makes sure a fresh run does not mix with
 another run's outputs.  The verdict is broadcast, so a refusal is one line printed once
 and every rank exits 2 before anything is read, computed or written.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 from cosmotrain.comm.collective import on_root
 from cosmotrain.train.run_outputs import MODES, check_fresh_directory
-from cosmotrain.train.rundir import RunLock, this_process
+from cosmotrain.files.run_lock import RunLock, this_process
 
 
 @dataclass
@@ -48,7 +48,7 @@ def claim_output_dir(out_dir: str | Path, comm: Any, mode: str,
     held: list[RunLock] = []
 
     def work() -> list[str]:
-        from cosmotrain.atomic import check_writable
+        from cosmotrain.files.atomic import check_writable
 
         check_writable(out)
         lock = RunLock(out, this_process(job_id))

@@ -18,7 +18,7 @@ from cosmotrain.device import step_memory
 from cosmotrain.device.xp import to_host
 from cosmotrain.nn.module import Context
 from cosmotrain.precision import widen
-from cosmotrain.train.step import HybridStep
+from cosmotrain.engine.step import HybridStep
 
 
 @dataclass

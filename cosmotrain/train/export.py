@@ -34,12 +34,12 @@ import numpy as np
 import yaml
 
 from cosmotrain import __version__
-from cosmotrain.atomic import check_writable, write_bytes_atomically
+from cosmotrain.files.atomic import check_writable, write_bytes_atomically
 from cosmotrain.config.load import build
 from cosmotrain.config.schema import ModelConfig
 from cosmotrain.errors import DataError, UserError
 from cosmotrain.models import build_model
-from cosmotrain.train.checkpoint import CheckpointState, load_checkpoint
+from cosmotrain.train.checkpoints.checkpoint import CheckpointState, load_checkpoint
 
 FORMAT = "cosmotrain-export"
 FORMAT_VERSION = 1

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from cosmotrain.comm.grid import ProcessGrid
-from cosmotrain.comm.threads import job_threads
+from cosmotrain.runtime.threads import job_threads
 from cosmotrain.config.layout import AXES, resolve_parallel
 from cosmotrain.config.schema import Config
 from cosmotrain.data import datagen, synthetic
@@ -27,7 +27,7 @@ from cosmotrain.data.placement import BlockPlacement
 from cosmotrain.data.reader import Reader
 from cosmotrain.device.select import select_device
 from cosmotrain.errors import ConfigError
-from cosmotrain.train.step import HybridStep, hybrid_step_from_config, job_runtime
+from cosmotrain.engine.step import HybridStep, hybrid_step_from_config, job_runtime
 
 LOG = logging.getLogger(__name__)
 

@@ -33,17 +33,18 @@ import h5py
 import numpy as np
 import yaml
 
-from cosmotrain.atomic import check_writable, write_hdf5_atomically, write_text_atomically
+from cosmotrain.files.atomic import check_writable, write_hdf5_atomically, write_text_atomically
 from cosmotrain.config.load import config_from_mapping, parse_assignment
 from cosmotrain.config.layout import sample_groups
 from cosmotrain.config.schema import AUTO, Config
 from cosmotrain.data.manifest import Manifest, MissingSplit
 from cosmotrain.data.reader import Reader
 from cosmotrain.errors import UserError, WriteError
-from cosmotrain.train.checkpoint import CheckpointState, DamagedCheckpoint, load_checkpoint
+from cosmotrain.train.checkpoints.checkpoint import (CheckpointState, DamagedCheckpoint,
+                                                      load_checkpoint)
 from cosmotrain.train.evaluate import Errors, predictions
 from cosmotrain.train.job import Job, build_job
-from cosmotrain.train.snapshot import restore
+from cosmotrain.train.checkpoints.snapshot import restore
 
 FORMAT = "cosmotrain-predictions"
 PREDICT_DATA = {"source": "files", "reader": "direct", "shuffle": "global", "drop_last": False}

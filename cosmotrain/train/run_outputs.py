@@ -3,7 +3,7 @@
 :func:`check_fresh_directory` keeps a new run out of a directory that holds another run's
 outputs (checkpoints, ``metrics.jsonl``): refused, or with ``overwrite`` moved aside into
 ``previous-<timestamp>/``, never deleted.  Anything else there (``data/``, config files)
-stays where it is.  Rank 0 calls it holding the run lock (:mod:`cosmotrain.train.rundir`).
+stays where it is.  Rank 0 calls it holding the run lock (:mod:`cosmotrain.files.run_lock`).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cosmotrain.atomic import fsync_path, write_text_atomically
-from cosmotrain.train.checkpoint import CHECKPOINT_DIR, list_checkpoints
-from cosmotrain.train.metrics import METRICS_FILE
-from cosmotrain.train.mlperf_file import MLPERF_LOG, staging_tail
-from cosmotrain.train.rundir import RunDirError
-from cosmotrain.train.tensorboard_log import TENSORBOARD_DIR
+from cosmotrain.files.atomic import fsync_path, write_text_atomically
+from cosmotrain.train.checkpoints.checkpoint import CHECKPOINT_DIR, list_checkpoints
+from cosmotrain.train.outputs.metrics import METRICS_FILE
+from cosmotrain.train.outputs.mlperf_writer import MLPERF_LOG, staging_tail
+from cosmotrain.files.run_lock import RunDirError
+from cosmotrain.train.outputs.tensorboard import TENSORBOARD_DIR
 
 CONFIG_FILE = "config.yaml"
 #: a previous run's outputs, moved aside together by ``overwrite`` (in this order)

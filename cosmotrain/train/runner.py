@@ -22,9 +22,9 @@ from cosmotrain.config.load import save_resolved
 from cosmotrain.train.claim import Claim, claim_output_dir, move_aside_outputs
 from cosmotrain.train.guard import StopSignals
 from cosmotrain.train.job import build_job
-from cosmotrain.train.observers import make_observers
-from cosmotrain.train.resume import find_resume_point
-from cosmotrain.train.step import hybrid_step_from_config, job_runtime
+from cosmotrain.train.outputs.observers import make_observers
+from cosmotrain.train.checkpoints.resume import find_resume_point
+from cosmotrain.engine.step import hybrid_step_from_config, job_runtime
 from cosmotrain.train.trainer import StepHook, Trainer
 
 

@@ -21,15 +21,16 @@ from cosmotrain.config.load import dump_yaml
 from cosmotrain.device import step_memory
 from cosmotrain.errors import UserError
 from cosmotrain.nn.module import Context
-from cosmotrain.train import metrics
-from cosmotrain.train.checkpoint import CheckpointState, checkpoint_dir, save_checkpoint
+from cosmotrain.train.outputs import metrics
+from cosmotrain.train.checkpoints.checkpoint import (CheckpointState, checkpoint_dir,
+                                                      save_checkpoint)
 from cosmotrain.train.evaluate import Errors, evaluate
 from cosmotrain.train.guard import NonFiniteError, StopSignals, non_finite_message
 from cosmotrain.train.job import Job
-from cosmotrain.train.observers import Observer, RunStart
-from cosmotrain.train.progress import TrainProgress
-from cosmotrain.train.schedule import build_schedule
-from cosmotrain.train.snapshot import full_state, optimizer_blocks, restore
+from cosmotrain.train.outputs.observers import Observer, RunStart
+from cosmotrain.train.outputs.progress import TrainProgress
+from cosmotrain.engine.schedule import build_schedule
+from cosmotrain.train.checkpoints.snapshot import full_state, optimizer_blocks, restore
 
 StepHook = Callable[[int, int], None]  # (rank, step about to run): the tests' fault hook
 

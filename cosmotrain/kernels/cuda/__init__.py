@@ -17,9 +17,9 @@ importing this package imports neither cupy nor cudnn; both are imported on firs
 See docs/GPU_KERNELS.md.
 """
 
-from .conv import (algorithm, conv3d_backward_data, conv3d_backward_filter, conv3d_forward,
+from cosmotrain.kernels.cuda.conv import (algorithm, conv3d_backward_data, conv3d_backward_filter, conv3d_forward,
                    cudnn_status)
-from .settings import ConvSettings, cublas_math, settings_for
+from cosmotrain.kernels.cuda.settings import ConvSettings, cublas_math, settings_for
 
 __all__ = ["ConvSettings", "algorithm", "conv3d_backward_data", "conv3d_backward_filter",
            "conv3d_forward", "cublas_math", "cudnn_status", "settings_for"]

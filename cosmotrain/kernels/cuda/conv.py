@@ -35,8 +35,8 @@ import numpy as np
 from cosmotrain.device.xp import array_module
 from cosmotrain.kernels.geometry import PaddingLike
 
-from . import conv_cudnn, conv_gemm
-from .settings import ConvSettings, resolve_settings
+from cosmotrain.kernels.cuda import conv_cudnn, conv_gemm
+from cosmotrain.kernels.cuda.settings import ConvSettings, resolve_settings
 
 LOG = logging.getLogger("cosmotrain.kernels.cuda")
 

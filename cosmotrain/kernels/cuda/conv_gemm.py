@@ -41,7 +41,7 @@ import numpy as np
 from cosmotrain.device.xp import array_module
 from cosmotrain.kernels.geometry import ConvGeometry, PaddingLike, plan_chunks
 
-from .settings import ConvSettings, cublas_math, resolve_settings
+from cosmotrain.kernels.cuda.settings import ConvSettings, cublas_math, resolve_settings
 
 Chunk = Tuple[int, int, int, int]  # samples n0:n1, output depth planes z0:z1
 STORAGE_DTYPES = ("float32", "bfloat16", "float64")

@@ -3,7 +3,7 @@
 :func:`settings_for` derives a job's :class:`ConvSettings` from its
 :class:`~cosmotrain.device.select.Device` (the requested algorithm, and TF32 or strict fp32
 math for fp32 storage).  The settings are a value, never process state: the job's
-:class:`~cosmotrain.comm.runtime.Runtime` holds them (``Runtime.conv``), the layer builders
+:class:`~cosmotrain.runtime.job_runtime.Runtime` holds them (``Runtime.conv``), the layer builders
 hand them to the convolution and linear layers they build, and those pass them to every
 kernel call (``settings=``; None means the defaults ``ConvSettings()``, and the CPU
 kernels ignore them).  Two layers built from two runtimes therefore compute under their

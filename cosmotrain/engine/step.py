@@ -1,0 +1,209 @@
+"""One hybrid-parallel training step: forward, global loss, backward, reduction, update.
+
+This is the unit the trainer loops over and the benchmarks time.  Every rank calls it
+with its own input block and the targets of the whole mini-batch (tiny); it returns the
+mini-batch loss, the same on every rank.
+
+The step owns the rank's :class:`~cosmotrain.device.select.Device`: the parameters (float32
+masters), batch-norm statistics, gradient buckets and optimizer state live there, and
+the input block is copied there once per batch (and stored as bf16 under
+``precision: bf16``).  On the CPU in float32 all of this is the identity.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.runtime.job_runtime import KernelThreads, Runtime, build_runtime
+from cosmotrain.config.schema import Config, DeviceConfig
+from cosmotrain.device import step_memory
+from cosmotrain.device.select import Device, host_device, select_device
+from cosmotrain.device.xp import all_finite
+from cosmotrain.layers.hybrid import HybridModel, build_hybrid
+from cosmotrain.layers.loss import loss_and_flags
+from cosmotrain.models import build_model
+from cosmotrain.nn.module import Context
+from cosmotrain.tensor.dist_tensor import DistTensor
+from cosmotrain.engine.grad_sync import GradientReducer
+from cosmotrain.engine.optim import Optimizer, build_optimizer
+from cosmotrain.engine.optim_shards import OptimizerShards
+
+
+@dataclass
+class StepOutput:
+    """The mini-batch loss (every rank) and this rank's predictions, rows ``[start, stop)``.
+
+    ``stop_requests`` and ``bad_gradients`` are agreed on every rank: how many ranks asked
+    to stop (a signal) and how many found the *previous* step's gradients non-finite.
+    """
+
+    loss: float
+    pred: Any
+    rows: tuple[int, int]
+    stop_requests: int = 0
+    bad_gradients: int = 0
+
+    @property
+    def finite(self) -> bool:
+        """Whether the step may be applied: a finite loss and finite gradients before it."""
+        return math.isfinite(self.loss) and not self.bad_gradients
+
+
+@dataclass
+class HybridStep:
+    """A distributed model with its optimizer and gradient reducer; ``shards`` when the
+    optimizer state is sharded over each parameter's replicas (``parallel.shard_optimizer``,
+    the reducer then reduce-scatters)."""
+
+    model: HybridModel
+    optimizer: Optimizer
+    reducer: GradientReducer
+    loss: str = "mse"
+    device: Device = field(default_factory=Device)
+    gradients_bad: bool = False  # this rank's last gradients held NaN/Inf (not yet agreed)
+    shards: OptimizerShards | None = None
+
+    @property
+    def grid(self) -> ProcessGrid:
+        return self.model.grid
+
+    @property
+    def runtime(self) -> Runtime:
+        """The job's runtime: device, transport, communication timers, GPU kernel
+        settings, kernel threads."""
+        return self.model.runtime
+
+    def place_input(self, x: DistTensor) -> DistTensor:
+        """The reader's host block on this rank's device: the one host -> device copy of
+        a batch, cast to bf16 under ``precision: bf16`` (other dtypes are kept: float64
+        in the tests).  The block itself when nothing changes (the CPU in float32)."""
+        dtype = self.device.storage_dtype if self.device.precision == "bf16" else None
+        data = self.device.to_device(x.data, dtype)
+        return x if data is x.data else DistTensor(data, x.dist, x.coord)
+
+    def gradients(self, x: DistTensor, targets: Any, ctx: Context, stop: bool = False
+                  ) -> StepOutput:
+        """Forward and backward; afterwards every ``param.grad`` is the full gradient
+        (with ``shards``: this rank holds its shard of each bucket's reduced gradient,
+        ``Bucket.shard``, and the gradients of unbucketed parameters).
+
+        ``stop`` (this rank received a stop signal) and the verdict on the previous
+        step's gradients ride in the loss allreduce.  When the loss or those gradients are
+        non-finite, backward is skipped on every rank alike and the output says so.
+        """
+        x = self.place_input(x)
+        ctx = replace(ctx, on_grad_ready=self.reducer.on_grad_ready)
+        self.reducer.prepare(self.model.reduction_groups())
+        pred = self.model.forward(x, ctx)
+        start, stop_row = self.model.sample_range()
+        loss, dpred, flags = loss_and_flags(
+            pred, targets[start:stop_row], targets.size, self.grid.group_comms["all"],
+            self.runtime.timers, self.loss, flags=(float(stop), float(self.gradients_bad)))
+        out = StepOutput(loss, pred, (start, stop_row), int(flags[0]), int(flags[1]))
+        if not out.finite:
+            return out
+        self.model.backward(dpred, ctx)
+        self.reducer.finish()
+        self.gradients_bad = not all_finite(self.reducer.reduced_gradients(
+            p for _, p in self.model.named_parameters()))
+        return out
+
+    def update(self, lr: float | None = None) -> None:
+        """Apply the optimizer and clear the gradients.
+
+        A rank whose gradients are non-finite keeps its parameters (sharded: its shards
+        of them): the next step's loss allreduce tells every rank, and the run stops
+        before anything is stored."""
+        params = list(self.model.named_parameters())
+        if self.shards is not None:
+            self.shards.step(self.optimizer, params, lr, skip=self.gradients_bad)
+        elif not self.gradients_bad:
+            self.optimizer.step(params, lr)
+        self.optimizer.zero_grad(params)
+
+    def __call__(self, x: DistTensor, targets: Any, ctx: Context, lr: float | None = None,
+                 stop: bool = False) -> StepOutput:
+        """One training step; its large host arrays are placed by the plan learnt from
+        the steps before (:mod:`cosmotrain.device.step_memory`, once installed)."""
+        with step_memory.phase("train"):
+            out = self.gradients(x, targets, ctx, stop)
+            if out.finite:
+                self.update(lr)
+        return out
+
+    def non_finite_ranks(self) -> int:
+        """How many ranks hold a non-finite gradient, parameter, buffer or optimizer slot
+        (collective over every rank): the check before a checkpoint or a validation."""
+        from mpi4py import MPI
+
+        arrays = [p.data for _, p in self.model.named_parameters()]
+        arrays += [layer.buffers[key] for _, layer, key in self.model.named_buffers()
+                   if np.ndim(layer.buffers[key])]
+        arrays += [v for slots in self.optimizer.state.values() for v in slots.values()
+                   if np.ndim(v)]
+        bad = self.gradients_bad or not all_finite(arrays)
+        return self.grid.group_comms["all"].allreduce(int(bad), op=MPI.SUM)
+
+
+def job_runtime(cfg: Config, grid: ProcessGrid, device: Device | None = None,
+                threads: KernelThreads | None = None) -> Runtime:
+    """The runtime of a job of ``cfg`` on ``grid`` (collective), on ``device`` (the job's
+    :func:`~cosmotrain.device.select.select_device`), with the job's kernel ``threads``
+    (:func:`~cosmotrain.runtime.threads.job_threads`, applied here once; None leaves the
+    process's threads as they are).  A job (``threads`` given) also applies
+    ``device.reuse_freed_memory`` and ``device.plan_step_memory``, process-wide like the
+    threads.
+
+    Without a device the config's ``device`` section decides, with ``auto`` meaning the
+    CPU: library calls and tests stay on the host unless they ask for a GPU (``backend:
+    gpu`` selects one collectively over the grid).  On a GPU the transport follows the
+    device's communication mode and the runtime carries the device's convolution
+    settings, which the layers built on it pass to the GPU kernels
+    (:func:`~cosmotrain.runtime.job_runtime.build_runtime`).
+    """
+    device = device if device is not None else _default_device(cfg.device, grid)
+    return build_runtime(device, grid.cart, threads,
+                         reuse_memory=threads is not None and cfg.device.reuse_freed_memory,
+                         plan_memory=cfg.device.plan_step_memory)
+
+
+def hybrid_step_from_config(cfg: Config, grid: ProcessGrid,
+                            runtime: Runtime | None = None) -> HybridStep:
+    """Model (initialised from ``train.seed``), its distributed twin, optimizer, reducer,
+    on the job's ``runtime`` (built once with the job; :func:`job_runtime` of ``cfg``
+    when None): the layers and the reducer take their transport and timers from it, the
+    convolution and linear layers its GPU kernel settings.
+    """
+    runtime = runtime if runtime is not None else job_runtime(cfg, grid)
+    device = runtime.device
+    model = build_model(cfg.model, cfg.train.seed)
+    width = cfg.model.width
+    shape = (cfg.train.batch_size, cfg.model.channels, width, width, width)
+    par = cfg.parallel
+    hybrid = build_hybrid(model, grid, shape, par.bn_statistics, par.spatial_until,
+                          par.channel_algorithm, par.layers, runtime=runtime)
+    place_model(hybrid, device)
+    reducer = GradientReducer(runtime.timers, par.bucket_mb, transport=runtime.transport,
+                              shard=par.shard_optimizer)
+    shards = OptimizerShards(hybrid, reducer) if par.shard_optimizer else None
+    return HybridStep(hybrid, build_optimizer(cfg.optimizer), reducer, device=device,
+                      shards=shards)
+
+
+def _default_device(cfg: DeviceConfig, grid: ProcessGrid) -> Device:
+    return select_device(cfg, grid.cart) if cfg.backend == "gpu" else host_device(cfg)
+
+
+def place_model(model: HybridModel, device: Device) -> None:
+    """Move the parameters (float32 masters) and array buffers (batch-norm running
+    statistics) to ``device``; on the CPU every array stays the object it is."""
+    for _, param in model.named_parameters():
+        param.data = device.to_device(param.data)
+    for _, layer, key in model.named_buffers():
+        if np.ndim(layer.buffers[key]):
+            layer.buffers[key] = device.to_device(layer.buffers[key])

@@ -1,0 +1,7 @@
+"""Checkpoints: writing, verifying and resuming a run's training state.
+
+``checkpoint`` (the HDF5 file, written atomically, retention, finding the newest intact
+one), ``checksums`` (the data and metadata checksums verified on load), ``snapshot`` (the
+training state as full arrays under any layout, and back), ``resume`` (restoring a run)
+and ``resume_check`` (whether a checkpoint may resume under this config).
+"""
