@@ -28,7 +28,7 @@ from typing import Callable, Dict, Optional
 __import__("cosmotrain")  # before numpy: sets OpenBLAS's idle spin (cosmotrain/__init__.py)
 import numpy as np
 
-from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.cpu import workers
 from cosmotrain.kernels.compiled import choice as compiled_choice, direct, winograd
 from cosmotrain.kernels import conv3d
 from cosmotrain.kernels.geometry import ConvGeometry
@@ -83,7 +83,7 @@ def main() -> None:
     args = parser.parse_args()
     if not direct.available():
         raise SystemExit("bench_compiled: the compiled loops were not built (see README)")
-    _parallel.configure_threads(_parallel.KernelThreads(args.threads))
+    workers.configure_threads(workers.KernelThreads(args.threads))
     rng = np.random.default_rng(0)
     print(f"# {direct.describe()}, {args.threads} thread(s), batch {args.batch}, best of "
           f"{args.repeat}, {time.strftime('%Y-%m-%d %H:%M')}; ms (GFLOP/s), * = chosen\n")

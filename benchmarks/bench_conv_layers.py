@@ -35,7 +35,7 @@ __import__("cosmotrain")  # before numpy: sets OpenBLAS's idle spin (cosmotrain/
 import numpy as np
 
 from cosmotrain.device.heap import reuse_freed_memory
-from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.cpu import workers
 from cosmotrain.kernels.compiled import choice as compiled_choice
 from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
 from cosmotrain.kernels.conv3d import (conv3d_backward_data, conv3d_backward_filter,
@@ -215,7 +215,7 @@ def describe_machine(threads: int) -> str:
     except (OSError, StopIteration):
         pass
     text = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, numpy "
-            f"{np.__version__} ({blas}), kernel workers {_parallel.num_workers()}")
+            f"{np.__version__} ({blas}), kernel workers {workers.num_workers()}")
     if torch is not None:
         text += f"; torch {torch.__version__}, {threads} threads"
     else:
@@ -285,7 +285,7 @@ def main() -> None:
     compiled_choice.USE_DIRECT = not args.no_direct
     if args.reuse_freed_memory and not reuse_freed_memory():
         print("glibc heap reuse not available")
-    _parallel.configure_threads(_parallel.KernelThreads(args.threads))
+    workers.configure_threads(workers.KernelThreads(args.threads))
     if torch is not None:
         torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)

@@ -21,7 +21,7 @@ __import__("cosmotrain")  # before numpy: sets OpenBLAS's idle spin (cosmotrain/
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.cpu import workers
 from cosmotrain.kernels.conv3d import conv3d_forward
 from cosmotrain.kernels.geometry import plan_chunks
 from cosmotrain.kernels.cpu.lowering import fill_slab
@@ -40,21 +40,21 @@ def forward_channels_last(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     def work(chunk):
         n, z0, z1 = chunk
         s = z1 - z0
-        slab = _parallel.scratch("cl_slab", (c, s + 2, h + 2, wd + 2), x.dtype)
+        slab = workers.scratch("cl_slab", (c, s + 2, h + 2, wd + 2), x.dtype)
         fill_slab(slab, x[n], (z0 - 1, -1, -1))
-        slab_cl = _parallel.scratch("cl_slab_t", (s + 2, h + 2, wd + 2, c), x.dtype)
+        slab_cl = workers.scratch("cl_slab_t", (s + 2, h + 2, wd + 2, c), x.dtype)
         np.copyto(slab_cl, slab.transpose(1, 2, 3, 0))
         sd, sh, sw, sc = slab_cl.strides
         win = as_strided(slab_cl, (s, h, wd, 3, 3, 3 * c), (sd, sh, sw, sd, sh, sc),
                          writeable=False)
-        cols = _parallel.scratch("cl_cols", (s * h * wd, 27 * c), x.dtype)
+        cols = workers.scratch("cl_cols", (s * h * wd, 27 * c), x.dtype)
         np.copyto(cols.reshape(s, h, wd, 3, 3, 3 * c), win)
-        out = _parallel.scratch("cl_out", (s * h * wd, f), x.dtype)
+        out = workers.scratch("cl_out", (s * h * wd, f), x.dtype)
         np.matmul(cols, wcl, out=out)
         np.copyto(y[n, :, z0:z1].reshape(f, -1), out.T)
 
     per_plane = 27 * c * h * wd * x.itemsize
-    _parallel.map_chunks(work, plan_chunks(n_, d, max(1, BUDGET // per_plane)))
+    workers.map_chunks(work, plan_chunks(n_, d, max(1, BUDGET // per_plane)))
     return y
 
 

@@ -39,7 +39,7 @@ from cosmotrain.device import step_memory  # noqa: E402
 from cosmotrain.device.heap import reuse_freed_memory  # noqa: E402
 
 from cosmotrain.config.schema import ModelConfig  # noqa: E402
-from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.cpu import workers
 from cosmotrain.kernels.compiled import choice as compiled_choice  # noqa: E402
 from cosmotrain.kernels.loss import mse_backward, mse_sum  # noqa: E402
 from cosmotrain.models import build_model  # noqa: E402
@@ -262,7 +262,7 @@ def main() -> None:
     if args.threads < 1:
         parser.error(f"--threads must be at least 1, got {args.threads}")
     compiled_choice.USE_DIRECT = not args.no_direct
-    _parallel.set_blas_threads(args.threads)
+    workers.set_blas_threads(args.threads)
     if args.reuse_freed_memory:
         print(f"# glibc heap reuse: {'on' if reuse_freed_memory() else 'not available'}")
         if not args.heap_only:

@@ -17,7 +17,7 @@ import time
 __import__("cosmotrain")  # before numpy: sets OpenBLAS's idle spin (cosmotrain/__init__.py)
 import numpy as np
 
-from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.cpu import workers
 
 try:
     import torch
@@ -26,7 +26,7 @@ except ImportError:  # numpy only
 
 
 def rates(size: int, repeat: int, threads: int) -> dict:
-    _parallel.set_blas_threads(threads)
+    workers.set_blas_threads(threads)
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((size, size), dtype=np.float32) for _ in range(2))
     c = np.empty_like(a)

@@ -35,7 +35,7 @@ from typing import Callable, Dict, List
 __import__("cosmotrain")  # before numpy: sets OpenBLAS's idle spin (cosmotrain/__init__.py)
 import numpy as np
 
-from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.cpu import workers
 from cosmotrain.kernels.conv3d import conv3d_forward
 
 LAYERS = [("conv2", 32, 64, 2), ("conv3", 64, 128, 4), ("conv4", 128, 256, 8),
@@ -276,7 +276,7 @@ def main() -> None:
     parser.add_argument("--forms", nargs="+", choices=sorted(FORMS), default=["2d", "3d", "w"])
     parser.add_argument("--layers", nargs="+", default=[name for name, *_ in LAYERS])
     args = parser.parse_args()
-    _parallel.set_blas_threads(1)
+    workers.set_blas_threads(1)
     rng = np.random.default_rng(0)
     for key in args.forms:
         name, form = FORMS[key]

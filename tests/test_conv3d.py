@@ -18,6 +18,7 @@ import pytest
 
 from cosmotrain.kernels.cpu import workers as _parallel, depth_lowering
 from cosmotrain.kernels import conv3d as conv
+from cosmotrain.kernels.cpu import conv_gemm
 from cosmotrain.kernels.conv3d import (conv3d_backward_data, conv3d_backward_filter,
                                        conv3d_forward)
 from cosmotrain.kernels.geometry import normalize_padding
@@ -58,18 +59,18 @@ POLICIES = {
 @pytest.fixture(params=list(POLICIES))
 def policy(request, monkeypatch):
     waste, chunks, budget, workers, algorithm = POLICIES[request.param]
-    monkeypatch.setattr(conv, "MAX_SPLIT_WASTE", waste)
-    monkeypatch.setattr(conv, "CHUNKS_PER_SAMPLE", chunks)
-    monkeypatch.setattr(conv, "MIN_COLUMNS", 1)
-    monkeypatch.setattr(conv, "CHUNK_BYTES", budget)
+    monkeypatch.setattr(conv_gemm, "MAX_SPLIT_WASTE", waste)
+    monkeypatch.setattr(conv_gemm, "CHUNKS_PER_SAMPLE", chunks)
+    monkeypatch.setattr(conv_gemm, "MIN_COLUMNS", 1)
+    monkeypatch.setattr(conv_gemm, "CHUNK_BYTES", budget)
     # "gather": groups of several planes through MIN_GEMM_COLUMNS despite the 1-byte budget
-    monkeypatch.setattr(conv, "MIN_GEMM_COLUMNS", 100 if algorithm == "gather" else 1)
-    monkeypatch.setattr(conv, "SCATTER_BYTES", budget)
-    monkeypatch.setattr(conv, "DGRAD_SCATTER", algorithm != "gather")
+    monkeypatch.setattr(conv_gemm, "MIN_GEMM_COLUMNS", 100 if algorithm == "gather" else 1)
+    monkeypatch.setattr(conv_gemm, "SCATTER_BYTES", budget)
+    monkeypatch.setattr(conv_gemm, "DGRAD_SCATTER", algorithm != "gather")
     if algorithm == "gather":  # small cases would otherwise scatter (SCATTER_MAX_OUTPUTS)
-        monkeypatch.setattr(conv, "SCATTER_MAX_OUTPUTS", 0)
-    monkeypatch.setattr(conv, "MIN_WINDOW_PLANE", 1 if algorithm == "windows" else 1 << 30)
-    monkeypatch.setattr(conv, "MAX_WINDOW_CHANNELS", 1 << 30)
+        monkeypatch.setattr(conv_gemm, "SCATTER_MAX_OUTPUTS", 0)
+    monkeypatch.setattr(conv_gemm, "MIN_WINDOW_PLANE", 1 if algorithm == "windows" else 1 << 30)
+    monkeypatch.setattr(conv_gemm, "MAX_WINDOW_CHANNELS", 1 << 30)
     monkeypatch.setattr(depth_lowering, "CHUNK_PLANES", 1 if chunks > 1 else 1 << 10)
     monkeypatch.setattr(depth_lowering, "COLS_BYTES", budget)
     _parallel.set_num_workers(workers)
@@ -268,7 +269,7 @@ def test_against_torch(stride, pad) -> None:
 def test_bias_is_the_same_add_as_afterwards(monkeypatch, shape, thin) -> None:
     """The bias added in the kernel's chunks gives the bits of ``y += bias`` afterwards,
     in the depth-window and the lowering paths; shape errors name the bias."""
-    monkeypatch.setattr(conv, "MIN_WINDOW_PLANE", 1 if thin else 1 << 30)
+    monkeypatch.setattr(conv_gemm, "MIN_WINDOW_PLANE", 1 if thin else 1 << 30)
     rng = np.random.default_rng(7)
     x = rng.standard_normal(shape).astype(np.float32)
     w = rng.standard_normal((6, shape[1], 3, 3, 3)).astype(np.float32)

@@ -16,7 +16,7 @@ from conv_reference import serial_conv_run, spatial_twin
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.layout import Layout as ParallelLayout
-from cosmotrain.kernels import pool3d
+from cosmotrain.kernels import pool3d, pool_geometry
 from cosmotrain.kernels.geometry import normalize_padding
 from cosmotrain.layers import pool as pool_layer
 from cosmotrain.layers.pool import spatial_pool
@@ -142,7 +142,7 @@ def test_spatial_pool_in_slabs_is_one_call_bit_for_bit(monkeypatch: pytest.Monke
     one output plane's window at a time."""
     from mpi4py import MPI
 
-    monkeypatch.setattr(pool3d, "WHOLE_BYTES", 0)
+    monkeypatch.setattr(pool_geometry, "WHOLE_BYTES", 0)
     monkeypatch.setattr(pool_layer, "SLAB_BYTES", 1)
     world = MPI.COMM_WORLD
     results = {(layout.describe(), i): one_slab_case(world, layout, spec)

@@ -12,6 +12,7 @@ from cosmotrain.kernels.cpu import workers as _parallel
 from cosmotrain.kernels.compiled import (avgpool as avgpool_compiled, choice as compiled_choice,
                                           direct)
 from cosmotrain.kernels import conv3d
+from cosmotrain.kernels.cpu import conv_gemm
 from cosmotrain.kernels import pool3d
 from cosmotrain.kernels.pool_activation import avg_pool_leaky_backward
 from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
@@ -77,7 +78,7 @@ def test_each_named_path_takes_its_kernel() -> None:
         if kernel == "winograd":
             assert compiled_choice.winograd_tile(geo) == int(path[-1])
     geo = ConvGeometry.create(PATHS["depth-windows"][0], (8, 4, 3, 3, 3), 1, 1)
-    assert conv3d._thin(geo)
+    assert conv_gemm._thin(geo)
 
 
 def test_fused_activation_in_bf16_rounds_as_the_separate_layers() -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from cosmotrain.kernels.cpu import workers as _parallel, maxpool_tiled
 from cosmotrain.kernels.compiled import avgpool as avgpool_compiled
-from cosmotrain.kernels import pool3d
+from cosmotrain.kernels import pool3d, pool_geometry
 from cosmotrain.kernels.pool3d import (avg_pool3d_backward, avg_pool3d_forward,
                                        max_pool3d_backward, max_pool3d_forward)
 
@@ -40,8 +40,8 @@ def blocks(request, monkeypatch):
     """Whole small volumes in one block, or plane by plane, one channel per block, 2 workers
     (for tiled 2x2x2 max pooling: one channel and one output plane per block)."""
     if request.param == "planes-2w":
-        monkeypatch.setattr(pool3d, "WHOLE_BYTES", 0)
-        monkeypatch.setattr(pool3d, "BLOCK_BYTES", 1)
+        monkeypatch.setattr(pool_geometry, "WHOLE_BYTES", 0)
+        monkeypatch.setattr(pool_geometry, "BLOCK_BYTES", 1)
         monkeypatch.setattr(maxpool_tiled, "BLOCK_BYTES", 1)
         _parallel.set_num_workers(2)
     yield request.param
@@ -241,7 +241,7 @@ def test_pooling_in_slabs_of_planes_is_one_call_bit_for_bit(monkeypatch, kernel,
     x = rng.normal(size=(2, 3) + shape).astype(dtype)
     # the whole volume just over the threshold: without by_planes, every slab would be
     # reduced whole, in another order of the taps (different bits in some cases)
-    monkeypatch.setattr(pool3d, "WHOLE_BYTES", x[0, 0].nbytes - 1)
+    monkeypatch.setattr(pool_geometry, "WHOLE_BYTES", x[0, 0].nbytes - 1)
     assert pool3d.pools_by_planes(x.shape, x)
     assert not pool3d.pools_by_planes(x[:, :, 1:].shape, x)
     for mode in ("avg", "max"):

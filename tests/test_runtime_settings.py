@@ -23,6 +23,7 @@ from cosmotrain.config.load import load_config
 from cosmotrain.device.select import Device
 from cosmotrain.kernels.cpu import workers as _parallel
 from cosmotrain.kernels import conv3d, linear
+from cosmotrain.kernels.route import Route
 from cosmotrain.kernels.cuda import conv as gpu_conv
 from cosmotrain.kernels.cuda import conv_gemm
 from cosmotrain.kernels.cuda.settings import ConvSettings
@@ -52,7 +53,7 @@ def kernel_calls(monkeypatch):
             return getattr(gpu_conv, op)(*args, settings=settings)
         return call
 
-    monkeypatch.setattr(conv3d, "is_device_array", lambda array: True)
+    monkeypatch.setattr(conv3d, "route", lambda *arrays: Route(device=True, bf16=False))
     monkeypatch.setattr(conv3d, "cuda_conv",
                         types.SimpleNamespace(**{op: recorder(op) for op in CONV_OPS}))
     chunks = conv_gemm.gemm_chunks
@@ -64,6 +65,7 @@ def kernel_calls(monkeypatch):
         calls["linear"].append(tf32)
         yield
 
+    monkeypatch.setattr(linear, "route", lambda *arrays: Route(device=True, bf16=False))
     monkeypatch.setattr(linear, "array_module", lambda *arrays: types.SimpleNamespace())
     monkeypatch.setattr(linear, "cublas_math", math)
     return calls

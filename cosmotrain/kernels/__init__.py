@@ -20,7 +20,7 @@ mismatches raise ``ValueError``; a batch of no sample (``N = 0``: a sample group
 empty by a short batch, which still runs its layers for their collectives) is valid and
 gives empty results and zero weight gradients.  The CPU kernels accept float32
 (training) and float64 (tests), run their chunks on a small worker pool
-(:mod:`._parallel`) and never import torch.  float32 work goes, where it pays, to the
+(:mod:`cosmotrain.kernels.cpu.workers`) and never import torch.  float32 work goes, where it pays, to the
 compiled loops of ``native/`` (one optional C extension, :mod:`.compiled`): direct and
 Winograd convolutions (:mod:`.direct`, :mod:`.winograd`, chosen by
 :mod:`.compiled_choice`), pooling, LeakyReLU and the optimizer updates, each with a

@@ -9,7 +9,7 @@ Masked ufuncs (``where=``) are avoided: on random signs they run ~10x slower tha
 equivalent arithmetic (backward: 18 ms against 180 ms).
 
 Contiguous arrays of at least ``PARALLEL_MIN`` elements are cut into one run per
-kernel worker (:mod:`._parallel`; numpy releases the GIL), each done in the same chunks:
+kernel worker (:mod:`cosmotrain.kernels.cpu.workers`; numpy releases the GIL), each done in the same chunks:
 same arithmetic, same results.  On one core the passes ran 2.3x slower than PyTorch's
 threaded ones on the MLPerf network's first activation (2 x 32 x 128^3).
 
@@ -32,10 +32,11 @@ from typing import Any, Optional
 import numpy as np
 
 from cosmotrain.device.xp import array_module
-from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.cpu import workers
 from cosmotrain.kernels.compiled import library as compiled
 from cosmotrain.kernels.cuda import fused
-from cosmotrain.precision import is_bf16, narrow, widen
+from cosmotrain.kernels.route import route
+from cosmotrain.precision import narrow, widen
 
 CHUNK = 1 << 16
 # Fewest elements for which the workers share a pass.
@@ -94,11 +95,12 @@ def _check_slope(slope: float) -> None:
 def leaky_relu_forward(x: Any, slope: float, inplace: bool = True) -> Any:
     """``max(x, slope * x)``; overwrites ``x`` when ``inplace``."""
     _check_slope(slope)
-    if is_bf16(x):
+    where = route(x)
+    if where.bf16:
         return narrow(leaky_relu_forward(widen(x), slope, inplace=False))
     xp = array_module(x)
     y = x if inplace and x.flags.c_contiguous else xp.array(x, order="C", copy=True)
-    if xp is not np:
+    if where.device:
         return fused.leaky_relu_forward(y, slope, y)
     factor = y.dtype.type(slope)
     loops = _compiled(y)
@@ -107,7 +109,7 @@ def leaky_relu_forward(x: Any, slope: float, inplace: bool = True) -> Any:
         return y
 
     def run(*arrays: Any) -> None:
-        scratch = _parallel.scratch("leaky_fwd", (min(CHUNK, arrays[0].size),), y.dtype)
+        scratch = workers.scratch("leaky_fwd", (min(CHUNK, arrays[0].size),), y.dtype)
         for (piece,) in _chunks(*arrays):
             part = scratch[:piece.size]
             np.multiply(piece, factor, out=part)
@@ -120,14 +122,14 @@ def leaky_relu_forward(x: Any, slope: float, inplace: bool = True) -> Any:
 def _in_runs(run: Any, *arrays: Any) -> None:
     """``run(*pieces)`` over the arrays: on the workers, one run each, when the arrays are
     contiguous and large; else on the whole arrays in the calling thread."""
-    count = _parallel.num_workers()
+    count = workers.num_workers()
     size = arrays[0].size
     if count < 2 or size < PARALLEL_MIN or not all(a.flags.c_contiguous for a in arrays):
         run(*arrays)
         return
     flats = [a.reshape(-1) for a in arrays]
     step = -(-size // (count * CHUNK)) * CHUNK  # whole chunks per run
-    _parallel.map_chunks(lambda start: run(*(f[start:start + step] for f in flats)),
+    workers.map_chunks(lambda start: run(*(f[start:start + step] for f in flats)),
                          list(range(0, size, step)))
 
 
@@ -144,12 +146,13 @@ def leaky_relu_backward(dy: Any, y: Any, slope: float, inplace: bool = True) -> 
 
     In place also on a strided ``dy`` (a halo buffer's owned planes)."""
     _check_slope(slope)
-    if is_bf16(dy):
+    where = route(dy)
+    if where.bf16:
         return narrow(leaky_relu_backward(widen(dy), widen(y), slope, inplace=False))
     xp = array_module(dy)
     dx = dy if inplace else xp.array(dy, order="C", copy=True)
     factor = dx.dtype.type(slope)
-    if xp is not np:
+    if where.device:
         return fused.leaky_relu_backward(dx, y, slope, dx)
     loops = _compiled(dx, y)
     if loops is not None:
@@ -160,8 +163,8 @@ def leaky_relu_backward(dy: Any, y: Any, slope: float, inplace: bool = True) -> 
     size = max(CHUNK, dx.shape[-1] * dx.shape[-2] if dx.ndim >= 2 else 0)
 
     def run(grad: Any, out: Any) -> None:
-        scale = _parallel.scratch("leaky_scale", (min(size, grad.size),), grad.dtype)
-        positive = _parallel.scratch("leaky_sign", (min(size, grad.size),), bool)
+        scale = workers.scratch("leaky_scale", (min(size, grad.size),), grad.dtype)
+        positive = workers.scratch("leaky_sign", (min(size, grad.size),), bool)
         for piece, sign in _chunks(grad, out):
             part = scale[:piece.size].reshape(piece.shape)
             mask = positive[:piece.size].reshape(piece.shape)

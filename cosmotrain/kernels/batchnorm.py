@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 
 from cosmotrain.device.xp import array_module
 from cosmotrain.kernels.cuda import fused
-from cosmotrain.precision import is_bf16, narrow, widen
+from cosmotrain.kernels.route import route
+from cosmotrain.precision import narrow, widen
 
 _AXES = (0, 2, 3, 4)
 
@@ -32,12 +32,13 @@ def _per_channel(v: Any, ndim: int) -> Any:
 
 def bn_local_sums(x: Any) -> Any:
     """Per-channel [sum, sum of squares, count] of a local block, float64, shape (3, C)."""
-    if is_bf16(x):
+    where = route(x)
+    if where.bf16:
         return bn_local_sums(widen(x))
     xp = array_module(x)
     count = x.size // x.shape[1]
     sums = x.sum(axis=_AXES, dtype=xp.float64)
-    if xp is np:
+    if not where.device:
         squares = xp.einsum("ncdhw,ncdhw->c", x, x, dtype=xp.float64)
     else:
         squares = fused.channel_sum_squares(x)
@@ -60,12 +61,13 @@ def bn_statistics(sums: Any) -> tuple[Any, Any]:
 def bn_normalize(x: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float
                  ) -> tuple[Any, Any, Any]:
     """Return (y, xhat, inv_std): y = gamma * xhat + beta, xhat = (x - mean) * inv_std."""
-    if is_bf16(x):
+    where = route(x)
+    if where.bf16:
         y, xhat, inv_std = bn_normalize(widen(x), mean, var, gamma, beta, eps)
         return narrow(y), narrow(xhat), inv_std
     xp = array_module(x)
     inv_std = (1.0 / xp.sqrt(var + eps)).astype(x.dtype)
-    if xp is not np:
+    if where.device:
         xhat, y = fused.bn_forward(x, *(_per_channel(v.astype(x.dtype), x.ndim)
                                              for v in (mean, inv_std, gamma, beta)))
         return y, xhat, inv_std
@@ -80,11 +82,12 @@ def bn_backward_local_sums(dy: Any, xhat: Any) -> Any:
     """Per-channel [sum(dy), sum(dy * xhat)] of a local block, float64, shape (2, C).
 
     They are also dbeta and dgamma (before their reduction over the ranks)."""
-    if is_bf16(dy):
+    where = route(dy)
+    if where.bf16:
         return bn_backward_local_sums(widen(dy), widen(xhat))
     xp = array_module(dy)
     sum_dy = dy.sum(axis=_AXES, dtype=xp.float64)
-    if xp is np:
+    if not where.device:
         sum_dy_xhat = xp.einsum("ncdhw,ncdhw->c", dy, xhat, dtype=xp.float64)
     else:
         sum_dy_xhat = fused.channel_sum_products(dy, xhat)
@@ -96,13 +99,14 @@ def bn_backward_apply(dy: Any, xhat: Any, gamma: Any, inv_std: Any, sums: Any, c
     """dx = gamma * inv_std * (dy - mean(dy) - xhat * mean(dy * xhat)), global means.
 
     ``count`` 0 (an empty group's, see :func:`bn_statistics`) divides by 1: no element."""
-    if is_bf16(dy):
+    where = route(dy)
+    if where.bf16:
         return narrow(bn_backward_apply(widen(dy), widen(xhat), gamma, inv_std, sums, count))
     count = max(count, 1.0)
     mean_dy = (sums[0] / count).astype(dy.dtype)
     mean_dy_xhat = (sums[1] / count).astype(dy.dtype)
     xp = array_module(dy)
-    if xp is not np:
+    if where.device:
         return fused.bn_backward(dy, xhat, *(_per_channel(v.astype(dy.dtype), dy.ndim)
                                                   for v in (mean_dy, mean_dy_xhat,
                                                             gamma * inv_std)))

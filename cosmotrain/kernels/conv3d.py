@@ -1,4 +1,4 @@
-"""3D convolution kernels for the CPU (numpy + BLAS): forward, data gradient, filter gradient.
+"""3D convolution: forward, data gradient, filter gradient — the front door.
 
 Conventions: NCDHW float arrays (float32 in training; float64 accepted, the tests use
 it), weights ``(F, C, kD, kH, kW)`` as in PyTorch (cross-correlation), stride a triple,
@@ -7,59 +7,15 @@ already carries halos is called with 0 on those sides, see :mod:`.geometry`).  O
 ``Do = (D + lo + hi - kD) // sD + 1``.  A batch of no sample (``N = 0``, a sample group
 left empty by a short batch) gives empty results and a zero weight gradient on any device.
 
-Algorithms.  float32 unit-stride layers may take compiled loops, by the rules of
-:mod:`.compiled_choice`: Winograd F(2,3) / F(4,3) along W (:mod:`.winograd`) for the wider
-3-wide layers, the direct convolution (:mod:`.direct`) for layers whose rows fill its
-register runs, each for the forward, the filter gradient and the data gradient (the
-forward of the flipped kernel).  On the AVX-512 box of 2026-11-27 they ran the CosmoFlow
-layers 1.2-2.8x faster than the lowerings below, whose GEMMs of 16-64 rows OpenBLAS runs
-at a third to a half of its sgemm rate.  Everything else (float64, strides, small planes,
-installs without the compiled library) takes the chunked GEMM lowering
-(:mod:`.lowering`).
-
-* forward:  ``y = W @ cols``, W split (``kW`` shifted adds) when its stride is 1; thin
-  layers (few input channels, large planes: :func:`_thin`) lower (H, W) once per input
-  plane and the depth by views instead (:mod:`.depth_lowering`: no shifted adds);
-* wgrad:    ``dW = dy_shifted @ cols^T`` with the forward's lowering;
-* dgrad:    unit stride: dx is the convolution of dy (padded by ``k-1-lo``, ``k-1-hi``)
-  with the flipped, transposed kernel, lowered with H and W split: a gather, with no
-  column copies, zero fill or read-modify-write of dx (conv 4->16 at 128^3: 62 ms,
-  against 137 ms for GEMM + col2im).  Other strides scatter with col2im
-  (:mod:`.conv3d_dgrad`); so may, with :data:`DGRAD_SCATTER`, unit-stride layers too
-  small to split whose F exceeds C.
-
-Winograd with numpy passes for the transforms and these kernels for the GEMMs
-(``benchmarks/winograd_study.py``, 2026-11-23) measured 0.9-1.4x; in compiled loops
-(:mod:`.winograd`, 2026-11-27) F(2,3) and F(4,3) along W run MLPerf conv2-conv4
-1.1-1.6x faster than the direct loops or the lowerings.
-
-Layout decision ("NCDHW or channels-last: choose by measurement").  Measured with
-``benchmarks/bench_conv_layout.py`` (forward, W=128 CosmoFlow layers, batch 1, 2-core
-Zen5, numpy 2.4 / OpenBLAS 0.3.31, same chunking and worker pool, best of 3 x 7 runs):
-this module against a channels-last prototype (slabs transposed to (d, h, w, C), column
-matrix (n, 27*C) copied in runs of kW*C floats, GEMM (n, K) @ (K, F), result transposed
-back into NCDHW).
-
-    layer           OpenBLAS default (Haswell kernels)   OPENBLAS_CORETYPE=SkylakeX
-                    NCDHW     channels-last              NCDHW     channels-last
-    conv1 4->16      62 ms    121 ms  (1.95x)             49 ms    107 ms  (2.2x)
-    conv2 16->32     46 ms     66 ms  (1.44x)             31 ms     45 ms  (1.5x)
-    conv3 32->64     21 ms     21 ms  (1.04x)             12 ms     14 ms  (1.15x)
-
-Channels-last loses on the thin, memory-bound layers that hold 78% of the FLOPs: its
-copies move runs of 12 floats (conv1) instead of rows of 128 and it needs transposes in
-and out (the prototype also lacks the W split, whose GEMM shape is better; see
-:mod:`.lowering`).  The kernels stay NCDHW.
-(OpenBLAS picks its AVX2 "Haswell" kernels on this Zen5; ``OPENBLAS_CORETYPE=SkylakeX``,
-set before numpy is imported, makes every layer 1.3-1.7x faster.)
-
-Other devices and storage: cupy arrays go to the GPU kernels of the same names
-(:mod:`.cuda.conv`, which imports cupy on first use), with the call's ``settings`` (the
-:class:`~.cuda.settings.ConvSettings` the layer was built with; None: the defaults;
-the numpy code below ignores them); bfloat16 numpy arrays are widened
-to float32, convolved here and the result rounded back to bfloat16 (the CPU emulation of
-bf16 storage, :mod:`cosmotrain.precision`).  float32 and float64 numpy
-arrays take the code below untouched.
+Routing, decided once per call (:func:`.route.route`): cupy arrays go to the GPU kernels of
+the same names (:mod:`.cuda.conv`, which imports cupy on first use), with the call's
+``settings`` (the :class:`~.cuda.settings.ConvSettings` the layer was built with; None:
+the defaults; the CPU ignores them); bfloat16 numpy arrays are widened to float32,
+convolved on the CPU and the result rounded back to bfloat16 (:mod:`cosmotrain.precision`);
+float32 and float64 numpy arrays go to the compiled loops where :mod:`.compiled.choice`
+picks them (float32, unit stride: Winograd or direct) and otherwise to the GEMM lowerings
+of :mod:`.cpu.conv_gemm`, whose docstring has the algorithms and the measurements behind
+them.
 """
 
 from __future__ import annotations
@@ -68,62 +24,16 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from cosmotrain.device.xp import array_module, is_device_array
-from cosmotrain.precision import is_bf16, narrow, widen
-
-from cosmotrain.kernels.cpu import workers as _parallel, depth_lowering
-from cosmotrain.kernels.compiled import choice as compiled_choice, direct, winograd
+from cosmotrain.device.xp import array_module
 from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
+from cosmotrain.kernels.compiled import choice as compiled_choice, direct, winograd
+from cosmotrain.kernels.cpu import conv_gemm
 from cosmotrain.kernels.cpu.channel_sums import channel_sums
-from cosmotrain.kernels.cpu.conv_dgrad import backward_data_scatter
 from cosmotrain.kernels.cuda import conv as cuda_conv
 from cosmotrain.kernels.cuda.settings import ConvSettings
-from cosmotrain.kernels.geometry import ConvGeometry, PaddingLike, plan_chunks
-from cosmotrain.kernels.cpu.lowering import Lowering, planes_view
-
-# Chunks (units of work for the worker pool) per sample: enough to balance two workers.
-CHUNKS_PER_SAMPLE = 8
-# Buffers of one GEMM's column matrix and output (bytes); flat from 0.5 to 8 MiB here.
-CHUNK_BYTES = 4 << 20
-# Padded input slab of one chunk (bytes): larger slabs copy fewer shared planes twice.
-SLAB_BYTES = 16 << 20
-# Fewest GEMM columns per chunk; below this one BLAS-threaded GEMM beats parallel chunks.
-MIN_COLUMNS = 4096
-# Dimensions the data gradient's gather may split (H and W: no column copies).
-DGRAD_MAX_SHIFT = 2
-# Unit-stride data gradients that no split fits (small planes) may scatter (col2im) when
-# F > C: the gather's column matrix has F*27 rows, col2im's C*27, and the gather needs
-# the flipped kernel transposed first.  Off: on MLPerf conv4 / conv5 (F = 2C, 16^3 and
-# 8^3) the two measured within the box's noise, either ahead by up to 20% from run to run
-# (docs/PERFORMANCE.md, "cosmoflow-mlperf per layer against PyTorch", 2026-11-23).
-DGRAD_SCATTER = False
-# Column matrix of one col2im chunk of the data gradient (bytes): 4 MiB cut conv5's
-# sample into 2-plane GEMMs (128 columns); 16 MiB was the best of 4 / 16 / 64 MiB in
-# two (noisy) runs.
-SCATTER_BYTES = 16 << 20
-# Unit-stride data gradients of at most this many output positions per sample scatter
-# whatever F and C: the gather's weights are a flipped, transposed copy of the whole
-# kernel (7 MB for 256 x 256 x 3^3), which outweighs a GEMM over 8-64 positions.  2026-11-27,
-# median ms, gather against scatter, 2 / 1 threads: 256->256 at 2^3 2.33 / 1.84 against
-# 1.11 / 1.15; 128->256 at 4^3 2.45 / 2.44 against 1.63 / 1.91; 256->512 at 4^3 7.2 / 8.3
-# against 3.9 / 5.7; at 8^3 the two are level (256->512) or the gather ahead (128->256).
-SCATTER_MAX_OUTPUTS = 64
-# Fewest GEMM columns per GEMM (a group of planes), even past ``CHUNK_BYTES``: plain
-# im2col on 16^3 and 8^3 planes got 256 or 64-128 columns within 4 MiB, where OpenBLAS
-# packs the weights for little work (1 thread: 512x6912 @ N=128 81, N=1024 93 GFLOP/s;
-# 256x13824 @ N=64 74, N=1024 90).  MLPerf batch 2, old and new interleaved (medians,
-# 2026-11-23): conv5 forward 55 -> 45 ms, conv4 forward 110 -> 98 ms (512: 98 ms too).
-MIN_GEMM_COLUMNS = 1024
-# A split lowering extends the GEMM grid by k-1; allowed while that is <= 1/16 of it.
-MAX_SPLIT_WASTE = 1 / 16
-# The depth-window lowering (:mod:`.depth_lowering`) is for thin layers, whose time is
-# copies and shifted adds rather than GEMMs: at most this many input channels (conv 4->32
-# at 128^3: forward 1.5x, filter gradient 1.7x faster; with 32 or 64 channels it measured
-# even in the forward and up to 1.4x slower in the filter gradient, whose GEMMs then
-# reduce over one row block only) ...
-MAX_WINDOW_CHANNELS = 16
-# ... and at least this many outputs per plane (its GEMMs are a row block wide).
-MIN_WINDOW_PLANE = 1024
+from cosmotrain.kernels.geometry import ConvGeometry, PaddingLike
+from cosmotrain.kernels.route import require_cpu_out, route
+from cosmotrain.precision import narrow, widen
 
 
 def as_float_array(a: np.ndarray, name: str, dtype=None) -> np.ndarray:
@@ -144,15 +54,6 @@ def output_buffer(out: Optional[np.ndarray], shape, dtype, name: str = "out") ->
     return out
 
 
-def _elsewhere(out: Optional[np.ndarray], *arrays: np.ndarray) -> bool:
-    """Whether the call leaves this module's float32/64 numpy code: device or bf16."""
-    if not any(is_device_array(a) or is_bf16(a) for a in arrays):
-        return False
-    if out is not None:
-        raise ValueError("out= is supported for float32/float64 numpy arrays only")
-    return True
-
-
 def _no_samples(like: np.ndarray, shape: Sequence[int], out: Optional[np.ndarray] = None
                 ) -> np.ndarray:
     """The result of a call on a batch of no sample: empty, or zeros for a weight gradient.
@@ -165,68 +66,6 @@ def _no_samples(like: np.ndarray, shape: Sequence[int], out: Optional[np.ndarray
     if out is not None:
         return output_buffer(out, shape, like.dtype)
     return array_module(like).zeros(tuple(shape), dtype=like.dtype)
-
-
-def choose_lowering(geo: ConvGeometry, max_shift: int) -> Lowering:
-    """Split as many trailing dims (<= max_shift) as have unit stride and little waste."""
-    for shift in range(max_shift, 0, -1):
-        dims = range(3 - shift, 3)
-        if all(geo.stride[d] == 1 and 1 < geo.kernel[d] <= 1 + geo.out[d] * MAX_SPLIT_WASTE
-               for d in dims):
-            return Lowering(geo, shift)
-    return Lowering(geo, 0)
-
-
-def _thin(geo: ConvGeometry) -> bool:
-    """Whether the forward and filter gradient take the depth-window lowering."""
-    return geo.channels <= MAX_WINDOW_CHANNELS and geo.plane >= MIN_WINDOW_PLANE
-
-
-def _chunks(low: Lowering, itemsize: int):
-    """Chunks of output planes: about ``CHUNKS_PER_SAMPLE`` per sample, each with at least
-    ``MIN_COLUMNS`` GEMM columns (smaller GEMMs do better as one BLAS-threaded call), and
-    at most ``SLAB_BYTES`` of padded input slab."""
-    geo = low.geo
-    slab_plane = geo.channels * int(np.prod(geo.slab_shape(1)[2:])) * geo.stride[0] * itemsize
-    cap = max(1, SLAB_BYTES // slab_plane - geo.kernel[0])
-    planes = max(-(-geo.out[0] // CHUNKS_PER_SAMPLE), -(-MIN_COLUMNS // low.columns_per_plane))
-    return plan_chunks(geo.batch, geo.out[0], min(cap, planes))
-
-
-def _columns(low: Lowering, src: np.ndarray, chunk):
-    """``(g0, g1, column matrix)`` for the groups of planes of one chunk, in order.
-
-    A group is lowered by one GEMM; its buffers (columns, and GEMM output or shifted
-    gradient for split lowerings) take about ``CHUNK_BYTES``.
-    """
-    n, z0, z1 = chunk
-    slab = low.slab(src[n], z0, z1)
-    per_plane = (low.rows + (low.outputs if low.shift else 0)) * low.columns_per_plane
-    size = 1 if low.shift == 2 else max(CHUNK_BYTES // (per_plane * src.itemsize),
-                                        -(-MIN_GEMM_COLUMNS // low.columns_per_plane), 1)
-    for g0 in range(z0, z1, size):
-        g1 = min(z1, g0 + size)
-        yield g0, g1, low.columns(slab, g0 - z0, g1 - g0)
-
-
-def _run_lowered(src: np.ndarray, wmat: np.ndarray, low: Lowering, y: np.ndarray,
-                 bias: Optional[np.ndarray] = None) -> np.ndarray:
-    """``y = conv(src) (+ bias)`` for the lowering ``low`` and its weight matrix ``wmat``."""
-    def work(chunk):
-        n = chunk[0]
-        for g0, g1, cols in _columns(low, src, chunk):
-            if low.shift == 0:
-                np.matmul(wmat, cols, out=planes_view(y[n], g0, g1))
-            else:
-                t = _parallel.scratch("gemm_out", (low.outputs, cols.shape[1]), src.dtype)
-                np.matmul(wmat, cols, out=t)
-                low.sum_shifts(t, y[n, :, g0:g1])
-            if bias is not None:  # while the group's output is in cache
-                block = y[n, :, g0:g1]
-                np.add(block, bias.reshape(-1, 1, 1, 1), out=block)
-
-    _parallel.map_chunks(work, _chunks(low, src.itemsize))
-    return y
 
 
 def conv3d_forward(x: np.ndarray, w: np.ndarray, stride: "int | Sequence[int]" = 1,
@@ -250,8 +89,10 @@ def conv3d_forward(x: np.ndarray, w: np.ndarray, stride: "int | Sequence[int]" =
     if x.shape[0] == 0:  # zeros: LeakyReLU leaves them
         return _no_samples(x, ConvGeometry.create(x.shape, w.shape, stride, padding).y_shape,
                            out)
-    if _elsewhere(out, x, w):
-        if is_device_array(x):
+    where = route(x, w)
+    if not where.cpu_float:
+        require_cpu_out(out, where)
+        if where.device:
             y = cuda_conv.conv3d_forward(x, w, stride, padding, settings=settings)
         else:
             y = narrow(conv3d_forward(widen(x), widen(w), stride, padding))
@@ -271,12 +112,7 @@ def conv3d_forward(x: np.ndarray, w: np.ndarray, stride: "int | Sequence[int]" =
                                 slope=activation)
     if kernel == "direct":
         return direct.forward(x, w, geo, y, bias, slope=activation)
-    if _thin(geo):
-        win = depth_lowering.DepthWindows(geo)
-        y = depth_lowering.forward(x, win.weights(w), win, y, bias)
-    else:
-        low = choose_lowering(geo, max_shift=1)
-        y = _run_lowered(x, low.weights(w), low, y, bias)
+    y = conv_gemm.forward(x, w, geo, y, bias)
     return y if activation is None else leaky_relu_forward(y, activation)
 
 
@@ -319,8 +155,9 @@ def _filter_grads(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int],
         dy, activation = leaky_relu_backward(dy, *activation), None  # its own pass, in place
     if x.shape[0] == 0:
         return _no_samples(x, geo.w_shape), channel_sums(dy) if bias else None
-    if _elsewhere(None, x, dy):
-        if is_device_array(x):
+    where = route(x, dy)
+    if not where.cpu_float:
+        if where.device:
             dw = cuda_conv.conv3d_backward_filter(x, dy, w_shape, stride, padding,
                                                   settings=settings)
         else:
@@ -334,26 +171,7 @@ def _filter_grads(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int],
                                              bias)
     if kernel == "direct":
         return direct.filter_and_bias_grad(x, dy, geo, bias, activation)
-    return _lowered_filter_grad(x, dy, geo), channel_sums(dy) if bias else None
-
-
-def _lowered_filter_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry) -> np.ndarray:
-    """The filter gradient by the GEMM lowerings (depth windows for thin layers)."""
-    if _thin(geo):
-        return depth_lowering.filter_grad(x, dy, depth_lowering.DepthWindows(geo))
-    low = choose_lowering(geo, max_shift=1)
-
-    def work(chunk):
-        n, total = chunk[0], None
-        for g0, g1, cols in _columns(low, x, chunk):
-            grad = (planes_view(dy[n], g0, g1) if low.shift == 0
-                    else low.spread_shifts(dy[n, :, g0:g1]))
-            part = np.matmul(grad, cols.T)
-            total = part if total is None else np.add(total, part, out=total)
-        return total
-
-    g = _parallel.sum_in_order(_parallel.map_chunks(work, _chunks(low, x.itemsize)))
-    return np.ascontiguousarray(low.weights_from_matrix(g))
+    return conv_gemm.filter_grad(x, dy, geo), channel_sums(dy) if bias else None
 
 
 def conv3d_backward_data(dy: np.ndarray, w: np.ndarray, x_shape: Sequence[int],
@@ -365,8 +183,10 @@ def conv3d_backward_data(dy: np.ndarray, w: np.ndarray, x_shape: Sequence[int],
         geo = ConvGeometry.create(x_shape, w.shape, stride, padding)
         geo.check("dy", dy.shape, geo.y_shape)
         return _no_samples(dy, geo.x_shape, out)
-    if _elsewhere(out, dy, w):
-        if is_device_array(dy):
+    where = route(dy, w)
+    if not where.cpu_float:
+        require_cpu_out(out, where)
+        if where.device:
             return cuda_conv.conv3d_backward_data(dy, w, x_shape, stride, padding,
                                                   settings=settings)
         return narrow(conv3d_backward_data(widen(dy), widen(w), x_shape, stride, padding))
@@ -375,20 +195,12 @@ def conv3d_backward_data(dy: np.ndarray, w: np.ndarray, x_shape: Sequence[int],
     geo = ConvGeometry.create(x_shape, w.shape, stride, padding)
     geo.check("dy", dy.shape, geo.y_shape)
     dx = output_buffer(out, geo.x_shape, dy.dtype)
-    fits = all(lo < k and hi < k for (lo, hi), k in zip(geo.padding, geo.kernel))
-    if geo.stride != (1, 1, 1) or not fits:
-        return backward_data_scatter(dy, w, geo, CHUNK_BYTES, dx)
-    # dx = conv(dy padded by k-1-lo / k-1-hi, flipped kernel with C and F swapped).
-    flipped = w[:, :, ::-1, ::-1, ::-1].transpose(1, 0, 2, 3, 4)
-    pad_t = tuple((k - 1 - lo, k - 1 - hi) for (lo, hi), k in zip(geo.padding, geo.kernel))
-    tgeo = ConvGeometry.create(dy.shape, flipped.shape, 1, pad_t)
+    if conv_gemm.scatters(geo):
+        return conv_gemm.data_grad(dy, w, geo, dx)
+    flipped, tgeo = conv_gemm.transposed(w, geo, dy.shape)
     kernel = compiled_choice.data_grad_kernel(tgeo, geo.channels, dy.dtype)
     if kernel == "winograd":
         return winograd.forward(dy, flipped, tgeo, dx, None, compiled_choice.winograd_tile(tgeo))
     if kernel == "direct":
         return direct.forward(dy, flipped, tgeo, dx)
-    low = choose_lowering(tgeo, max_shift=DGRAD_MAX_SHIFT)
-    tiny = int(np.prod(geo.out)) <= SCATTER_MAX_OUTPUTS
-    if low.shift == 0 and (tiny or DGRAD_SCATTER and geo.filters > geo.channels):
-        return backward_data_scatter(dy, w, geo, SCATTER_BYTES, dx)
-    return _run_lowered(dy, low.weights(flipped), low, dx)
+    return conv_gemm.data_grad(dy, w, geo, dx)

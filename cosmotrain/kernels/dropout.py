@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from cosmotrain.device.xp import array_module
-from cosmotrain.precision import is_bf16, narrow, widen
+from cosmotrain.kernels.route import route
+from cosmotrain.precision import narrow, widen
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -63,7 +64,8 @@ def dropout_keep_mask(local_shape: Sequence[int], offset: Sequence[int],
 
 def dropout_forward(x: Any, keep: Any, p: float) -> Any:
     """Inverted dropout: kept elements scaled by 1 / (1 - p) (in float32 for bf16)."""
-    if is_bf16(x):
+    where = route(x)
+    if where.bf16:
         return narrow(dropout_forward(widen(x), keep, p))
     xp = array_module(x)
     scale = x.dtype.type(1.0 / (1.0 - p))

@@ -17,20 +17,21 @@ import numpy as np
 
 from cosmotrain.device.xp import array_module
 from cosmotrain.kernels.cuda.settings import ConvSettings, cublas_math, resolve_settings
-from cosmotrain.precision import is_bf16, narrow, widen
+from cosmotrain.kernels.route import route
+from cosmotrain.precision import narrow, widen
 
 
 def _math(x: Any, settings: ConvSettings | None) -> ContextManager[None]:
     """The GEMM math mode of ``settings`` for cupy operands; nothing for numpy."""
-    xp = array_module(x)
-    if xp is np:
+    if not route(x).device:
         return nullcontext()
-    return cublas_math(xp, resolve_settings(settings).math == "tf32")
+    return cublas_math(array_module(x), resolve_settings(settings).math == "tf32")
 
 
 def linear_forward(x: Any, weight: Any, bias: Any | None, *,
                    settings: ConvSettings | None = None) -> Any:
-    if is_bf16(x):
+    where = route(x)
+    if where.bf16:
         return narrow(linear_forward(widen(x), widen(weight),
                                      None if bias is None else widen(bias), settings=settings))
     with _math(x, settings):
@@ -41,7 +42,8 @@ def linear_forward(x: Any, weight: Any, bias: Any | None, *,
 
 
 def linear_backward_data(dy: Any, weight: Any, *, settings: ConvSettings | None = None) -> Any:
-    if is_bf16(dy):
+    where = route(dy)
+    if where.bf16:
         return narrow(linear_backward_data(widen(dy), widen(weight), settings=settings))
     with _math(dy, settings):
         return dy @ weight
@@ -55,9 +57,10 @@ def linear_backward_weight(x: Any, dy: Any, *, settings: ConvSettings | None = N
     to order differently).  OpenBLAS's sgemm with an inner dimension of 1 took 4.9 ms for
     the paper network's fc1 (2048 x 2048) on the 2-core machine, ``np.outer`` 1.5-1.7 ms.
     """
-    if is_bf16(dy):
+    where = route(dy)
+    if where.bf16:
         return linear_backward_weight(widen(x), widen(dy), settings=settings)
-    if dy.shape[0] == 1 and isinstance(dy, np.ndarray):
+    if dy.shape[0] == 1 and not where.device:
         return np.outer(dy[0], x[0]), dy.sum(axis=0)
     with _math(dy, settings):
         return dy.T @ x, dy.sum(axis=0)

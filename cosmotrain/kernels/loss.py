@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from cosmotrain.device.xp import array_module
-from cosmotrain.precision import is_bf16, narrow, widen
+from cosmotrain.kernels.route import route
+from cosmotrain.precision import narrow, widen
 
 
 def mse_sum(pred: Any, target: Any) -> float:
@@ -21,7 +22,8 @@ def mse_sum(pred: Any, target: Any) -> float:
 
 def mse_backward(pred: Any, target: Any, total_count: int) -> Any:
     """d/dpred of sum((pred - target)^2) / total_count."""
-    if is_bf16(pred):
+    where = route(pred)
+    if where.bf16:
         return narrow(mse_backward(widen(pred), target, total_count))
     return (pred - target) * pred.dtype.type(2.0 / total_count)
 
@@ -32,7 +34,8 @@ def mae_sum(pred: Any, target: Any) -> float:
 
 def mae_backward(pred: Any, target: Any, total_count: int) -> Any:
     """d/dpred of sum(|pred - target|) / total_count (sign, 0 at a tie)."""
-    if is_bf16(pred):
+    where = route(pred)
+    if where.bf16:
         return narrow(mae_backward(widen(pred), target, total_count))
     xp = array_module(pred)
     return xp.sign(pred - target) * pred.dtype.type(1.0 / total_count)

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.cpu import workers
 from cosmotrain.kernels.compiled import library as compiled
 
 # Elements per chunk handed to a worker; smaller arrays are updated in one call.
@@ -48,7 +48,7 @@ def _run(call: Callable[[int, int], None], size: int) -> None:
         call(0, size)
         return
     starts = list(range(0, size, CHUNK_ELEMENTS))
-    _parallel.map_chunks(lambda s: call(s, min(CHUNK_ELEMENTS, size - s)), starts)
+    workers.map_chunks(lambda s: call(s, min(CHUNK_ELEMENTS, size - s)), starts)
 
 
 def adam(data: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray, beta1: float,

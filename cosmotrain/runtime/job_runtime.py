@@ -8,7 +8,7 @@ pure topology; the convolution and linear layers take the GPU kernel settings
 (``conv``) and pass them to every kernel call.  Nothing here is installed process-wide
 except the kernel threads (``threads``), which :func:`build_runtime` applies once
 through :func:`cosmotrain.kernels.cpu.workers.configure_threads` because OpenBLAS's thread
-count is process-global state of the C library (see ``kernels/_parallel.py``), and, when
+count is process-global state of the C library (see ``kernels/cpu/workers.py``), and, when
 asked, glibc's keeping of freed memory (:mod:`cosmotrain.device.heap`), for the same
 reason.
 

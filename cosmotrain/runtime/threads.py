@@ -7,7 +7,7 @@ Each rank therefore gets ``cores / local ranks`` threads (at least one), unless 
 launcher already bound it to fewer cores than the node has (``srun --cpus-per-task``),
 in which case its own affinity mask is the budget.  An explicit ``OPENBLAS_NUM_THREADS``
 or ``OMP_NUM_THREADS`` (the Slurm scripts set them from ``--cpus-per-task``) caps it.  The
-chunked kernels use as many workers as BLAS has threads (``kernels/_parallel.py``).
+chunked kernels use as many workers as BLAS has threads (``kernels/workers.py``).
 
 :func:`job_threads` decides (collective, no side effect): the job records the value in
 its :class:`~cosmotrain.runtime.job_runtime.Runtime` (``build_runtime(..., threads=)``), which
@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.cpu import workers
 from cosmotrain.kernels.cpu.workers import KernelThreads
 
 
@@ -54,7 +54,7 @@ def configure_threads(comm: Any) -> int:
     """Decide this rank's threads (:func:`job_threads`, collective) and apply them now;
     returns the BLAS thread count."""
     threads = job_threads(comm)
-    _parallel.configure_threads(threads)
+    workers.configure_threads(threads)
     return threads.blas
 
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from cosmotrain.config.schema import Config
 from cosmotrain.errors import WriteError
-from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.cpu import workers
 from cosmotrain.nn.module import Parameter
 from cosmotrain.plan.cost import BYTES, layer_elements, layer_key
 from cosmotrain.plan.machine import Curve, Fit, LinkModel, MachineModel
@@ -71,7 +71,7 @@ def calibrate(cfg: Config, comm: Any, settings: Settings, log: Callable[[str], N
     cores = os.cpu_count() or 1
     machine = MachineModel(name=os.uname().nodename, cores_per_node=cores,
                            memory_per_node_gib=_node_memory_gib())
-    _parallel.set_blas_threads(1)
+    workers.set_blas_threads(1)
     works = candidate_workloads(cfg, settings.max_ranks)
     for k in levels(size):
         started = time.perf_counter()

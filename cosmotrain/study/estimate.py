@@ -31,7 +31,7 @@ from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.config.load import load_config
 from cosmotrain.config.schema import Config
 from cosmotrain.errors import UserError
-from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.cpu import workers
 from cosmotrain.plan.cost import layer_elements
 from cosmotrain.plan.estimate import MEASURED_KINDS, Probe, estimate_name, estimated_machine
 from cosmotrain.plan.machine import MachineModel
@@ -83,13 +83,13 @@ def probe(log: Callable[[str], None] = lambda line: None) -> Probe:
     sequence = probe_sequence(cfg)
     # unfused: the probe prices each kind per element (dropout by LeakyReLU's rate)
     timer = StepTimer([make_layer(layer, cfg) for layer in sequence], sequence, fuse=False)
-    before = _parallel.num_workers()
+    before = workers.num_workers()
     try:
         seconds, speedup = _thread_passes(timer, cores, log)
         log("  optimizer, input transform, copy")
         elements = element_times(cfg, Settings(repeats=REPEATS))
     finally:
-        _parallel.set_blas_threads(max(before, 1))
+        workers.set_blas_threads(max(before, 1))
     return Probe(cpu=cpu_name(), cores=cores, memory_gib=_memory_gib(),
                  conv_flop_rate=_flop_rate(sequence, seconds, "Conv3d"),
                  linear_flop_rate=_flop_rate(sequence, seconds, "Linear"),
@@ -103,11 +103,11 @@ def _thread_passes(timer: StepTimer, cores: int, log: Callable[[str], None]
     over that.  A layer that ran faster on one thread gets that time: a quiet machine's
     threads never slow it, only other jobs holding the cores do."""
     log(f"  layers with {cores} thread(s)")
-    if not _parallel.set_blas_threads(cores) or cores == 1:
+    if not workers.set_blas_threads(cores) or cores == 1:
         return _fastest_pass(timer), float(cores)  # BLAS threads itself: an even split
     many = _fastest_pass(timer)
     log("  layers with 1 thread")
-    _parallel.set_blas_threads(1)
+    workers.set_blas_threads(1)
     one = _fastest_pass(timer)
     many = np.minimum(many, one)
     return many, float(one.sum() / many.sum())

@@ -29,7 +29,7 @@ import numpy as np
 
 from cosmotrain.runtime.threads import threads_per_rank
 from cosmotrain.config.schema import Config
-from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.cpu import workers
 from cosmotrain.kernels.geometry import normalize_padding
 from cosmotrain.nn import containers, factory
 from cosmotrain.nn.layers import Dropout, Flatten, LeakyReLU, Pool3d
@@ -146,13 +146,13 @@ def timed_sequence(sequence: Sequence, cfg: Config, comm: Any, k: int, cores: in
     step = StepTimer(engines, sequence, fuse) if busy else None
     passes = np.zeros((WARMUP_PASSES + repeats, len(sequence)))
     if busy:
-        _parallel.set_blas_threads(threads_per_rank(k, cores, cores))
+        workers.set_blas_threads(threads_per_rank(k, cores, cores))
     for i in range(len(passes)):
         if step:
             passes[i] = step.run(lambda: quiet_barrier(comm), i)
         else:
             quiet_barrier(comm)
-    _parallel.set_blas_threads(1)
+    workers.set_blas_threads(1)
     quiet_barrier(comm)  # idle ranks must not spin in the reductions while others work
     summed, longest = np.empty_like(passes), np.empty(len(passes))
     comm.Allreduce(passes, summed, op=_op("SUM"))

@@ -22,7 +22,7 @@ from typing import Callable, Optional, Tuple
 
 import numpy as np
 
-from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.cpu import workers
 from cosmotrain.kernels.compiled import library as compiled
 from cosmotrain.kernels.activation import backward_factors
 
@@ -101,13 +101,13 @@ def _run(which: int, src: np.ndarray, dst: np.ndarray, pool, sizes: tuple,
 
     def work(chunk) -> None:
         n, c0, c1 = chunk
-        rows = _parallel.scratch("avgpool_rows", (scratch,), np.float32)
+        rows = workers.scratch("avgpool_rows", (scratch,), np.float32)
         compiled.check(loop(compiled.address(src[n, c0]), *compiled.element_strides(src)[1:4],
                             compiled.address(dst[n, c0]), *compiled.element_strides(dst)[1:4],
                             c1 - c0, *_geometry(pool), *sizes, scale, compiled.address(rows),
                             whole, *tail(n, c0)), "average pooling")
 
-    _parallel.map_chunks(work, pool.chunks(src.itemsize))
+    workers.map_chunks(work, pool.chunks(src.itemsize))
 
 
 def _activation_args(activation: Optional[tuple], n: int, c0: int) -> list:

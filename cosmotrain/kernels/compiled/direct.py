@@ -12,7 +12,7 @@ convolution and pooling loops".
 The library is an optional extension built by ``pip install`` (setup.py) with the
 system's C compiler; without it, on a CPU without AVX2 + FMA, or for float64 (the tests'
 precision), :func:`available` is False and the numpy kernels run instead.  Calls go
-through ``ctypes``, which releases the GIL, so the kernel workers of :mod:`._parallel`
+through ``ctypes``, which releases the GIL, so the kernel workers of :mod:`cosmotrain.kernels.cpu.workers`
 run chunks on all cores.
 
 Conventions are :mod:`.conv3d`'s (NCDHW, weights ``(F, C, kD, kH, kW)``, asymmetric
@@ -30,7 +30,7 @@ from typing import Optional
 
 import numpy as np
 
-from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.cpu import workers
 from cosmotrain.kernels.compiled import library as compiled
 from cosmotrain.kernels.activation import backward_factors
 from cosmotrain.kernels.geometry import ConvGeometry, plan_chunks
@@ -158,7 +158,7 @@ def slab(geo: ConvGeometry, src_n: np.ndarray, z0: int, z1: int, width: int) -> 
     scratch buffer); ``width`` covers the rows the loops read past the padded input."""
     (dl, _), (hl, _), (wl, _) = geo.padding
     _, depth, hp, _ = geo.slab_shape(z1 - z0)
-    buf = _parallel.scratch("direct_slab", (geo.channels, depth, hp, width), np.float32)
+    buf = workers.scratch("direct_slab", (geo.channels, depth, hp, width), np.float32)
     return fill_slab(buf, src_n, (z0 - dl, -hl, -wl))
 
 
@@ -190,7 +190,7 @@ def forward(x: np.ndarray, w: np.ndarray, geo: ConvGeometry, y: np.ndarray,
                       compiled.address(y[n, :, z0]), fs, ds, hs, z1 - z0, ho, wo,
                       slope is not None, 0.0 if slope is None else slope, stream)
 
-    _parallel.map_chunks(work, plan_chunks(geo.batch, geo.out[0], CHUNK_PLANES))
+    workers.map_chunks(work, plan_chunks(geo.batch, geo.out[0], CHUNK_PLANES))
     return y
 
 
@@ -235,7 +235,7 @@ def filter_and_bias_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry, bias:
         ya = activation[0][n, :, z0:z1] if activation is not None else None
         ys = compiled.element_strides(ya)[:3] if ya is not None else (0, 0, 0)
         if padded_w != wo:  # the loops read whole vectors: zeros past the row's end
-            rows = _parallel.scratch("direct_dy", grad.shape[:3] + (padded_w,), np.float32)
+            rows = workers.scratch("direct_dy", grad.shape[:3] + (padded_w,), np.float32)
             rows[..., wo:] = 0
             rows[..., :wo] = grad
             grad = rows
@@ -252,6 +252,6 @@ def filter_and_bias_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry, bias:
         return part
 
     size = int(np.prod(geo.w_shape))
-    total = _parallel.sum_in_order(
-        _parallel.map_chunks(work, plan_chunks(geo.batch, geo.out[0], CHUNK_PLANES)))
+    total = workers.sum_in_order(
+        workers.map_chunks(work, plan_chunks(geo.batch, geo.out[0], CHUNK_PLANES)))
     return total[:size].reshape(geo.w_shape), total[size:] if bias else None

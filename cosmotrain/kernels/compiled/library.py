@@ -3,7 +3,7 @@
 ``cosmotrain.kernels.compiled._directconv`` is built by ``pip install`` (setup.py) from
 ``native/*.c`` with the system's C compiler and is optional: without it the numpy
 kernels run everything.  ctypes releases the GIL for the duration of each call, so the
-kernel workers of :mod:`._parallel` run compiled chunks on all cores.  Users:
+kernel workers of :mod:`cosmotrain.kernels.cpu.workers` run compiled chunks on all cores.  Users:
 :mod:`.direct` and :mod:`.winograd` (convolutions), :mod:`.maxpool_tiled` and
 :mod:`.avgpool_compiled` (pooling).
 """

@@ -31,7 +31,7 @@ from typing import Optional
 
 import numpy as np
 
-from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.cpu import workers
 from cosmotrain.kernels.compiled import library as compiled, direct
 from cosmotrain.kernels.geometry import ConvGeometry, plan_chunks
 
@@ -121,7 +121,7 @@ def forward(x: np.ndarray, w: np.ndarray, geo: ConvGeometry, y: np.ndarray,
         weights = packed if packed is not None else transformed_weights(
             w[f0:f1], loops.filter_block, tile)
         window, depth, hp = input_window(geo, x[n], z0, z1)
-        scratch = _parallel.scratch(
+        scratch = workers.scratch(
             "winograd_components",
             ((tile + 2) * geo.channels * depth * hp * tiles + loops.run,), np.float32)
         loops.winograd_forward(compiled.address(x[n]), compiled.address(window),
@@ -137,7 +137,7 @@ def forward(x: np.ndarray, w: np.ndarray, geo: ConvGeometry, y: np.ndarray,
                   for n, z0, z1 in plan_chunks(geo.batch, geo.out[0], direct.CHUNK_PLANES)]
     else:
         chunks = [(n, 0, geo.out[0], f0, f1) for n in range(geo.batch) for f0, f1 in groups]
-    _parallel.map_chunks(work, chunks)
+    workers.map_chunks(work, chunks)
     return y
 
 
@@ -160,12 +160,12 @@ def input_window(geo: ConvGeometry, sample: np.ndarray, z0: int, z1: int
 def _filter_groups(geo: ConvGeometry, plane_tiles: int, loops) -> list:
     """``[(f0, f1), ...]``: one group of all filters, or whole filter blocks shared among
     the workers when a sample's tiles are at most ``FILTER_SPLIT_RUNS`` register runs."""
-    workers = _parallel.num_workers()
+    available = workers.num_workers()
     blocks = -(-geo.filters // loops.filter_block)
-    if (workers < 2 or blocks < 2
+    if (available < 2 or blocks < 2
             or geo.out[0] * plane_tiles > FILTER_SPLIT_RUNS * loops.run):
         return [(0, geo.filters)]
-    count = min(workers, blocks)
+    count = min(available, blocks)
     edges = [loops.filter_block * (blocks * k // count) for k in range(count + 1)]
     return [(e0, min(e1, geo.filters)) for e0, e1 in zip(edges, edges[1:])]
 
@@ -174,7 +174,7 @@ def _grad_chunk_planes(geo: ConvGeometry, tiles: int) -> int:
     """Output planes per chunk of the filter gradient: about ``GRAD_CHUNK_TILES`` tiles,
     at least ``direct.CHUNK_PLANES``, and no fewer chunks than workers."""
     wanted = max(direct.CHUNK_PLANES, -(-GRAD_CHUNK_TILES // (geo.out[1] * tiles)))
-    spread = -(-geo.batch * geo.out[0] // _parallel.num_workers())
+    spread = -(-geo.batch * geo.out[0] // workers.num_workers())
     return max(1, min(wanted, spread, geo.out[0]))
 
 
@@ -205,7 +205,7 @@ def filter_and_bias_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry, tile:
         size = (parts * geo.channels * depth * hp * tiles + loops.run
                 + parts * geo.filters * (z1 - z0) * dplane
                 + parts * geo.filters * geo.channels * kd * kh)
-        scratch = _parallel.scratch("winograd_grad", (size,), np.float32)
+        scratch = workers.scratch("winograd_grad", (size,), np.float32)
         part = np.zeros(weights + (geo.filters if bias else 0), np.float32)
         fs, ds, hs = compiled.element_strides(grad)[:3]
         compiled.check(loops.winograd_filter_grad(
@@ -217,5 +217,5 @@ def filter_and_bias_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry, tile:
 
     weights = int(np.prod(geo.w_shape))
     chunks = plan_chunks(geo.batch, geo.out[0], _grad_chunk_planes(geo, tiles))
-    total = _parallel.sum_in_order(_parallel.map_chunks(work, chunks))
+    total = workers.sum_in_order(workers.map_chunks(work, chunks))
     return total[:weights].reshape(geo.w_shape), total[weights:] if bias else None

@@ -20,7 +20,7 @@ import numpy as np
 from cosmotrain.device.xp import array_module
 from cosmotrain.precision import accumulator
 
-from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.cpu import workers
 
 # Elements per block of channels handed to one worker.
 BLOCK_ELEMENTS = 1 << 20
@@ -42,5 +42,5 @@ def channel_sums(dy: Any) -> Any:
         for i in range(n):
             out[c0:c1] += np.add.reduce(rows[i, c0:c1], axis=1)
 
-    _parallel.map_chunks(work, list(range(0, c, per)))
+    workers.map_chunks(work, list(range(0, c, per)))
     return out

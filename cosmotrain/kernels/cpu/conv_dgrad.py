@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.cpu import workers
 from cosmotrain.kernels.geometry import ConvGeometry, plan_chunks
 from cosmotrain.kernels.cpu.lowering import planes_view
 
@@ -46,7 +46,7 @@ def backward_data_scatter(dy: np.ndarray, w: np.ndarray, geo: ConvGeometry,
 
     def work(chunk):
         n, d0, d1 = chunk
-        cols = _parallel.scratch("cols", (geo.rows, (d1 - d0) * geo.plane), dy.dtype)
+        cols = workers.scratch("cols", (geo.rows, (d1 - d0) * geo.plane), dy.dtype)
         np.matmul(wt, planes_view(dy[n], d0, d1), out=cols)
         col2im_add(cols, dxp[n], geo, d0, d1)
 
@@ -55,7 +55,7 @@ def backward_data_scatter(dy: np.ndarray, w: np.ndarray, geo: ConvGeometry,
     chunks = plan_chunks(geo.batch, geo.out[0], budget // (geo.rows * geo.plane * dy.itemsize),
                          min_planes=max(1, -(-k // s) - 1))
     for phase in (0, 1):
-        _parallel.map_chunks(work, [c for i, c in enumerate(chunks) if i % 2 == phase])
+        workers.map_chunks(work, [c for i, c in enumerate(chunks) if i % 2 == phase])
     (dl, _), (hl, _), (wl, _) = geo.padding
     d, h, w_ = geo.spatial
     np.copyto(dx, dxp[:, :, dl:dl + d, hl:hl + h, wl:wl + w_])

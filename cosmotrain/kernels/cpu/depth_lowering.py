@@ -25,7 +25,7 @@ from typing import Iterator, Optional, Tuple
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.cpu import workers
 from cosmotrain.kernels.geometry import ConvGeometry, plan_chunks
 from cosmotrain.kernels.cpu.lowering import depth_slab
 
@@ -79,7 +79,7 @@ class DepthWindows:
         s_d, s_c, s_h, s_w = slab.strides
         view = as_strided(slab[:, :, h0 * sh:], shape,
                           (s_d, s_c, s_h, s_w, s_h * sh, s_w * sw), writeable=False)
-        cols = _parallel.scratch("window_cols", shape, slab.dtype)
+        cols = workers.scratch("window_cols", shape, slab.dtype)
         np.copyto(cols, view)
         return cols.reshape(shape[0], self.plane_rows, -1)
 
@@ -105,7 +105,7 @@ def forward(src: np.ndarray, wmat: np.ndarray, win: DepthWindows, y: np.ndarray,
                 if bias is not None:  # while the block is in cache
                     np.add(block, bias[:, None], out=block)
 
-    _parallel.map_chunks(work, win.chunks())
+    workers.map_chunks(work, win.chunks())
     return y
 
 
@@ -117,7 +117,7 @@ def filter_grad(x: np.ndarray, dy: np.ndarray, win: DepthWindows) -> np.ndarray:
         n, z0, z1 = chunk
         slab = depth_slab(win.geo, x[n], z0, z1)
         total = np.zeros((f, win.rows), x.dtype)
-        part = _parallel.scratch("window_part", (f, win.rows), x.dtype)
+        part = workers.scratch("window_part", (f, win.rows), x.dtype)
         for h0, h1 in win.row_blocks(z1 - z0, x.itemsize):
             cols = win.columns(slab, h0, h1)
             for z in range(z1 - z0):
@@ -126,5 +126,5 @@ def filter_grad(x: np.ndarray, dy: np.ndarray, win: DepthWindows) -> np.ndarray:
                 total += part
         return total
 
-    g = _parallel.sum_in_order(_parallel.map_chunks(work, win.chunks()))
+    g = workers.sum_in_order(workers.map_chunks(work, win.chunks()))
     return np.ascontiguousarray(win.weights_from_matrix(g))

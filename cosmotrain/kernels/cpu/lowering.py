@@ -30,7 +30,7 @@ from typing import Sequence, Tuple
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.cpu import workers
 from cosmotrain.kernels.geometry import ConvGeometry
 
 
@@ -66,7 +66,7 @@ def depth_slab(geo: ConvGeometry, src_n: np.ndarray, z0: int, z1: int) -> np.nda
     """
     (dl, _), (hl, _), (wl, _) = geo.padding
     _, depth, hs, ws = geo.slab_shape(z1 - z0)
-    slab = _parallel.scratch("slab", (depth, geo.channels, hs, ws), src_n.dtype)
+    slab = workers.scratch("slab", (depth, geo.channels, hs, ws), src_n.dtype)
     fill_slab(slab.transpose(1, 0, 2, 3), src_n, (z0 * geo.stride[0] - dl, -hl, -wl))
     return slab
 
@@ -171,7 +171,7 @@ class Lowering:
         shape = (self.geo.channels,) + self.gemm_kernel + (planes,) + self.grid
         view = as_strided(slab[first * sd:], shape,
                           (s_c, s_d, s_h, s_w, s_d * st_d, s_h * st_h, s_w * st_w), writeable=False)
-        cols = _parallel.scratch("cols", shape, slab.dtype)
+        cols = workers.scratch("cols", shape, slab.dtype)
         np.copyto(cols, view)
         return cols.reshape(self.rows, -1)
 
@@ -199,7 +199,7 @@ class Lowering:
         rows = t.reshape(f, bh * bw, n)
         offsets = [b * gw + e for b in range(bh) for e in range(bw)]
         span = n - offsets[-1]
-        acc = _parallel.scratch("shift_sum", (f, n), t.dtype)
+        acc = workers.scratch("shift_sum", (f, n), t.dtype)
         head = acc[:, :span]
         np.add(rows[:, 0, :span], rows[:, 1, offsets[1]:offsets[1] + span], out=head)
         for k, off in enumerate(offsets[2:], start=2):
@@ -212,7 +212,7 @@ class Lowering:
         ``out[(o, e), z, h, w'] = dy_chunk[o, z, h, w' - e]`` (0 outside), as a matrix.
         """
         (f, planes, ho, wo), bw = dy_chunk.shape, self.shift_kernel[1]
-        out = _parallel.scratch("spread", (f, bw, planes, ho, self.grid[1]), dy_chunk.dtype)
+        out = workers.scratch("spread", (f, bw, planes, ho, self.grid[1]), dy_chunk.dtype)
         for e in range(bw):
             out[:, e, :, :, :e] = 0
             out[:, e, :, :, e + wo:] = 0

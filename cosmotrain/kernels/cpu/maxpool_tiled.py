@@ -36,7 +36,7 @@ from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
-from cosmotrain.kernels.cpu import workers as _parallel
+from cosmotrain.kernels.cpu import workers
 from cosmotrain.kernels.compiled import library as compiled
 
 # float32 blocks take the compiled loops when the install built them (False: the numpy
@@ -113,17 +113,17 @@ def forward(x: np.ndarray, y: np.ndarray, arg: np.ndarray) -> None:
                      compiled.address(ab), *_strides(y), c1 - c0, z1 - z0, hs, ws)
             return
         cb, zb = c1 - c0, z1 - z0
-        cols = _parallel.scratch("mp_cols", (2, cb, 2 * zb, 2 * hs, ws), x.dtype)
+        cols = workers.scratch("mp_cols", (2, cb, 2 * zb, 2 * hs, ws), x.dtype)
         np.copyto(cols[0], xb[..., 0::2])
         np.copyto(cols[1], xb[..., 1::2])
-        rows = _parallel.scratch("mp_w", (cb, 2 * zb, 2 * hs, ws), x.dtype)
-        bits_w = _parallel.scratch("mp_bw", rows.shape, bool)
+        rows = workers.scratch("mp_w", (cb, 2 * zb, 2 * hs, ws), x.dtype)
+        bits_w = workers.scratch("mp_bw", rows.shape, bool)
         np.maximum(cols[0], cols[1], out=rows)
         np.greater(cols[1], cols[0], out=bits_w)
-        planes = _parallel.scratch("mp_h", (cb, 2 * zb, hs, ws), x.dtype)
-        bits_h = _parallel.scratch("mp_bh", planes.shape, bool)
+        planes = workers.scratch("mp_h", (cb, 2 * zb, hs, ws), x.dtype)
+        bits_h = workers.scratch("mp_bh", planes.shape, bool)
         _pairs(rows, 2, planes, bits_h)
-        bits_d = _parallel.scratch("mp_bd", yb.shape, bool)
+        bits_d = workers.scratch("mp_bd", yb.shape, bool)
         _pairs(planes, 1, yb, bits_d)
         if np.isnan(yb).any():
             _exact_argmax(xb, yb, ab)
@@ -131,17 +131,17 @@ def forward(x: np.ndarray, y: np.ndarray, arg: np.ndarray) -> None:
         _offsets(bits_d, bits_h.reshape(cb, zb, 2, hs, ws),
                  bits_w.reshape(cb, zb, 2, hs, 2, ws), ab)
 
-    _parallel.map_chunks(work, blocks(x.shape, x.itemsize))
+    workers.map_chunks(work, blocks(x.shape, x.itemsize))
 
 
 def _offsets(a: np.ndarray, bits_h: np.ndarray, bits_w: np.ndarray, out: np.ndarray) -> None:
     """``out = 4a + 2b + e`` from the depth bits ``a``, the H bits of both depth taps and
     the W bits of all four (D, H) taps: b and e are the bits of the taps chosen."""
-    b = _parallel.scratch("mp_b", a.shape, bool)
+    b = workers.scratch("mp_b", a.shape, bool)
     _select(a, bits_h[:, :, 1], bits_h[:, :, 0], b)
-    half = _parallel.scratch("mp_e2", bits_w[:, :, 0].shape, bool)  # (cb, zb, hs, 2, ws)
+    half = workers.scratch("mp_e2", bits_w[:, :, 0].shape, bool)  # (cb, zb, hs, 2, ws)
     _select(a[:, :, :, None, :], bits_w[:, :, 1], bits_w[:, :, 0], half)
-    e = _parallel.scratch("mp_e", a.shape, bool)
+    e = workers.scratch("mp_e", a.shape, bool)
     _select(b, half[:, :, :, 1], half[:, :, :, 0], e)
     np.multiply(a.view(np.int8), 4, out=out)
     np.add(out, b.view(np.int8), out=out)
@@ -183,12 +183,12 @@ def backward(dy: np.ndarray, arg: np.ndarray, dx: np.ndarray) -> None:
             for offset, tap in _taps(dxb):
                 np.copyto(tap, gb, where=ab == offset)
             return
-        mask = _parallel.scratch("mp_mask", gb.shape, bool)
+        mask = workers.scratch("mp_mask", gb.shape, bool)
         for offset, tap in _taps(dxb):
             np.equal(ab, offset, out=mask)
             np.multiply(gb, mask, out=tap)
 
-    _parallel.map_chunks(work, blocks(dx.shape, dx.itemsize))
+    workers.map_chunks(work, blocks(dx.shape, dx.itemsize))
 
 
 def _zero_leftovers(dx: np.ndarray, zs: int, hs: int, ws: int) -> None:
