@@ -24,7 +24,7 @@ from cosmotrain.files.atomic import fsync_path
 from cosmotrain.errors import UserError, WriteError
 from cosmotrain.study.points import Point
 from cosmotrain.study.report import RESULTS_CSV, RESULTS_JSON, RESULTS_MD, load_results
-from cosmotrain.train.run_outputs import new_previous_dir, previous_name
+from cosmotrain.files.previous import new_previous_dir, previous_name
 
 POINTS_DIR = "points"
 #: what marks a directory as holding a study (the results are written after each point)

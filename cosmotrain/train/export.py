@@ -34,6 +34,7 @@ import numpy as np
 import yaml
 
 from cosmotrain import __version__
+from cosmotrain.files.previous import refuse_existing_file
 from cosmotrain.files.atomic import check_writable, write_bytes_atomically
 from cosmotrain.config.load import build
 from cosmotrain.config.schema import ModelConfig
@@ -109,12 +110,7 @@ def export_kind(out: Path) -> str:
 
 def check_export_out(out: Path, overwrite: bool) -> None:
     """Refuse a directory, and an existing file unless ``overwrite``."""
-    if out.is_dir():
-        raise UserError(f"--out '{out}' is a directory; name a file such as "
-                        f"{out / 'model.safetensors'}")
-    if out.exists() and not overwrite:
-        raise UserError(f"--out '{out}' already exists; pass --overwrite to replace it, or "
-                        f"choose another file")
+    refuse_existing_file(out, overwrite, f"a file such as {out / 'model.safetensors'}")
 
 
 def serializer(kind: str) -> Callable[[ExportedWeights], bytes]:

@@ -33,6 +33,7 @@ import h5py
 import numpy as np
 import yaml
 
+from cosmotrain.files.previous import refuse_existing_file
 from cosmotrain.files.atomic import check_writable, write_hdf5_atomically, write_text_atomically
 from cosmotrain.config.load import config_from_mapping, parse_assignment
 from cosmotrain.config.layout import sample_groups
@@ -138,12 +139,8 @@ def check_out(out: Path, overwrite: bool = False) -> Path:
     whose directory cannot be written (created if missing, then probed with a small
     file): UserError / WriteError."""
     out = Path(out)
-    if out.is_dir():
-        raise UserError(f"--out '{out}' is a directory; name an HDF5 file such as "
-                        f"{out / 'predictions.h5'} (or a .csv file)")
-    if out.exists() and not overwrite:
-        raise UserError(f"--out '{out}' already exists; pass --overwrite to replace it, or "
-                        f"choose another file")
+    refuse_existing_file(out, overwrite, f"an HDF5 file such as {out / 'predictions.h5'} "
+                                         f"(or a .csv file)")
     check_writable(out.parent, where="--out")
     return out
 

@@ -17,6 +17,7 @@ from cosmotrain.files.atomic import fsync_path, write_text_atomically
 from cosmotrain.train.checkpoints.checkpoint import CHECKPOINT_DIR, list_checkpoints
 from cosmotrain.train.outputs.metrics import METRICS_FILE
 from cosmotrain.train.outputs.mlperf_writer import MLPERF_LOG, staging_tail
+from cosmotrain.files.previous import new_previous_dir
 from cosmotrain.files.run_lock import RunDirError
 from cosmotrain.train.outputs.tensorboard import TENSORBOARD_DIR
 
@@ -122,31 +123,3 @@ def _move_mlperf_log(out: Path, dest: Path) -> bool:
     if tail:
         write_text_atomically(log, tail)
     return True
-
-
-def previous_name(path: Path, now: float | None = None) -> Path:
-    """A free name beside ``path`` to keep what is about to replace it:
-    ``<stem>.previous-<YYYYmmdd-HHMMSS><suffix>`` (``-2``, ``-3``... when taken)."""
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if now is None
-                                                          else now))
-    for n in range(1, 1000):
-        kept = path.with_name(f"{path.stem}.previous-{stamp}{f'-{n}' if n > 1 else ''}"
-                              f"{path.suffix}")
-        if not kept.exists():
-            return kept
-    raise RunDirError(f"'{path}': too many earlier copies beside it; clean them up")
-
-
-def new_previous_dir(out: Path, now: float, option: str = "output.dir") -> Path:
-    """Create ``previous-<YYYYmmdd-HHMMSS>`` in ``out`` (``-2``, ``-3``... when it
-    exists); ``option`` names ``out`` in the error when it cannot."""
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
-    for n in range(1, 1000):
-        dest = out / (f"previous-{stamp}" + (f"-{n}" if n > 1 else ""))
-        try:
-            dest.mkdir()
-            return dest
-        except FileExistsError:
-            continue
-    raise RunDirError(f"{option} '{out}': too many previous-{stamp}* directories; "
-                      f"clean up or choose another {option}")
