@@ -10,6 +10,8 @@ its own runtime's settings, whichever model ran last: nothing is read from a glo
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import types
 from contextlib import contextmanager
 
@@ -115,11 +117,10 @@ def test_head_layers_share_the_serial_models_parameters() -> None:
     from mpi4py import MPI
 
     cfg = load_config(None, TINY)
-    grid = ProcessGrid(MPI.COMM_SELF, resolve_parallel(cfg, 1))
+    grid = ProcessGrid(MPI.COMM_SELF, replace(resolve_parallel(cfg, 1), spatial_until="conv2"))
     for settings in (ConvSettings(), ConvSettings(math="tf32")):
         model = build_model(cfg.model, 0)
-        hybrid = build_hybrid(model, grid, (2, 4, 13, 13, 13), spatial_until="conv2",
-                              runtime=Runtime(conv=settings))
+        hybrid = build_hybrid(model, grid, (2, 4, 13, 13, 13), runtime=Runtime(conv=settings))
         serial = {layer.name: layer for layer in model.layers()}
         for layer in hybrid.head.layers():
             if isinstance(layer, (Conv3d, Linear)):

@@ -185,8 +185,7 @@ def hybrid_step_from_config(cfg: Config, grid: ProcessGrid,
     width = cfg.model.width
     shape = (cfg.train.batch_size, cfg.model.channels, width, width, width)
     par = cfg.parallel
-    hybrid = build_hybrid(model, grid, shape, par.bn_statistics, par.spatial_until,
-                          par.channel_algorithm, par.layers, runtime=runtime)
+    hybrid = build_hybrid(model, grid, shape, par.bn_statistics, runtime=runtime)
     place_model(hybrid, device)
     reducer = GradientReducer(runtime.timers, par.bucket_mb, transport=runtime.transport,
                               shard=par.shard_optimizer)

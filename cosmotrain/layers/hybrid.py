@@ -287,20 +287,21 @@ def _buffer_shard(layer: Layer, key: str) -> Any:
 
 
 def build_hybrid(model: Sequential, grid: ProcessGrid, input_shape: tuple[int, ...],
-                 bn_statistics: str = "global", spatial_until: str = AUTO,
-                 channel_algorithm: str = AUTO,
-                 layer_overrides: Mapping[str, Any] | None = None, *,
-                 runtime: Runtime) -> HybridModel:
+                 bn_statistics: str = "global", *, runtime: Runtime) -> HybridModel:
     """Cut ``model`` at its spatial stop and make each part's distributed twins, which
     take the transport, the timers and the GPU kernel settings (``runtime.conv``, for
-    the convolutions and linear layers) from the job's ``runtime``."""
+    the convolutions and linear layers) from the job's ``runtime``.
+
+    Where spatial parallelism stops, the channel/filter algorithm and the per-layer
+    overrides are the grid's layout's (``grid.layout``): one value, not repeated here."""
+    layout = grid.layout
     group = grid.group_comms["channel_filter"].Get_size()
-    index = spatial_stop(model, input_shape, grid.spatial_shape, spatial_until, group)
+    index = spatial_stop(model, input_shape, grid.spatial_shape, layout.spatial_until, group)
     choices = plan_channels(model.items[:index], input_shape,
                             Factor(grid.ways("channel"), grid.ways("filter")),
-                            grid.spatial_shape, grid.ways("sample"), channel_algorithm,
-                            layer_overrides or {}) if group > 1 else {}
-    if group == 1 and layer_overrides:
+                            grid.spatial_shape, grid.ways("sample"), layout.channel_algorithm,
+                            layout.layer_overrides) if group > 1 else {}
+    if group == 1 and layout.layers:
         raise ConfigError("parallel.layers", "per-layer channel/filter settings need "
                           "parallel.channel or parallel.filter above 1", "remove them")
     twins = BlockTwins(grid, runtime, grid.group_comms[BN_GROUPS[bn_statistics]], choices)
