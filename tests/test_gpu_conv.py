@@ -449,17 +449,17 @@ def test_dispatch_runs_cudnn_and_falls_back_to_gemm(monkeypatch, caplog) -> None
     monkeypatch.setattr(conv, "_uses_cudnn", lambda chosen, *arrays: seen.append(chosen) or True)
     monkeypatch.setattr(conv, "default_runner", lambda: runner)
     chosen = ConvSettings(algorithm="cudnn", math="tf32", cudnn_layout="ndhwc",
-                          graph_cache_size=7, cudnn_plans="autotune")
+                          graph_cache_size=7, cudnn_autotune=True)
     x, w, dy, stride, pad = make_case(CASES[3], seed=6, dtype=np.float32)
     for op in OPS:
         assert rel_error(run_op(conv, op, x, w, dy, stride, pad, settings=chosen),
                          cpu_reference(op, x, w, dy, stride, pad)) < 1e-6
-    assert [(c.math, c.layout, c.plans) for c in runner.calls] == [
-        ("tf32", "ndhwc", "autotune")] * 3
+    assert [(c.math, c.layout, c.cudnn_autotune) for c in runner.calls] == [
+        ("tf32", "ndhwc", True)] * 3
     assert runner.cache_sizes == [7] * 3 and seen == [chosen] * 3
     run_op(conv, "fprop", x, w, dy, stride, pad)  # no settings: the defaults
-    assert (runner.calls[-1].math, runner.calls[-1].layout, runner.calls[-1].plans) == (
-        "fp32", "ncdhw", "heuristic")
+    assert (runner.calls[-1].math, runner.calls[-1].layout,
+            runner.calls[-1].cudnn_autotune) == ("fp32", "ncdhw", False)
     assert runner.cache_sizes[-1] == ConvSettings().graph_cache_size
 
     class Unsupported:
@@ -533,7 +533,7 @@ def test_the_runner_tunes_once_and_remembers_a_graph_with_no_plan(monkeypatch, c
     monkeypatch.setattr(cudnn_plans, "event_seconds",
                         lambda cupy, run: (run(), speed[executed[-1]])[1])
     geo = ConvGeometry.create((2, 4, 9, 8, 7), (16, 4, 3, 3, 3), 1, 1)
-    call = conv_cudnn.plan_call("fprop", geo, "float32", "fp32", "ncdhw", "autotune")
+    call = conv_cudnn.plan_call("fprop", geo, "float32", "fp32", "ncdhw", True)
     entry = conv_cudnn.GraphEntry(Graph(), {}, 0, candidates=4)
     runner = conv_cudnn.CudnnRunner()
     assert entry.needs_tuning
@@ -545,7 +545,7 @@ def test_the_runner_tunes_once_and_remembers_a_graph_with_no_plan(monkeypatch, c
     with pytest.raises(conv_cudnn.CudnnUnsupported, match="no plan of 1 ran"):
         runner._tune(none_runs, call, ("key",), {}, 0, None)
     assert "no plan of 1 ran" in runner.unsupported[("key",)]
-    with pytest.raises(ValueError, match="plans must be one of"):
+    with pytest.raises(ValueError, match="cudnn_autotune must be True or False"):
         conv_cudnn.plan_call("fprop", geo, "float32", "fp32", "ncdhw", "fastest")
 
 
@@ -682,11 +682,11 @@ def _device_results(cupy, module, case, storage, **kwargs):
 
 
 def _check_on_device(cupy, algorithm: str, layout: str = "ndhwc",
-                     plans: str = "heuristic") -> None:
+                     cudnn_autotune: bool = False) -> None:
     """Every case, op and precision through conv.py against the CPU kernels."""
     for storage, mode, tol in _device_dtypes():
         chosen = ConvSettings(algorithm=algorithm, math=mode, cudnn_layout=layout,
-                              cudnn_plans=plans)
+                              cudnn_autotune=cudnn_autotune)
         for case in CASES + ALIGNED_CASES:
             for op, ours, exact in _device_results(cupy, conv, case, storage, settings=chosen):
                 assert rel_error(ours, exact) < tol, (case, op, storage.name, mode, layout)
@@ -721,7 +721,7 @@ def test_gpu_cudnn_autotuned_plans_match_cpu_kernels(cupy) -> None:
     usable, why = conv.cudnn_status()
     if not usable:
         pytest.skip(why)
-    _check_on_device(cupy, "cudnn", "ncdhw", plans="autotune")
+    _check_on_device(cupy, "cudnn", "ncdhw", cudnn_autotune=True)
 
 
 def test_gpu_cudnn_graphs_are_cached_and_follow_the_stream(cupy) -> None:

@@ -129,7 +129,7 @@ def _dispatch(op: str, operands: Tuple[Any, Any], *args: Any,
                                            math=settings.math,
                                            layout=settings.cudnn_layout,
                                            cache_size=settings.graph_cache_size,
-                                           plans=settings.cudnn_plans)
+                                           cudnn_autotune=settings.cudnn_autotune)
         except conv_cudnn.CudnnUnsupported as exc:
             _note_fallback(exc)
     return getattr(conv_gemm, op)(*operands, *args, settings=settings)

@@ -38,11 +38,12 @@ the engines with the TENSOR_CORE numerical note (TF32 for float io, as PyTorch d
 ``allow_tf32`` is off), ``math="tf32"`` keeps them.  Engines that down-convert inputs or
 reduce in reduced precision are always deselected: accumulation is fp32.
 
-Plans (``plans=``).  ``heuristic`` runs the first plan of cuDNN's heuristics (modes A,
-then FALLBACK).  On the H200 a plain fp32 step with it ran 2x slower than with the gemm
+Plans (``cudnn_autotune=``, the config's ``device.cudnn_autotune`` under one name from
+the config to here).  False runs the first plan of cuDNN's heuristics (modes A, then
+FALLBACK).  On the H200 a plain fp32 step with it ran 2x slower than with the gemm
 path and about 8x slower than PyTorch's with autotuned cuDNN (docs/PERFORMANCE.md, "GPU");
 the plan choice is the suspect.
-``autotune`` builds every plan the heuristics list and, at the first call of each graph,
+True builds every plan the heuristics list and, at the first call of each graph,
 times each on that call's own buffers (CUDA events, one untimed run, two timed) and keeps
 the fastest, as ``torch.backends.cudnn.benchmark`` does; a plan that fails is skipped.
 
@@ -61,7 +62,7 @@ import numpy as np
 
 from cosmotrain.device.xp import array_module
 from cosmotrain.kernels.cuda import cudnn_plans
-from cosmotrain.kernels.cuda.cudnn_plans import (PLAN_CHOICES, CudnnUnsupported, GraphCache,
+from cosmotrain.kernels.cuda.cudnn_plans import (CudnnUnsupported, GraphCache,
                                                  GraphEntry, largest_workspace, plan_name)
 from cosmotrain.kernels.cuda.layouts import empty_buffer, extended_shape, from_layout, to_layout
 from cosmotrain.kernels.cuda.settings import DEFAULT_GRAPH_CACHE_SIZE
@@ -101,11 +102,11 @@ class ConvCall:
     math: str
     layout: str
     extend: Padding
-    plans: str = "heuristic"  # or "autotune": see :func:`build_graph`
+    cudnn_autotune: bool = False  # every plan timed: see :func:`build_graph`
 
     def key(self) -> tuple:
         return (self.op, self.image, self.filter, self.output, self.padding, self.stride,
-                self.dtype, self.math, self.layout, self.plans)
+                self.dtype, self.math, self.layout, self.cudnn_autotune)
 
 
 def symmetric_padding(padding: Padding) -> Tuple[Triple, Padding]:
@@ -133,18 +134,18 @@ def describe(dims: Sequence[int], layout: str) -> TensorDesc:
 
 
 def plan_call(op: str, geo: ConvGeometry, dtype: str, math: str, layout: str,
-              plans: str = "heuristic") -> ConvCall:
+              cudnn_autotune: bool = False) -> ConvCall:
     """The :class:`ConvCall` of convolution ``geo`` for ``op`` (fprop, dgrad, wgrad)."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if dtype not in DATA_TYPES:
         raise ValueError(f"cuDNN convolutions take float32 or bfloat16 storage, got {dtype}")
-    if plans not in PLAN_CHOICES:
-        raise ValueError(f"plans must be one of {PLAN_CHOICES}, got {plans!r}")
+    if not isinstance(cudnn_autotune, bool):
+        raise ValueError(f"cudnn_autotune must be True or False, got {cudnn_autotune!r}")
     sym, extend = symmetric_padding(geo.padding)
     return ConvCall(op, describe(extended_shape(geo.x_shape, extend), layout),
                     describe(geo.w_shape, layout), describe(geo.y_shape, layout),
-                    sym, geo.stride, dtype, math, layout, extend, plans)
+                    sym, geo.stride, dtype, math, layout, extend, cudnn_autotune)
 
 
 def note_filters(call: ConvCall) -> Tuple[str, ...]:
@@ -206,7 +207,7 @@ def describe_graph(cudnn: Any, call: ConvCall, handle: Any) -> Tuple[Any, Dict[s
 def build_graph(cudnn: Any, call: ConvCall, handle: Any) -> GraphEntry:
     """Describe, filter by numerical notes, plan and build ``call``'s graph: the
     heuristics' first plan, or every plan for :meth:`CudnnRunner.run` to time
-    (``call.plans == "autotune"``)."""
+    (``call.cudnn_autotune``)."""
     graph, tensors = describe_graph(cudnn, call, handle)
     try:
         graph.validate()
@@ -215,7 +216,7 @@ def build_graph(cudnn: Any, call: ConvCall, handle: Any) -> GraphEntry:
         graph.deselect_numeric_notes([getattr(cudnn.numerical_note, name)
                                       for name in note_filters(call)])
         graph.check_support()
-        if call.plans == "autotune":
+        if call.cudnn_autotune:
             graph.build_plans(cudnn.build_plan_policy.ALL)
             count = int(graph.get_execution_plan_count())
             return GraphEntry(graph, tensors, largest_workspace(graph, count), count)
@@ -345,11 +346,11 @@ def _run(runner: Runner, call: ConvCall, buffers: Dict[str, Any], cache_size: in
 def conv3d_forward(x: Any, w: Any, stride: "int | Sequence[int]" = 1,
                    padding: PaddingLike = 0, *, runner: Runner, math: str = "fp32",
                    layout: str = "ndhwc", cache_size: int = DEFAULT_GRAPH_CACHE_SIZE,
-                   plans: str = "heuristic") -> Any:
+                   cudnn_autotune: bool = False) -> Any:
     """``y = conv3d(x, w)`` in the dtype of x (w is cast to it)."""
     xp, storage, w = _operands(x, "x", w)
     geo = ConvGeometry.create(x.shape, w.shape, stride, padding)
-    call = plan_call("fprop", geo, storage.name, math, layout, plans)
+    call = plan_call("fprop", geo, storage.name, math, layout, cudnn_autotune)
     out = _run(runner, call, {"x": to_layout(xp, x, layout, call.extend),
                               "w": to_layout(xp, w, layout),
                               "y": empty_buffer(xp, call.output.dims, layout, storage)},
@@ -361,12 +362,12 @@ def conv3d_backward_data(dy: Any, w: Any, x_shape: Sequence[int],
                          stride: "int | Sequence[int]" = 1, padding: PaddingLike = 0, *,
                          runner: Runner, math: str = "fp32", layout: str = "ndhwc",
                          cache_size: int = DEFAULT_GRAPH_CACHE_SIZE,
-                         plans: str = "heuristic") -> Any:
+                         cudnn_autotune: bool = False) -> Any:
     """``dL/dx`` of shape ``x_shape`` in the dtype of dy (w is cast to it)."""
     xp, storage, w = _operands(dy, "dy", w)
     geo = ConvGeometry.create(x_shape, w.shape, stride, padding)
     geo.check("dy", dy.shape, geo.y_shape)
-    call = plan_call("dgrad", geo, storage.name, math, layout, plans)
+    call = plan_call("dgrad", geo, storage.name, math, layout, cudnn_autotune)
     out = _run(runner, call, {"y": to_layout(xp, dy, layout), "w": to_layout(xp, w, layout),
                               "x": empty_buffer(xp, call.image.dims, layout, storage)},
                cache_size)
@@ -377,12 +378,12 @@ def conv3d_backward_filter(x: Any, dy: Any, w_shape: Sequence[int],
                            stride: "int | Sequence[int]" = 1, padding: PaddingLike = 0, *,
                            runner: Runner, math: str = "fp32", layout: str = "ndhwc",
                            cache_size: int = DEFAULT_GRAPH_CACHE_SIZE,
-                           plans: str = "heuristic") -> Any:
+                           cudnn_autotune: bool = False) -> Any:
     """``dL/dw`` of shape ``w_shape`` in the dtype of x (dy is cast to it)."""
     xp, storage, dy = _operands(x, "x", dy)
     geo = ConvGeometry.create(x.shape, w_shape, stride, padding)
     geo.check("dy", dy.shape, geo.y_shape)
-    call = plan_call("wgrad", geo, storage.name, math, layout, plans)
+    call = plan_call("wgrad", geo, storage.name, math, layout, cudnn_autotune)
     out = _run(runner, call, {"x": to_layout(xp, x, layout, call.extend),
                               "y": to_layout(xp, dy, layout),
                               "w": empty_buffer(xp, call.filter.dims, layout, storage)},

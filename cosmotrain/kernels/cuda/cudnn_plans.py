@@ -1,7 +1,7 @@
 """cuDNN graphs once built: their cache, and the choice among their execution plans.
 
 :mod:`.conv_cudnn` describes and builds one cuDNN Frontend graph per convolution call and
-keeps it here (:class:`GraphCache`, :class:`GraphEntry`).  With ``plans="autotune"`` a
+keeps it here (:class:`GraphCache`, :class:`GraphEntry`).  With ``cudnn_autotune`` a
 graph holds every plan cuDNN's heuristics list; :func:`fastest_plan` and
 :func:`event_seconds` pick the fastest on the first call's own buffers, as
 ``torch.backends.cudnn.benchmark`` does.  Nothing here imports cupy or cudnn: the GPU
@@ -13,11 +13,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
-
-# heuristic: the first plan of cuDNN's heuristics; autotune: every plan timed once per
-# graph, the fastest kept (PyTorch's torch.backends.cudnn.benchmark)
-PLAN_CHOICES = ("heuristic", "autotune")
-
 
 class CudnnUnsupported(RuntimeError):
     """cuDNN has no engine for this convolution (after the precision filters)."""

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import numpy as np
 
-from cosmotrain.kernels.cuda.cudnn_plans import PLAN_CHOICES
 
 if TYPE_CHECKING:
     from cosmotrain.device.select import Device
@@ -58,8 +57,9 @@ class ConvSettings:
     arrays described as they are, no copies).  ``ncdhw`` by measurement: on an H200 a bf16
     CosmoFlow step's convolutions took 16.5 ms in it against 20.0 ms in ``ndhwc``
     (``benchmarks/bench_gpu.py``, batch 8, 2026-11-27).
-    ``cudnn_plans``: ``heuristic`` (cuDNN's first plan) or ``autotune`` (every plan
-    timed at a graph's first call, the fastest kept; ``device.cudnn_autotune``).
+    ``cudnn_autotune``: ``device.cudnn_autotune``, under the same name down to the
+    kernel: every cuDNN plan timed at a graph's first call and the fastest kept (False:
+    cuDNN's first heuristic plan).
     ``gemm_budget_bytes``: bound on one GEMM's column matrix and output (bytes).
     ``graph_cache_size``: built cuDNN graphs kept (least recently used evicted).
     """
@@ -67,16 +67,19 @@ class ConvSettings:
     algorithm: str = "auto"
     math: str = "fp32"
     cudnn_layout: str = "ncdhw"
-    cudnn_plans: str = "heuristic"
+    cudnn_autotune: bool = False
     gemm_budget_bytes: int = DEFAULT_GEMM_BUDGET
     graph_cache_size: int = DEFAULT_GRAPH_CACHE_SIZE
 
     def __post_init__(self) -> None:
         for name, allowed in (("algorithm", ALGORITHMS), ("math", MATH_MODES),
-                              ("cudnn_layout", LAYOUTS), ("cudnn_plans", PLAN_CHOICES)):
+                              ("cudnn_layout", LAYOUTS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ConvSettings.{name} must be one of {', '.join(allowed)}, "
                                  f"got {getattr(self, name)!r}")
+        if not isinstance(self.cudnn_autotune, bool):
+            raise ValueError(f"ConvSettings.cudnn_autotune must be True or False, "
+                             f"got {self.cudnn_autotune!r}")
         for name in ("gemm_budget_bytes", "graph_cache_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -90,7 +93,7 @@ def settings_for(device: Device) -> ConvSettings:
     ``device.cudnn_autotune``."""
     return ConvSettings(algorithm=device.conv_algorithm,
                         math="tf32" if device.precision == "tf32" else "fp32",
-                        cudnn_plans="autotune" if device.cudnn_autotune else "heuristic")
+                        cudnn_autotune=device.cudnn_autotune)
 
 
 DEFAULT_SETTINGS = ConvSettings()
