@@ -16,7 +16,8 @@ from cosmotrain.config import load_config
 from cosmotrain.errors import UserError
 from cosmotrain.plan.cost import layer_key, predict
 from cosmotrain.plan.machine import Curve, Fit, LinkModel, MachineModel
-from cosmotrain.plan.planner import load_machine, plan
+from cosmotrain.plan.planner import plan
+from cosmotrain.train.auto_layout import load_machine
 from cosmotrain.plan.presets import PRESETS
 from cosmotrain.config.layout import Layout as Strategy, parse_layout as parse_strategy
 from cosmotrain.plan.strategy import enumerate_strategies, factorisations

@@ -13,7 +13,8 @@ from cosmotrain.config import load_config, resolve_parallel
 from cosmotrain.plan.estimate import Probe, estimated_machine, thread_concurrency
 from cosmotrain.plan.machine import MachineModel
 from cosmotrain.plan.memory import rank_memory, workload_memory
-from cosmotrain.plan.planner import load_machine, node_layout
+from cosmotrain.plan.planner import node_layout
+from cosmotrain.train.auto_layout import load_machine
 from cosmotrain.plan.workload import build_workload
 from cosmotrain.study.estimate import estimate_path
 from cosmotrain.train import dry_run

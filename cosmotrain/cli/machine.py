@@ -16,7 +16,8 @@ from cosmotrain.cli.app import machine_file, slurm_per_node
 from cosmotrain.config.schema import Config
 from cosmotrain.errors import UserError
 from cosmotrain.plan.machine import MachineModel
-from cosmotrain.plan.planner import NodeLayout, load_machine, node_layout
+from cosmotrain.plan.planner import NodeLayout, node_layout
+from cosmotrain.train.auto_layout import load_machine
 
 
 def note(line: str) -> None:

@@ -8,8 +8,10 @@ ranks strategies and picks one for ``parallel: auto`` (``planner``) and the ``co
 plan`` tables and files (``report``).
 
 May import: ``data``, ``layers``, ``models``, ``nn``, ``tensor``, ``comm``, ``device``,
-``kernels``, ``config`` and the top-level helpers (``errors``, ``atomic``); never
-``train``, ``study`` or ``cli`` (``train`` imports this package for ``parallel: auto``).
-No MPI at import or in its functions, except ``planner.choose_parallel``, which is handed
-the job's communicator.  ``study`` measures what this package predicts.
+``kernels``, ``config``, ``files`` and ``errors``; never ``train``, ``study`` or ``cli``
+(``train`` imports this package for ``parallel: auto``).  No MPI, and the planner takes
+values: ``parallel: auto``'s collective and the search for the machine file are
+``train/auto_layout.py``'s.  The only file forms here are a machine model's own JSON
+(``MachineModel.load`` / ``save``) and ``cosmotrain plan --out`` (``report``).
+``study`` measures what this package predicts.
 """

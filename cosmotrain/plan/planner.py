@@ -4,14 +4,13 @@ For a config (model, width, batch) and a rank count, every factorisation of the 
 N, C, F, D, H, W that the batch and the volume allow (:func:`enumerate_strategies`) is built
 into a workload and priced on a machine model; strategies that do not fit the memory per
 rank are dropped, the rest sorted by predicted step time.  ``parallel: auto`` in a config
-runs the same search at start-up (:func:`auto_layout`).
+runs the same search at start-up (``train/auto_layout.py`` reads the machine file and
+gathers the ranks' verdict; this module only takes values).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any
 
 from cosmotrain.config.layout import Layout, layers_of
 from cosmotrain.config.schema import Config
@@ -21,22 +20,8 @@ from cosmotrain.nn.containers import Sequential
 from cosmotrain.plan.cost import Prediction, predict
 from cosmotrain.plan.machine import MachineModel
 from cosmotrain.plan.memory import workload_memory
-from cosmotrain.plan.presets import PRESETS
 from cosmotrain.plan.strategy import distinct, enumerate_strategies
 from cosmotrain.plan.workload import build_workload
-
-def load_machine(spec: str | None = None, default: Path | None = None) -> MachineModel:
-    """A machine by preset name (``h100``...), by file, or the calibrated ``default`` file
-    (the CLI's: ``$COSMOTRAIN_MACHINE``, else ``$XDG_CACHE_HOME/cosmotrain/machine.json``)."""
-    if spec in PRESETS:
-        return PRESETS[spec]()
-    path = Path(spec) if spec else default
-    if path is None or (not spec and not path.is_file()):
-        raise UserError(f"no machine model at {path or '(no default path given)'}: run "
-                        f"`cosmotrain calibrate` on this machine first, or pass --machine "
-                        f"FILE or a preset ({', '.join(PRESETS)})")
-    return MachineModel.load(path)
-
 
 @dataclass
 class Planned:
@@ -154,36 +139,16 @@ def plan(cfg: Config, ranks: int, machine: MachineModel, ranks_per_node: int | N
     return sorted(planned, key=lambda p: p.prediction.step_s)
 
 
-def choose_parallel(cfg: Config, comm: Any, machine_path: Path | None = None,
-                    ranks: int | None = None, ranks_per_node: int | None = None
-                    ) -> tuple[Config, str]:
-    """``cfg`` with the planner's best strategy for this job when ``parallel.auto``.
-
-    Collective: rank 0 plans (the machine file need only be readable there) and every
-    rank gets the same choice, or the same error.  Returns the config (``auto`` cleared,
-    so the saved config and checkpoints record the layout that ran) and a line to print,
-    which says which machine model priced it.  ``machine_path`` is the machine file used
-    when ``parallel.machine`` is unset (the CLI's calibrated file, or its quick estimate).
-    ``ranks`` / ``ranks_per_node`` plan for another job than ``comm`` (``--dry-run
-    --ranks N``; default per node: all ``ranks`` on one).
-    """
-    if not cfg.parallel.auto:
-        return cfg, ""
-    from cosmotrain.comm import node_ranks
-    from cosmotrain.comm.collective import on_root
-
-    size = ranks or comm.Get_size()
-    per_node = ranks_per_node or (size if ranks else node_ranks(comm))
-
-    def best() -> tuple[Layout, float, str]:
-        machine = load_machine(cfg.parallel.machine, machine_path)
-        top = plan(cfg, size, machine, min(per_node, size))[0]
-        return top.strategy, top.prediction.step_s, machine.describe()
-
-    strategy, step_s, machine = on_root(comm, best)
+def auto_config(cfg: Config, strategy: Layout) -> Config:
+    """``cfg`` running ``strategy``: ``parallel.auto`` cleared (so the saved config and
+    checkpoints record the layout that ran) and the user's per-layer overrides kept."""
     layout = replace(strategy, layers=layers_of(cfg.parallel))  # the user's, not planned
-    chosen = replace(layout.to_config(cfg.parallel), auto=False)
-    return replace(cfg, parallel=chosen), (
-        f"parallel: auto chose {strategy.describe()} for {size} rank(s) "
-        f"({NodeLayout(size, min(per_node, size), '').describe()}; predicted "
-        f"{step_s * 1e3:.1f} ms per step; machine model: {machine})")
+    return replace(cfg, parallel=replace(layout.to_config(cfg.parallel), auto=False))
+
+
+def auto_line(strategy: Layout, ranks: int, per_node: int, step_s: float,
+              machine: str) -> str:
+    """The line a run prints about what ``parallel: auto`` chose, and on what model."""
+    return (f"parallel: auto chose {strategy.describe()} for {ranks} rank(s) "
+            f"({NodeLayout(ranks, min(per_node, ranks), '').describe()}; predicted "
+            f"{step_s * 1e3:.1f} ms per step; machine model: {machine})")

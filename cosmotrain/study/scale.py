@@ -29,7 +29,8 @@ from cosmotrain.config.schema import Config
 from cosmotrain.errors import ConfigError, UserError
 from cosmotrain.plan.cost import Prediction
 from cosmotrain.plan.machine import MachineModel
-from cosmotrain.plan.planner import load_machine, plan, price
+from cosmotrain.plan.planner import plan, price
+from cosmotrain.train.auto_layout import load_machine
 from cosmotrain.plan.workload import build_workload
 from cosmotrain.study import launch
 from cosmotrain.study.launch import Launcher

@@ -14,7 +14,8 @@ from cosmotrain.config.schema import Config
 from cosmotrain.device.select import select_device
 from cosmotrain.errors import UserError
 from cosmotrain.layers.channel_conv import ChannelConv3d
-from cosmotrain.plan.planner import NodeLayout, choose_parallel
+from cosmotrain.plan.planner import NodeLayout
+from cosmotrain.train.auto_layout import choose_parallel
 from cosmotrain.comm import node_ranks
 from cosmotrain.comm.collective import on_root
 from cosmotrain.train.dry_run import layout_plan, memory_check
