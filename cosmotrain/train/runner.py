@@ -7,12 +7,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.comm.watchdog import Watchdog
-from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.config.schema import Config
 from cosmotrain.device.select import select_device
-from cosmotrain.errors import UserError
 from cosmotrain.layers.channel_conv import ChannelConv3d
 from cosmotrain.plan.planner import NodeLayout
 from cosmotrain.train.auto_layout import choose_parallel
@@ -22,10 +19,10 @@ from cosmotrain.train.dry_run import layout_plan, memory_check
 from cosmotrain.config.load import save_resolved
 from cosmotrain.train.claim import Claim, claim_output_dir, move_aside_outputs
 from cosmotrain.train.guard import StopSignals
-from cosmotrain.train.job import build_job
+from cosmotrain.data.synthetic_dataset import ensure_synthetic_data
+from cosmotrain.train.job import build_job, build_step
 from cosmotrain.train.outputs.observers import make_observers
 from cosmotrain.train.checkpoints.resume import find_resume_point
-from cosmotrain.engine.step import hybrid_step_from_config, job_runtime
 from cosmotrain.train.trainer import StepHook, Trainer
 
 
@@ -59,8 +56,9 @@ def _train_claimed(cfg: Config, comm: Any, mode: str, claim: Claim, chosen: str 
     resumed = point is not None and point.state is not None
     if point is not None:
         _say(rank0, point.notes)
+    generated = ensure_synthetic_data(cfg, comm)
+    _say(rank0, [generated] if generated else [])
     job = build_job(cfg, comm)
-    _say(rank0, job.notes)  # e.g. the synthetic dataset generated now
     if mode == "overwrite" or (point is not None and not resumed):
         # only now: a config that fails its checks moves nothing
         _say(rank0, move_aside_outputs(claim, comm))
@@ -157,17 +155,12 @@ def describe_plan(cfg: Config, comm: Any, machine_path: Path | None = None,
     (``--ranks`` / ``--ranks-per-node``) checks that job size from the model instead."""
     cfg, chosen = choose_parallel(cfg, comm, machine_path, *(
         (nodes.ranks, nodes.per_node) if nodes else ()))
-    device = select_device(cfg.device, comm)
     if nodes is not None:
+        device = select_device(cfg.device, comm)
         return "\n".join(([chosen] if chosen else []) +
                          on_root(comm, lambda: layout_plan(cfg, nodes, device)))
-    layout = resolve_parallel(cfg, comm.Get_size())
-    grid = ProcessGrid(comm, layout)
-    try:
-        step = hybrid_step_from_config(cfg, grid, job_runtime(cfg, grid, device))
-    except UserError:
-        grid.free()
-        raise
+    grid, step, device = build_step(cfg, comm)
+    layout = grid.layout
     model = step.model
     held = sum(p.data.nbytes for _, p in model.named_parameters())
     lines = [chosen] if chosen else []
