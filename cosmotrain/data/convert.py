@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from cosmotrain.files.atomic import write_text_atomically
 from cosmotrain.comm.collective import agree, together
 from cosmotrain.data import cache, formats, npy_sample, sample_table, scan
 from cosmotrain.data.manifest import MANIFEST_NAME, Manifest, open_manifest
@@ -160,7 +159,7 @@ def _finish(manifest: Manifest, out: Path, target: formats.VolumeInfo) -> str | 
                      for name in names] for split, names in manifest.files.items()}
     try:
         if target.format == formats.NPY:
-            write_npy_lists(out, files)
+            npy_sample.write_npy_lists(out, files)
         stats = sample_table.file_stats(out, files, target.format)  # the new files'
         sample_table.save_table(out, sample_table.LABELS_NAME, files, manifest.labels, stats)
         description = scan.manifest_dict(target, files, generator="cosmotrain.convert",
@@ -169,20 +168,6 @@ def _finish(manifest: Manifest, out: Path, target: formats.VolumeInfo) -> str | 
     except (OSError, UserError) as err:
         return str(err)
     return None
-
-
-def write_npy_lists(out: Path, files: dict[str, list[str]]) -> None:
-    """NVIDIA's ``files_data.lst`` / ``files_label.lst`` in every directory holding
-    samples, in the splits' order."""
-    listed: dict[Path, list[str]] = {}
-    for names in files.values():
-        for name in names:
-            listed.setdefault(out / Path(name).parent, []).append(Path(name).name)
-    for directory, names in listed.items():
-        labels = [npy_sample.label_path(Path(name)).name for name in names]
-        for listing, lines in ((npy_sample.DATA_LIST, names), (npy_sample.LABEL_LIST, labels)):
-            write_text_atomically(directory / listing, "".join(f"{n}\n" for n in lines),
-                                  where=OUT)
 
 
 def _max() -> Any:

@@ -193,16 +193,6 @@ def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> Path:
                                  json.dumps(manifest, indent=2) + "\n", where="--out")
 
 
-def write_npy_lists(out_dir: Path, manifest: dict[str, Any]) -> None:
-    """NVIDIA's ``files_data.lst`` / ``files_label.lst`` in each split directory."""
-    for split, entry in manifest["splits"].items():
-        names = [Path(relpath).name for relpath in entry["files"]]
-        labels = [npy_sample.label_path(Path(name)).name for name in names]
-        for listing, lines in ((npy_sample.DATA_LIST, names), (npy_sample.LABEL_LIST, labels)):
-            write_text_atomically(out_dir / split / listing, "".join(f"{n}\n" for n in lines),
-                                  where="--out")
-
-
 def generate_dataset(
     out_dir: Path,
     samples: int,
@@ -243,7 +233,8 @@ def generate_dataset(
     if rank == 0:
         try:
             if format == formats.NPY:
-                write_npy_lists(out_dir, manifest)
+                npy_sample.write_npy_lists(out_dir, {split: entry["files"] for split, entry
+                                                     in manifest["splits"].items()})
             write_manifest(out_dir, manifest)
         except WriteError as err:
             error = str(err)

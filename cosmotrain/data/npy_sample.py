@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cosmotrain.files.atomic import write_bytes_atomically
+from cosmotrain.files.atomic import write_bytes_atomically, write_text_atomically
 from cosmotrain.data.volume import (DEFAULT_DTYPE, DEFAULT_LAYOUT, DTYPES, LABEL_NAMES, NPY,
                                     NUM_CHANNELS, VOLUME_NAMES, Box, SampleNames, VolumeInfo,
                                     check_expected, check_finite, checked_labels, copy_block,
@@ -133,3 +133,18 @@ def _npy_bytes(array: np.ndarray) -> memoryview:
     buffer = io.BytesIO()
     np.save(buffer, array, allow_pickle=False)
     return buffer.getbuffer()
+
+
+def write_npy_lists(out: Path, files: dict[str, list[str]]) -> None:
+    """NVIDIA's ``files_data.lst`` / ``files_label.lst`` in every directory of ``out``
+    holding samples (``files``: each split's sample paths relative to ``out``), in the
+    splits' order; ``datagen`` and ``convert`` both write them here."""
+    listed: dict[Path, list[str]] = {}
+    for names in files.values():
+        for name in names:
+            listed.setdefault(out / Path(name).parent, []).append(Path(name).name)
+    for directory, names in listed.items():
+        labels = [label_path(Path(name)).name for name in names]
+        for listing, lines in ((DATA_LIST, names), (LABEL_LIST, labels)):
+            write_text_atomically(directory / listing, "".join(f"{n}\n" for n in lines),
+                                  where="--out")
