@@ -96,3 +96,12 @@ def stderr_of(job: "subprocess.Popen[str]", name: str, timeout: float) -> str:
     except subprocess.TimeoutExpired:
         job.kill()
         pytest.fail(f"{name}: the job hung")
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The checkpoint with the highest step, or None; ``.tmp`` leftovers never count (it
+    may be damaged: a resume uses ``newest_intact_checkpoint``)."""
+    from cosmotrain.train.checkpoints.checkpoint import list_checkpoints
+
+    found = list_checkpoints(directory)
+    return found[-1][1] if found else None

@@ -15,6 +15,7 @@ import h5py
 import numpy as np
 import pytest
 
+from conftest import latest_checkpoint
 from cosmotrain.files import atomic
 from cosmotrain.config.schema import ModelConfig
 from cosmotrain.errors import DataError, WriteError
@@ -22,7 +23,7 @@ from cosmotrain.models import build_model
 from cosmotrain.train.checkpoints import checkpoint as ck
 from cosmotrain.train.checkpoints.checkpoint import (CheckpointState, DamagedCheckpoint,
                                                       checkpoint_dir, checkpoint_name,
-                                                      latest_checkpoint, list_checkpoints,
+                                                      list_checkpoints,
                                                       load_checkpoint, newest_intact_checkpoint,
                                                       save_checkpoint)
 from cosmotrain.engine.optim import Adam

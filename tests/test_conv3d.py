@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from cosmotrain.kernels.cpu import workers as _parallel, depth_lowering
-from cosmotrain.kernels import conv3d as conv
 from cosmotrain.kernels.cpu import conv_gemm
 from cosmotrain.kernels.conv3d import (conv3d_backward_data, conv3d_backward_filter,
                                        conv3d_forward)

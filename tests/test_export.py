@@ -19,6 +19,7 @@ import pytest
 import yaml
 from mpi4py import MPI
 
+from conftest import latest_checkpoint
 from cosmotrain.config.load import config_from_mapping, load_config
 from cosmotrain.config.schema import ModelConfig
 from cosmotrain.data import formats
@@ -27,7 +28,7 @@ from cosmotrain.errors import DataError, UserError
 from cosmotrain.models import build_model
 from cosmotrain.nn.module import Context
 from cosmotrain.train import runner
-from cosmotrain.train.checkpoints.checkpoint import latest_checkpoint, load_checkpoint
+from cosmotrain.train.checkpoints.checkpoint import load_checkpoint
 from cosmotrain.train.export import META_KEYS, export_checkpoint, exported_weights
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")

@@ -9,13 +9,17 @@ import pytest
 
 from cosmotrain.config.schema import ModelConfig
 from cosmotrain.kernels.loss import mse_backward, mse_sum
-from cosmotrain.models import build_model, parameter_count
+from cosmotrain.models import build_model
 from cosmotrain.nn.layers import LeakyReLU, Pool3d
 from cosmotrain.nn.module import Context
 
 
 def model_of(name: str, width: int, **kw) -> object:
     return build_model(ModelConfig(name=name, width=width, **kw), seed=3)
+
+
+def parameter_count(model) -> int:
+    return sum(p.data.size for _, p in model.named_parameters())
 
 
 @pytest.mark.parametrize("width", [128, 256, 512])

@@ -61,7 +61,6 @@ def test_the_refusal_names_every_changed_key_in_one_line() -> None:
         f"model.batchnorm (true -> false); resume with the checkpoint's settings (its config "
         f"is stored in the checkpoint and in output.dir/config.yaml) or start a new run in "
         f"another output.dir")
-    assert diff.restore_overrides() == ["model.width=64", "model.batchnorm=true"]
     with pytest.raises(UserError) as err:
         diff.raise_if_refused(CKPT)
     assert "\n" not in str(err.value)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import abort_on_error
+from conftest import abort_on_error, latest_checkpoint
 from equivalence import as_dtype, batch_data, make_config, relative_error, serial_run
 
 from cosmotrain.comm.grid import ProcessGrid
@@ -210,8 +210,7 @@ def run_to(out: Path, steps: int, shard: bool, resume: bool = False):
     from mpi4py import MPI
 
     from cosmotrain.train import runner
-    from cosmotrain.train.checkpoints.checkpoint import (checkpoint_dir, latest_checkpoint,
-                                                          load_checkpoint)
+    from cosmotrain.train.checkpoints.checkpoint import (checkpoint_dir, load_checkpoint)
 
     cfg = load_config(REPO_TINY, [*CKPT, f"output.dir={out}", f"train.max_steps={steps}",
                                   f"parallel.shard_optimizer={str(shard).lower()}"])

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from cosmotrain.runtime.threads import configure_threads, job_threads, threads_per_rank
+from cosmotrain.runtime.threads import job_threads, threads_per_rank
 from cosmotrain.kernels.cpu import workers as _parallel
 from cosmotrain.kernels.cpu.workers import KernelThreads
+
+
+def configure_threads(comm) -> int:
+    """Decide this rank's threads (collective) and apply them now, as a job's runtime
+    does; returns the BLAS thread count."""
+    threads = job_threads(comm)
+    _parallel.configure_threads(threads)
+    return threads.blas
 
 
 @pytest.mark.parametrize("local, usable, node, expected", [

@@ -41,6 +41,3 @@ def build_model(cfg: ModelConfig, seed: int) -> Sequential:
     initialize(model, seed, rules)
     return model
 
-
-def parameter_count(model: Sequential) -> int:
-    return sum(p.data.size for _, p in model.named_parameters())

@@ -7,13 +7,11 @@ Each rank therefore gets ``cores / local ranks`` threads (at least one), unless 
 launcher already bound it to fewer cores than the node has (``srun --cpus-per-task``),
 in which case its own affinity mask is the budget.  An explicit ``OPENBLAS_NUM_THREADS``
 or ``OMP_NUM_THREADS`` (the Slurm scripts set them from ``--cpus-per-task``) caps it.  The
-chunked kernels use as many workers as BLAS has threads (``kernels/workers.py``).
+chunked kernels use as many workers as BLAS has threads (``kernels/cpu/workers.py``).
 
 :func:`job_threads` decides (collective, no side effect): the job records the value in
 its :class:`~cosmotrain.runtime.job_runtime.Runtime` (``build_runtime(..., threads=)``), which
 applies it once through :func:`cosmotrain.kernels.cpu.workers.configure_threads`.
-:func:`configure_threads` decides and applies in one call (benchmarks, and the job until
-it hands the value to its runtime).
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from cosmotrain.kernels.cpu import workers
 from cosmotrain.kernels.cpu.workers import KernelThreads
 
 
@@ -48,14 +45,6 @@ def job_threads(comm: Any) -> KernelThreads:
     if limit is not None:
         threads = min(threads, limit)
     return KernelThreads(threads)
-
-
-def configure_threads(comm: Any) -> int:
-    """Decide this rank's threads (:func:`job_threads`, collective) and apply them now;
-    returns the BLAS thread count."""
-    threads = job_threads(comm)
-    workers.configure_threads(threads)
-    return threads.blas
 
 
 def env_thread_limit(env: Any = None) -> int | None:

@@ -130,14 +130,6 @@ def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The checkpoint with the highest step, or None; ``.tmp`` leftovers never count.
-
-    It may be damaged: a resume should use :func:`newest_intact_checkpoint`."""
-    found = list_checkpoints(directory)
-    return found[-1][1] if found else None
-
-
 def newest_intact_checkpoint(directory: str | Path) -> FoundCheckpoint:
     """The newest checkpoint in ``directory`` that loads and verifies, already loaded.
 

@@ -254,11 +254,6 @@ class ResumeDiff:
             lines.append(f"resume: {c.key} {show(c.old)} -> {show(c.new)}{note}")
         return lines + [f"resume: note: {caveat}" for caveat in self.caveats]
 
-    def restore_overrides(self) -> list[str]:
-        """``--set`` assignments that put the refused keys back to the checkpoint's values."""
-        return [f"{c.key}={show(c.old, width=0)}" for c in self.refused
-                if c.old is not MISSING]
-
     def raise_if_refused(self, checkpoint_path: object) -> None:
         """Raise the one-line :class:`UserError` when a refused key differs."""
         if self.refused:
