@@ -29,20 +29,54 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+CONTRACTS = 4  # [tool.importlinter] in pyproject.toml
+
+
 def test_imports_flow_one_way() -> None:
     done = lint_imports(REPO)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "1 kept, 0 broken" in done.stdout
+    assert f"{CONTRACTS} kept, 0 broken" in done.stdout
 
 
-def test_an_upward_import_inside_a_function_is_caught(tmp_path: Path) -> None:
+# One planted violation of each contract (and of each new line of the layers): the file it
+# goes into, the import, and the contract's name as lint-imports reports it broken.
+PLANTED = {
+    "upward-in-a-function": ("tensor/__init__.py", "from cosmotrain.train import trainer",
+                             "import only the packages below them"),
+    "engine-imports-train": ("engine/__init__.py", "from cosmotrain.train import trainer",
+                             "import only the packages below them"),
+    "comm-imports-kernels": ("comm/__init__.py", "from cosmotrain.kernels import conv3d",
+                             "import only the packages below them"),
+    "kernels-import-runtime": ("kernels/__init__.py",
+                               "from cosmotrain.runtime import job_runtime",
+                               "import only the packages below them"),
+    "files-import-config": ("files/__init__.py", "from cosmotrain.config import schema",
+                            "import only the packages below them"),
+    "back-end-imports-front-door": ("kernels/cuda/layouts.py",
+                                    "from cosmotrain.kernels import conv3d",
+                                    "never import the front doors"),
+    "outputs-import-the-run": ("train/outputs/__init__.py",
+                               "from cosmotrain.train import trainer",
+                               "never import the run around them"),
+    "checkpoints-import-outputs": ("train/checkpoints/__init__.py",
+                                   "from cosmotrain.train.outputs import metrics",
+                                   "independent of each other"),
+}
+
+
+@pytest.mark.parametrize("plant", list(PLANTED))
+def test_each_contract_catches_a_planted_violation(tmp_path: Path, plant: str) -> None:
+    """A copy of the package with one forbidden import, inside a function (the graph
+    counts those too), breaks the contract that forbids it (and may break others through
+    what it imports indirectly)."""
+    where, statement, contract = PLANTED[plant]
     shutil.copytree(PACKAGE, tmp_path / "cosmotrain",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    tensor = tmp_path / "cosmotrain" / "tensor" / "__init__.py"
-    tensor.write_text(tensor.read_text() + "\n\ndef _upward():\n"
-                      "    from cosmotrain.train import trainer  # noqa: F401\n")
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    target = tmp_path / "cosmotrain" / where
+    target.write_text(target.read_text() + f"\n\ndef _planted():\n    {statement}  # noqa\n")
     done = lint_imports(tmp_path)
-    assert done.returncode != 0 and "cosmotrain.tensor" in done.stdout
+    broken = [line for line in done.stdout.splitlines() if line.endswith("BROKEN")]
+    assert done.returncode != 0 and any(contract in line for line in broken), done.stdout
 
 
 def test_no_module_is_over_400_lines() -> None:

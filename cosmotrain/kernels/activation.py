@@ -133,14 +133,6 @@ def _in_runs(run: Any, *arrays: Any) -> None:
                          list(range(0, size, step)))
 
 
-def backward_factors(slope: float, dtype: Any = np.float32) -> tuple[float, float]:
-    """``(up, down)``: the factor the backward multiplies dy by where y > 0 and elsewhere,
-    rounded as numpy builds it (``(1 - slope) + slope`` is not always 1), so that every
-    loop applying it gives the numpy pass's bits."""
-    factor = np.dtype(dtype).type(slope)
-    return float((np.dtype(dtype).type(1) - factor) + factor), float(factor)
-
-
 def leaky_relu_backward(dy: Any, y: Any, slope: float, inplace: bool = True) -> Any:
     """dx = dy where y > 0 else slope * dy (valid for slope > 0 and for slope = 0).
 
@@ -156,7 +148,7 @@ def leaky_relu_backward(dy: Any, y: Any, slope: float, inplace: bool = True) -> 
         return fused.leaky_relu_backward(dx, y, slope, dx)
     loops = _compiled(dx, y)
     if loops is not None:
-        up, down = backward_factors(slope, dx.dtype)
+        up, down = compiled.backward_factors(slope, dx.dtype)
         _in_runs(lambda grad, out: loops[1](compiled.address(grad), compiled.address(out),
                                             grad.size, up, down), dx, y)
         return dx

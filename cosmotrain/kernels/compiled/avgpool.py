@@ -24,7 +24,6 @@ import numpy as np
 
 from cosmotrain.kernels.cpu import workers
 from cosmotrain.kernels.compiled import library as compiled
-from cosmotrain.kernels.activation import backward_factors
 
 # False: the numpy kernel only (the tests run both).
 USE_COMPILED = True
@@ -117,4 +116,4 @@ def _activation_args(activation: Optional[tuple], n: int, c0: int) -> list:
         return [None, 0, 0, 0, 0.0, 0.0]
     y, slope = activation
     return [compiled.address(y[n, c0]), *compiled.element_strides(y)[1:4],
-            *backward_factors(slope)]
+            *compiled.backward_factors(slope)]
