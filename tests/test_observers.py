@@ -4,15 +4,19 @@ run's first epoch, and every record reaching a new observer once."""
 
 from __future__ import annotations
 
+from io import StringIO
 from pathlib import Path
 
 import pytest
 from mpi4py import MPI
+from rich.console import Console
 
 from cosmotrain.config.load import load_config
 from cosmotrain.train import runner
-from cosmotrain.train.outputs.metrics import metrics_path, read_metrics
+from cosmotrain.train.outputs.metrics import (MetricsFile, metrics_path, read_metrics,
+                                              time_breakdown, train_record)
 from cosmotrain.train.outputs.observers import Observer, Observers, RunStart
+from cosmotrain.train.outputs.progress import TrainProgress
 
 
 class Recorder(Observer):
@@ -115,13 +119,6 @@ def test_a_new_observer_on_the_bus_receives_every_record_once(
 def test_metrics_file_and_console_on_a_bus(tmp_path: Path) -> None:
     """Both built-in outputs take their settings from the run's start: the console its
     length, the metrics file whether to keep the records up to the resumed step."""
-    from io import StringIO
-
-    from rich.console import Console
-
-    from cosmotrain.train.outputs.metrics import MetricsFile, train_record, time_breakdown
-    from cosmotrain.train.outputs.progress import TrainProgress
-
     def run(first: int, steps: range, text: StringIO) -> None:
         bus = Observers([MetricsFile(tmp_path),
                          TrainProgress(console=Console(file=text, width=200), terminal=False)])

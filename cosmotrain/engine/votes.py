@@ -30,4 +30,4 @@ class Votes:
         names = [f.name for f in fields(self)]
         if len(sums) != len(names):
             raise ValueError(f"{len(sums)} sums for the {len(names)} votes {names}")
-        return replace(self, **{name: int(round(s)) for name, s in zip(names, sums)})
+        return replace(self, **{name: round(s) for name, s in zip(names, sums)})
