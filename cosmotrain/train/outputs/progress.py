@@ -1,14 +1,13 @@
 """Rank 0's view of a training run: live progress, validation lines and a summary table.
 
 A member of the run's bus (``outputs/observers.py``): it learns the run's length at
-``run_start``, shows each train or validation record it is told (``update``; the records of
-``metrics.jsonl``, :mod:`cosmotrain.train.outputs.metrics`) and the summary at
-``run_stop`` (``finish``).  In a terminal the train records drive a
-Rich progress bar; when stdout is a pipe (``mpiexec``, ``srun``, batch logs) they become
-plain lines, about twenty over the run, so logs stay short and greppable.  A rank other than
-0 gets a silent instance.  The epoch shown is the
-record's own, counted from 1 (the epoch in progress; for validation, the epoch just
-finished): ``metrics.py`` states the convention.
+``run_start``, shows each train or validation record it is told (``update``; the records
+of ``metrics.jsonl``, :mod:`cosmotrain.train.outputs.metrics`) and the summary at
+``run_stop`` (``finish``).  In a terminal the train records drive a Rich progress bar; when
+stdout is a pipe (``mpiexec``, ``srun``, batch logs) they become plain lines, about twenty
+over the run, so logs stay short and greppable.  A rank other than 0 gets a silent
+instance.  The epoch shown is the record's own, counted from 1 (the epoch in progress; for
+validation, the epoch just finished): ``metrics.py`` states the convention.
 """
 
 from __future__ import annotations
