@@ -1,15 +1,28 @@
-"""The stop-signal recorder and the finiteness checks behind the trainer's guard."""
+"""The stop-signal recorder and the finiteness checks behind the trainer's guard, and the
+guards' votes (``engine/votes.py``): a new guard's field is summed over the ranks with the
+loss."""
 
 from __future__ import annotations
 
 import math
 import os
 import signal
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from conftest import abort_on_error
+from equivalence import batch_data, make_config
 
+from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.device.xp import all_finite as gradients_finite
+from cosmotrain.engine.step import hybrid_step_from_config
+from cosmotrain.engine.votes import Votes
+from cosmotrain.layers.loss import batch_loss
+from cosmotrain.models import build_model
+from cosmotrain.nn.module import Context
+from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.train.guard import StopSignals, non_finite_message
 
 
@@ -73,3 +86,42 @@ def test_the_message_names_the_step_and_what_went_non_finite() -> None:
     line = non_finite_message(7, float("nan"), 2)
     assert "gradients of step 6 on 2 rank(s)" in line and "loss of step 7 (nan)" in line
     assert "\n" not in line and "--resume" in line
+
+
+@dataclass(frozen=True)
+class MoreVotes(Votes):
+    """A new guard: one more field, nothing else."""
+
+    flagged: int = 0
+
+
+def test_votes_travel_as_doubles_in_field_order_and_come_back_typed() -> None:
+    mine = MoreVotes(stop=1, flagged=1)
+    assert mine.values() == (1.0, 0.0, 1.0)
+    assert mine.summed([2.0, 1.0, 3.0]) == MoreVotes(stop=2, bad_gradients=1, flagged=3)
+    with pytest.raises(ValueError, match="2 sums for the 3 votes"):
+        mine.summed([1.0, 2.0])
+
+
+@pytest.mark.parallel(nprocs=[2])
+@abort_on_error
+def test_a_new_guard_vote_is_summed_over_the_ranks_with_the_loss() -> None:
+    """A step on two ranks (N2): each rank's votes of a new guard come back summed, the
+    same on both ranks, and the loss they rode with is the one process's loss."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    cfg = make_config(["model.name=tiny", "model.width=8"], ["parallel.sample=2"])
+    grid = ProcessGrid(world, resolve_parallel(cfg, world.Get_size()))
+    step = hybrid_step_from_config(cfg, grid)
+    x, targets = batch_data(cfg, np.float32)
+    dist, coord = step.model.input_distribution(x.shape)
+    ctx = Context(step=0, seed=cfg.train.seed)
+    out = step.gradients(DistTensor.scatter(x, dist, coord), targets, ctx,
+                         votes=MoreVotes(stop=int(world.rank == 1), flagged=world.rank + 1))
+    grid.free()
+    model = build_model(cfg.model, cfg.train.seed)
+    serial, _ = batch_loss(model.forward(x.copy(), ctx), targets, targets.size)
+    verdicts = world.allgather((out.votes, out.loss))
+    assert [v[0] for v in verdicts] == [MoreVotes(stop=1, bad_gradients=0, flagged=3)] * 2
+    assert all(abs(loss - serial) <= 1e-5 * abs(serial) for _, loss in verdicts)

@@ -190,7 +190,7 @@ def test_a_non_finite_gradient_is_agreed_and_stored_nowhere() -> None:
             step.update()
     bad_here = step.gradients_bad
     finite = all(np.isfinite(p.data).all() for _, p in step.model.named_parameters())
-    verdicts = world.allgather((outs[1].bad_gradients, outs[1].finite, bad_here, finite))
+    verdicts = world.allgather((outs[1].votes.bad_gradients, outs[1].finite, bad_here, finite))
     grid.free()
     assert [v[0] for v in verdicts] == [1] * 4  # one rank owned the NaN, all know
     assert not any(v[1] for v in verdicts)      # the second step is applied nowhere

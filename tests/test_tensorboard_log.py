@@ -27,7 +27,8 @@ from cosmotrain.train import runner
 from cosmotrain.train.outputs import tensorboard as tensorboard_log  # noqa: E402
 from cosmotrain.train.checkpoints.checkpoint import checkpoint_dir, list_checkpoints  # noqa: E402
 from cosmotrain.train.outputs.metrics import TIME_KEYS, metrics_path, read_metrics  # noqa: E402
-from cosmotrain.train.outputs.observers import Observer, make_observers  # noqa: E402
+from cosmotrain.train.outputs.observers import Observer  # noqa: E402
+from cosmotrain.train.runner import make_observers  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 

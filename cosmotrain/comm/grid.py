@@ -100,6 +100,17 @@ class ProcessGrid:
             self._factor_comms[factor] = (group.Split(if_, ic), group.Split(ic, if_))
         return self._factor_comms[factor]
 
+    def sum_all(self, values: Any) -> Any:
+        """``values`` (a float64 host array) summed over every rank of the job, in place;
+        returned for convenience.  The loss and the guards' votes ride in it
+        (:func:`cosmotrain.layers.loss.loss_and_sums`): layers never call MPI themselves."""
+        comm = self.group_comms["all"]
+        if comm.Get_size() > 1:
+            from mpi4py import MPI
+
+            comm.Allreduce(MPI.IN_PLACE, values)
+        return values
+
     def free(self) -> None:
         """Release the communicators (collective)."""
         pairs = [comm for pair in self._factor_comms.values() for comm in pair]

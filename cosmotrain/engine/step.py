@@ -25,33 +25,34 @@ from cosmotrain.device import step_memory
 from cosmotrain.device.select import Device, host_device, select_device
 from cosmotrain.device.xp import all_finite
 from cosmotrain.layers.hybrid import HybridModel, build_hybrid
-from cosmotrain.layers.loss import loss_and_flags
+from cosmotrain.layers.loss import loss_and_sums
 from cosmotrain.models import build_model
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.engine.grad_sync import GradientReducer
 from cosmotrain.engine.optim import Optimizer, build_optimizer
 from cosmotrain.engine.optim_shards import OptimizerShards
+from cosmotrain.engine.votes import Votes
 
 
 @dataclass
 class StepOutput:
     """The mini-batch loss (every rank) and this rank's predictions, rows ``[start, stop)``.
 
-    ``stop_requests`` and ``bad_gradients`` are agreed on every rank: how many ranks asked
-    to stop (a signal) and how many found the *previous* step's gradients non-finite.
+    ``votes`` are the guards' votes summed over every rank, the same on each
+    (:class:`~cosmotrain.engine.votes.Votes`): how many ranks asked to stop (a signal) and
+    how many found the *previous* step's gradients non-finite.
     """
 
     loss: float
     pred: Any
     rows: tuple[int, int]
-    stop_requests: int = 0
-    bad_gradients: int = 0
+    votes: Votes = field(default_factory=Votes)
 
     @property
     def finite(self) -> bool:
         """Whether the step may be applied: a finite loss and finite gradients before it."""
-        return math.isfinite(self.loss) and not self.bad_gradients
+        return math.isfinite(self.loss) and not self.votes.bad_gradients
 
 
 @dataclass
@@ -86,25 +87,28 @@ class HybridStep:
         data = self.device.to_device(x.data, dtype)
         return x if data is x.data else DistTensor(data, x.dist, x.coord)
 
-    def gradients(self, x: DistTensor, targets: Any, ctx: Context, stop: bool = False
-                  ) -> StepOutput:
+    def gradients(self, x: DistTensor, targets: Any, ctx: Context,
+                  votes: Votes | None = None) -> StepOutput:
         """Forward and backward; afterwards every ``param.grad`` is the full gradient
         (with ``shards``: this rank holds its shard of each bucket's reduced gradient,
         ``Bucket.shard``, and the gradients of unbucketed parameters).
 
-        ``stop`` (this rank received a stop signal) and the verdict on the previous
-        step's gradients ride in the loss allreduce.  When the loss or those gradients are
-        non-finite, backward is skipped on every rank alike and the output says so.
+        ``votes`` (this rank's; the step casts ``bad_gradients`` itself, its verdict on the
+        previous step's gradients) ride in the loss allreduce, and the output holds their
+        sums.  When the loss or those gradients are non-finite, backward is skipped on
+        every rank alike and the output says so.
         """
         x = self.place_input(x)
         ctx = replace(ctx, on_grad_ready=self.reducer.on_grad_ready)
         self.reducer.prepare(self.model.reduction_groups())
         pred = self.model.forward(x, ctx)
         start, stop_row = self.model.sample_range()
-        loss, dpred, flags = loss_and_flags(
-            pred, targets[start:stop_row], targets.size, self.grid.group_comms["all"],
-            self.runtime.timers, self.loss, flags=(float(stop), float(self.gradients_bad)))
-        out = StepOutput(loss, pred, (start, stop_row), int(flags[0]), int(flags[1]))
+        mine = replace(votes if votes is not None else Votes(),
+                       bad_gradients=int(self.gradients_bad))
+        loss, dpred, sums = loss_and_sums(pred, targets[start:stop_row], targets.size,
+                                          self.grid, self.runtime.timers, self.loss,
+                                          extra=mine.values())
+        out = StepOutput(loss, pred, (start, stop_row), mine.summed(sums))
         if not out.finite:
             return out
         self.model.backward(dpred, ctx)
@@ -127,11 +131,11 @@ class HybridStep:
         self.optimizer.zero_grad(params)
 
     def __call__(self, x: DistTensor, targets: Any, ctx: Context, lr: float | None = None,
-                 stop: bool = False) -> StepOutput:
+                 votes: Votes | None = None) -> StepOutput:
         """One training step; its large host arrays are placed by the plan learnt from
         the steps before (:mod:`cosmotrain.device.step_memory`, once installed)."""
         with step_memory.phase("train"):
-            out = self.gradients(x, targets, ctx, stop)
+            out = self.gradients(x, targets, ctx, votes)
             if out.finite:
                 self.update(lr)
         return out

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.runtime.timers import PhaseTimers
 from cosmotrain.device.xp import array_module
 from cosmotrain.kernels.loss import mae_backward, mae_sum, mse_backward, mse_sum
@@ -20,30 +21,30 @@ from cosmotrain.kernels.loss import mae_backward, mae_sum, mse_backward, mse_sum
 LOSSES = {"mse": (mse_sum, mse_backward), "mae": (mae_sum, mae_backward)}
 
 
-def batch_loss(pred: Any, target: Any, global_count: int, comm: Any = None,
+def batch_loss(pred: Any, target: Any, global_count: int, grid: ProcessGrid | None = None,
                timers: PhaseTimers | None = None, kind: str = "mse") -> tuple[float, Any]:
-    """``(loss over the global batch, d loss / d pred for the local rows)``."""
-    loss, grad, _ = loss_and_flags(pred, target, global_count, comm, timers, kind)
+    """``(loss over the global batch, d loss / d pred for the local rows)``; ``grid`` None
+    is a single process."""
+    loss, grad, _ = loss_and_sums(pred, target, global_count, grid, timers, kind)
     return loss, grad
 
 
-def loss_and_flags(pred: Any, target: Any, global_count: int, comm: Any = None,
-                   timers: PhaseTimers | None = None, kind: str = "mse",
-                   flags: Sequence[float] = ()) -> tuple[float, Any, np.ndarray]:
-    """:func:`batch_loss`, plus ``flags`` summed over ``comm`` in the same allreduce.
+def loss_and_sums(pred: Any, target: Any, global_count: int, grid: ProcessGrid | None = None,
+                  timers: PhaseTimers | None = None, kind: str = "mse",
+                  extra: Sequence[float] = ()) -> tuple[float, Any, np.ndarray]:
+    """:func:`batch_loss`, plus ``extra`` summed over every rank in the same allreduce.
 
-    The trainer's per-rank events (a stop signal, a non-finite gradient) ride along with
-    the loss: one message of a few doubles instead of one more collective per step, and
-    every rank gets the same sums, so every rank takes the same decision.
+    The step's guard votes (:class:`~cosmotrain.engine.votes.Votes`) ride along with the
+    loss: one message of a few doubles instead of one more collective per step, and every
+    rank gets the same sums, so every rank takes the same decision.  The sum goes through
+    the grid (:meth:`~cosmotrain.comm.grid.ProcessGrid.sum_all`), timed as ``allreduce``.
     """
     if pred.shape != target.shape:
         raise ValueError(f"predictions {pred.shape} and targets {target.shape} differ")
     total, grad = LOSSES[kind]
     target = array_module(pred).asarray(target)  # the targets join the predictions' device
-    summed = np.array([total(pred, target), *flags], dtype=np.float64)
-    if comm is not None and comm.Get_size() > 1:
-        from mpi4py import MPI
-
+    summed = np.array([total(pred, target), *extra], dtype=np.float64)
+    if grid is not None and grid.layout.size > 1:  # one rank: nothing to sum, or to time
         with (timers or PhaseTimers()).phase("allreduce"):
-            comm.Allreduce(MPI.IN_PLACE, summed)
+            grid.sum_all(summed)
     return float(summed[0]) / global_count, grad(pred, target, global_count), summed[1:]

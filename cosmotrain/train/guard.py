@@ -4,9 +4,10 @@ Both are *local* events: a signal reaches each rank at its own moment (srun and 
 forward it to every task, but not at the same instant), and a NaN may appear in one
 rank's block only.  Acting on a local event alone would hang the job (one rank leaves the
 loop while the others wait in the next collective) or let a bad value reach a checkpoint.
-So each rank only *records* the event, and the records travel in the one collective every
-step already makes, the allreduce of the loss (:func:`cosmotrain.layers.loss.loss_and_flags`):
-every rank then sees the same sums and takes the same decision at the same step.
+So each rank only *records* the event, as a vote in one small typed value
+(:class:`cosmotrain.engine.votes.Votes`, a field per guard) that travels in the one
+collective every step already makes, the allreduce of the loss: every rank then sees the
+same sums (``StepOutput.votes``) and takes the same decision at the same step.
 
 - :class:`StopSignals` turns SIGTERM (Slurm's time limit and preemption), SIGINT (Ctrl-C,
   forwarded by mpiexec) and SIGUSR1 (``sbatch --signal=USR1@T``, ahead of the limit) into a

@@ -21,7 +21,12 @@ from cosmotrain.train.claim import Claim, claim_output_dir, move_aside_outputs
 from cosmotrain.train.guard import StopSignals
 from cosmotrain.data.synthetic_dataset import ensure_synthetic_data
 from cosmotrain.train.job import build_job, build_step
-from cosmotrain.train.outputs.observers import make_observers
+from cosmotrain.train.outputs.metrics import MetricsFile
+from cosmotrain.train.outputs.mlperf import MLPerfLogObserver
+from cosmotrain.train.outputs.mlperf_writer import require_mllog
+from cosmotrain.train.outputs.observers import Observer, Observers
+from cosmotrain.train.outputs.progress import TrainProgress
+from cosmotrain.train.outputs.tensorboard import TensorBoardLog, require_tensorboardx
 from cosmotrain.train.checkpoints.resume import find_resume_point
 from cosmotrain.train.trainer import StepHook, Trainer
 
@@ -67,10 +72,10 @@ def _train_claimed(cfg: Config, comm: Any, mode: str, claim: Claim, chosen: str 
                          f"checkpoints: starting afresh"])
     if job.step.device.is_gpu:
         _say(rank0, [f"device (rank 0): {job.step.device.describe()}"])
-    observer = make_observers(cfg, job.out_dir, comm.Get_rank(), started)
+    bus = run_bus(cfg, job.out_dir, comm.Get_rank(), started)
     with StopSignals() as signals, _watchdog(cfg, comm) as watchdog, \
-            contextlib.closing(observer):
-        trainer = Trainer(job, signals, watchdog, before_step, observer)
+            contextlib.closing(bus):  # closed also when the run fails: files, live bar
+        trainer = Trainer(job, signals, watchdog, before_step, bus)
         if rank0:  # the config has passed every check: the job is built, the resume fits
             save_resolved(cfg, job.out_dir)
         if resumed:
@@ -87,6 +92,37 @@ def _train_claimed(cfg: Config, comm: Any, mode: str, claim: Claim, chosen: str 
             print(interrupted_line(signals, summary, trainer.last_checkpoint), flush=True)
     job.grid.free()
     return summary
+
+
+def run_bus(cfg: Config, out_dir: Path, rank: int, started: float | None = None
+            ) -> Observer:
+    """The bus the trainer reports to (``train/outputs/observers.py``): on rank 0
+    ``metrics.jsonl``, the console and the outputs the config asks for
+    (:func:`make_observers`), told in that order; a silent observer on the other ranks."""
+    asked = make_observers(cfg, out_dir, rank, started)  # every rank: it checks packages
+    if rank != 0:
+        return Observer()
+    return Observers([MetricsFile(out_dir), TrainProgress(rank=rank), asked])
+
+
+def make_observers(cfg: Config, out_dir: Path, rank: int,
+                   started: float | None = None) -> Observer:
+    """The optional outputs ``cfg`` asks for on rank 0 (``output`` section); a silent
+    observer on the other ranks and when none is asked for.  ``started``: when the job
+    began (``time.time()``; the MLPerf log's ``init_start``).  A missing package stops
+    the whole job: every rank checks it."""
+    members: list[Observer] = []
+    if cfg.output.mlperf_log:
+        require_mllog()
+        if rank == 0:
+            members.append(MLPerfLogObserver(cfg, out_dir, started))
+    if cfg.output.tensorboard:
+        require_tensorboardx()
+        if rank == 0:
+            members.append(TensorBoardLog(out_dir))
+    if rank != 0:
+        return Observer()
+    return Observers(members)
 
 
 def _watchdog(cfg: Config, comm: Any) -> Any:

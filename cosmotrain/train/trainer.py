@@ -28,8 +28,8 @@ from cosmotrain.train.evaluate import Errors, evaluate
 from cosmotrain.train.guard import NonFiniteError, StopSignals, non_finite_message
 from cosmotrain.train.job import Job
 from cosmotrain.train.outputs.observers import Observer, RunStart
-from cosmotrain.train.outputs.progress import TrainProgress
 from cosmotrain.engine.schedule import build_schedule
+from cosmotrain.engine.votes import Votes
 from cosmotrain.train.checkpoints.snapshot import full_state, optimizer_blocks, restore
 
 StepHook = Callable[[int, int], None]  # (rank, step about to run): the tests' fault hook
@@ -58,14 +58,18 @@ class Outcome:
 
 class Trainer:
     """Runs a :class:`Job` to its end: ``train.epochs`` or ``train.max_steps`` or the
-    target MAE, whichever comes first."""
+    target MAE, whichever comes first.
+
+    Everything the run reports goes to ``bus`` (made where the run is assembled,
+    ``train/runner.py``): each event and each record once, whoever listens
+    (``metrics.jsonl``, the console, TensorBoard, the MLPerf log).  None: a silent run."""
 
     def __init__(self, job: Job, signals: StopSignals | None = None,
                  watchdog: Watchdog | None = None, before_step: StepHook | None = None,
-                 observer: Observer | None = None) -> None:
+                 bus: Observer | None = None) -> None:
         self.job, self.cfg = job, job.cfg
         self.before_step = before_step
-        self.observer = observer if observer is not None else Observer()
+        self.bus = bus if bus is not None else Observer()
         self.signals = signals if signals is not None else StopSignals(())
         self.watchdog = watchdog
         self.last_checkpoint: str | None = None
@@ -108,23 +112,14 @@ class Trainer:
 
     def run(self, resumed: bool = False) -> dict[str, Any]:
         """Train to the end; returns the summary record (every rank)."""
-        job = self.job
-        log = metrics.MetricsLog(metrics.metrics_path(job.out_dir),
-                                 self.position.step if resumed else None) \
-            if job.rank == 0 else None
         self.outcome.baseline_mae = self._baseline_mae()
         self._first_samples = self.position.samples
-        self.observer.run_start(self._run_start(resumed))
+        self.bus.run_start(self._run_start(resumed))
         start = time.perf_counter()
-        with TrainProgress(self.total, rank=job.rank) as progress:
-            self._loop(log, progress)
-            summary = self._summary(time.perf_counter() - start)
-            if log is not None:
-                log.write(summary)
-                log.close()
-            self.observer.record(summary)
-            self.observer.run_stop(summary)
-            progress.finish(summary)
+        self._loop()
+        summary = self._summary(time.perf_counter() - start)
+        self.bus.record(summary)
+        self.bus.run_stop(summary)
         return summary
 
     def _run_start(self, resumed: bool) -> RunStart:
@@ -134,34 +129,34 @@ class Trainer:
                         self.train_reader.count, val, self.per_epoch, self.total,
                         self.position.step, resumed, job.step.device)
 
-    def _loop(self, log: Any, progress: TrainProgress) -> None:
+    def _loop(self) -> None:
         pos = self.position
         self.position_at_start = pos.step  # a resumed run tells the epoch it resumes into
         while pos.step < self.total:
             index = pos.step - pos.epoch * self.per_epoch
             if index == 0 or pos.step == self.position_at_start:
-                self.observer.epoch_start(pos.epoch + 1)
-            stop = self._train_step(pos, index, log, progress)
+                self.bus.epoch_start(pos.epoch + 1)
+            stop = self._train_step(pos, index)
             self._beat()
             epoch_done = pos.step - pos.epoch * self.per_epoch == self.per_epoch
             if epoch_done:
-                self.observer.epoch_stop(pos.epoch + 1)
+                self.bus.epoch_stop(pos.epoch + 1)
             pos.epoch += int(epoch_done)
             if stop:  # every rank agreed in this step's loss allreduce
                 self.outcome.reason = "interrupted"
                 self._checkpoint()
                 return
             if epoch_done:
-                if self._end_of_epoch(log, progress):
+                if self._end_of_epoch():
                     return
             elif self._due(self.cfg.train.checkpoint_every_steps, pos.step):
                 self._checkpoint()
         self.outcome.reason = "max_steps" if pos.step < self.cfg.train.epochs * \
             self.per_epoch else "completed"
-        self._validate_at_end(log, progress)
+        self._validate_at_end()
         self._checkpoint()
 
-    def _validate_at_end(self, log: Any, progress: TrainProgress) -> None:
+    def _validate_at_end(self) -> None:
         """Validate the final parameters unless the last validation saw them: a run that
         ``train.max_steps`` stops within an epoch, or whose last epoch ``validate_every``
         skips, still reports its validation error (``validate_every: 0`` means never)."""
@@ -169,10 +164,9 @@ class Trainer:
                 or self.validated_at == self.position.step:
             return
         self._require_finite()
-        self._validate(log, progress)
+        self._validate()
 
-    def _train_step(self, pos: Position, index: int, log: Any,
-                    progress: TrainProgress) -> bool:
+    def _train_step(self, pos: Position, index: int) -> bool:
         """One optimizer step; True when some rank asked to stop (agreed on every rank)."""
         job = self.job
         if self.before_step is not None:
@@ -185,11 +179,12 @@ class Trainer:
         with step_memory.phase("train"):
             batch = self.train_reader.batch(pos.epoch, index)
             samples = len(batch.indices)
-            out = job.step(batch.x, batch.targets, ctx, lr, stop=self.signals.requested)
+            out = job.step(batch.x, batch.targets, ctx, lr,
+                           votes=Votes(stop=int(self.signals.requested)))
             del batch
         if not out.finite:
             raise NonFiniteError(non_finite_message(pos.step + 1, out.loss,
-                                                    out.bad_gradients))
+                                                    out.votes.bad_gradients))
         wall = time.perf_counter() - started
         pos.step += 1
         pos.samples += samples
@@ -199,22 +194,22 @@ class Trainer:
         for key, value in times.items():
             self.outcome.totals[key] = self.outcome.totals.get(key, 0.0) + value
         if pos.step % self.cfg.train.log_every == 0 or pos.step == self.total \
-                or out.stop_requests:
+                or out.votes.stop:
             record = metrics.train_record(
                 step=pos.step, epoch=self.epoch_of(pos.step), samples=pos.samples,
                 loss=out.loss, lr=lr,
                 samples_per_s=samples / wall, time_s=times,
                 memory_hwm_mib=self._memory(), io=self._io())
-            self._emit(record, log, progress)
-        return out.stop_requests > 0
+            self.bus.record(record)
+        return out.votes.stop > 0
 
-    def _end_of_epoch(self, log: Any, progress: TrainProgress) -> bool:
+    def _end_of_epoch(self) -> bool:
         """Validate and checkpoint as configured; True when the target MAE is reached."""
         pos, train = self.position, self.cfg.train
         reached = False
         if self.val_reader is not None and self._due(train.validate_every, pos.epoch):
             self._require_finite()
-            errors = self._validate(log, progress)
+            errors = self._validate()
             reached = train.target_mae is not None and errors.mean_mae <= train.target_mae
         if reached:
             self.outcome.reason = "target_mae"
@@ -223,32 +218,26 @@ class Trainer:
             self._checkpoint()
         return reached
 
-    def _validate(self, log: Any, progress: TrainProgress) -> Errors:
+    def _validate(self) -> Errors:
         started = time.perf_counter()
         step = self.validated_at = self.position.step
         epoch = self.epoch_of(step)  # the epoch just finished, or stopped within
-        self.observer.eval_start(epoch)
+        self.bus.eval_start(epoch)
         errors = evaluate(self.job.step, self.val_reader, self.cfg.model.outputs,
                           on_batch=self._beat)
-        self.observer.eval_stop(epoch)
+        self.bus.eval_stop(epoch)
         if self.outcome.best_mae is None or errors.mean_mae < self.outcome.best_mae:
             self.outcome.best_mae, self.outcome.best_epoch = errors.mean_mae, epoch
         record = metrics.validation_record(
             step=step, epoch=epoch, samples=errors.count,
             mse_per_param=errors.mse.tolist(), mae_per_param=errors.mae.tolist(),
             wall_s=time.perf_counter() - started)
-        self._emit(record, log, progress)
+        self.bus.record(record)
         return errors
 
     @staticmethod
     def _due(every: int | None, count: int) -> bool:
         return bool(every) and count % every == 0  # type: ignore[operator]
-
-    def _emit(self, record: dict, log: Any, progress: TrainProgress) -> None:
-        if log is not None:
-            log.write(record)
-        self.observer.record(record)
-        progress.update(record)
 
     def _io(self) -> dict[str, float]:
         """This rank's reading for the last batch, and its file bandwidth so far."""

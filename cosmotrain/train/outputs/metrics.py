@@ -20,7 +20,8 @@ number of epochs completed, what a resumed run starts from.
 Floats that are not finite (a diverged loss) are written as ``null``: strict JSON has no NaN.
 A resumed run drops the records after its checkpoint, so the file reads as one uninterrupted
 trajectory.  The builders (:func:`train_record`, ...) convert numpy scalars and validate; the
-trainer gathers the per-rank values (memory) before calling them.
+trainer gathers the per-rank values (memory) before calling them.  :class:`MetricsFile` is
+the file's observer on the run's bus (``outputs/observers.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import Any
 from cosmotrain.files.atomic import FILE_MODE, write_all, write_text_atomically
 from cosmotrain.runtime.timers import PHASES
 from cosmotrain.errors import DataError, WriteError
+from cosmotrain.train.outputs.observers import Observer, RunStart
 
 METRICS_FILE = "metrics.jsonl"
 TIME_KEYS = ("compute", *PHASES, "io_wait", "other")
@@ -298,6 +300,31 @@ class MetricsLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class MetricsFile(Observer):
+    """``metrics.jsonl`` as a member of the run's bus: opened when the run starts (a
+    resumed run keeps its records up to the step it resumes from), every record appended
+    as it comes, closed when the run stops (or fails)."""
+
+    def __init__(self, output_dir: str | Path) -> None:
+        self.path = metrics_path(output_dir)
+        self.log: MetricsLog | None = None
+
+    def run_start(self, run: RunStart) -> None:
+        self.log = MetricsLog(self.path, run.first_step if run.resumed else None)
+
+    def record(self, record: Mapping[str, Any]) -> None:
+        if self.log is None:
+            raise ValueError(f"metrics log '{self.path}' is not open: no run started")
+        self.log.write(record)
+
+    def run_stop(self, summary: Mapping[str, Any]) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
 
 
 def _keep_until(path: Path, step: int) -> None:

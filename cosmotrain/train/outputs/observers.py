@@ -1,20 +1,24 @@
-"""Observers of a training run: what MLPerf logging and TensorBoard listen to.
+"""The observer bus of a training run: every output listens to the same events.
 
-The trainer tells its :class:`Observer` (rank 0's; the other ranks get the silent base
-class) about the run as it happens:
+The trainer tells its bus, an :class:`Observers` (rank 0's; the other ranks get the silent
+base class), about the run as it happens, each event and each record once; every output
+is a member of it: ``metrics.jsonl`` (``metrics.MetricsFile``), the console
+(``progress.TrainProgress``), TensorBoard and the MLPerf log.  The events:
 
 - ``run_start(run)``: set-up done, the first step about to run (a :class:`RunStart`);
 - ``epoch_start(epoch)`` / ``epoch_stop(epoch)``: ``epoch`` counts from 1 (the epoch in
   progress, or just finished); a resumed run starts with the epoch it resumes into;
 - ``eval_start(epoch)`` / ``eval_stop(epoch)``: around a validation pass (``epoch`` as in
   its record: the epoch just finished, or the one a run stopped within validates at its end);
-- ``record(record)``: every record written to ``metrics.jsonl`` (train, validation,
-  summary: ``train/metrics.py``), as it is written;
+- ``record(record)``: every record of the run (train, validation, summary: the schemas
+  of ``metrics.jsonl``, ``outputs/metrics.py``), once, as it is made;
 - ``run_stop(summary)``: the run ended (``summary["stop_reason"]``), then ``close()``.
 
 An observer only observes: it never changes the trajectory, and the training loop calls it
-on rank 0 only, so it needs no collective.  :func:`make_observers` builds the ones the
-config asks for.
+on rank 0 only, so it needs no collective.  The bus is made where the run is assembled
+(``train/runner.py``, :func:`~cosmotrain.train.runner.make_observers` for the outputs the
+``output`` section asks for), so this module imports none of its members: a new output
+format is one new module in ``train/outputs/`` and its line there.
 """
 
 from __future__ import annotations
@@ -74,7 +78,8 @@ class Observer:
 
 
 class Observers(Observer):
-    """Several observers, told in order."""
+    """The bus: several observers, each told every event in order (a member may itself
+    be a bus)."""
 
     def __init__(self, members: Sequence[Observer] = ()) -> None:
         self.members = list(members)
@@ -110,27 +115,3 @@ class Observers(Observer):
     def close(self) -> None:
         for member in self.members:
             member.close()
-
-
-def make_observers(cfg: Config, out_dir: Path, rank: int,
-                   started: float | None = None) -> Observer:
-    """The observers ``cfg`` asks for on rank 0 (``output`` section); a silent one on the
-    other ranks and when none is asked for.  ``started``: when the job began
-    (``time.time()``; the MLPerf log's ``init_start``)."""
-    members: list[Observer] = []
-    if cfg.output.mlperf_log:
-        from cosmotrain.train.outputs.mlperf_writer import require_mllog
-        from cosmotrain.train.outputs.mlperf import MLPerfLogObserver
-
-        require_mllog()  # on every rank: a missing package stops the whole job
-        if rank == 0:
-            members.append(MLPerfLogObserver(cfg, out_dir, started))
-    if cfg.output.tensorboard:
-        from cosmotrain.train.outputs.tensorboard import TensorBoardLog, require_tensorboardx
-
-        require_tensorboardx()  # on every rank: a missing package stops the whole job
-        if rank == 0:
-            members.append(TensorBoardLog(out_dir))
-    if rank != 0:
-        return Observer()
-    return Observers(members)

@@ -1,13 +1,13 @@
 """Rank 0's view of a training run: live progress, validation lines and a summary table.
 
-The trainer hands over the same records it writes to ``metrics.jsonl``
-(:mod:`cosmotrain.train.outputs.metrics`): ``progress.update(record)`` for each train or validation
-record and ``progress.finish(summary)`` at the end.  In a terminal the train records drive a
-Rich progress bar; when stdout is a pipe (``mpiexec``, ``srun``, batch logs) they become
-plain lines, about twenty over the run, so logs stay short and greppable.  Every other rank
-gets a silent instance, so the trainer calls it unconditionally.  The epoch shown is the
-record's own, counted from 1 (the epoch in progress; for validation, the epoch just
-finished): ``metrics.py`` states the convention.
+A member of the run's bus (``outputs/observers.py``): it learns the run's length at
+``run_start``, shows each train or validation record it is told (``update``; the records
+of ``metrics.jsonl``, :mod:`cosmotrain.train.outputs.metrics`) and the summary at
+``run_stop`` (``finish``).  In a terminal the train records drive a Rich progress bar; when
+stdout is a pipe (``mpiexec``, ``srun``, batch logs) they become plain lines, about twenty
+over the run, so logs stay short and greppable.  A rank other than 0 gets a silent
+instance.  The epoch shown is the record's own, counted from 1 (the epoch in progress; for
+validation, the epoch just finished): ``metrics.py`` states the convention.
 """
 
 from __future__ import annotations
@@ -23,28 +23,46 @@ from rich.table import Table
 
 from cosmotrain.console import is_terminal, make_console
 from cosmotrain.train.outputs.metrics import TIME_KEYS
+from cosmotrain.train.outputs.observers import Observer, RunStart
 
 PLAIN_LINES = 20
 
 
-class TrainProgress:
+class TrainProgress(Observer):
     """Shows train/validation records as they come and the summary at the end.
 
+    ``total_steps``: the run's (``run_start`` sets it from the :class:`RunStart`);
     ``terminal`` None asks whether stdout is a terminal; ``every`` is the plain-line period
-    in steps (default: ``total_steps / 20``).  Use it as a context manager so that an
-    exception stops the live bar and leaves the terminal usable.
+    in steps (default: ``total_steps / 20``).  ``close`` (the bus's, also when the run
+    fails; or use it as a context manager) stops the live bar and leaves the terminal usable.
     """
 
-    def __init__(self, total_steps: int, *, rank: int = 0, console: Console | None = None,
+    def __init__(self, total_steps: int = 0, *, rank: int = 0, console: Console | None = None,
                  terminal: bool | None = None, every: int | None = None) -> None:
-        self.total = total_steps
         self.enabled = rank == 0
         self.console = console if console is not None else make_console(rank)
         self.terminal = is_terminal() if terminal is None else terminal
-        self.every = every if every is not None else max(1, math.ceil(total_steps / PLAIN_LINES))
+        self._every = every
+        self._set_total(total_steps)
         self._next_line = 0
         self._bar: Progress | None = None
         self._task: TaskID | None = None
+
+    def _set_total(self, total_steps: int) -> None:
+        self.total = total_steps
+        self.every = self._every if self._every is not None else \
+            max(1, math.ceil(total_steps / PLAIN_LINES))
+
+    def run_start(self, run: RunStart) -> None:
+        self._set_total(run.total_steps)
+
+    def record(self, record: Mapping[str, Any]) -> None:
+        """Show a train or validation record; the summary waits for :meth:`run_stop`."""
+        if record["kind"] != "summary":
+            self.update(record)
+
+    def run_stop(self, summary: Mapping[str, Any]) -> None:
+        self.finish(summary)
 
     def update(self, record: Mapping[str, Any]) -> None:
         """Show one ``train`` or ``validation`` record."""
