@@ -1,0 +1,133 @@
+"""Our own CUDA kernels: the ``.cu`` sources under ``src/``, their entry points and
+argument types, NVRTC compilation, and launching them through cupy's ``RawModule``.
+
+Why files, not strings: compilers, editors and CI see them.  Each source compiles once
+per process into a ``RawModule`` (cached here) on first use; nothing is compiled at
+import, and importing this module imports no cupy.  The same sources are compiled by
+NVRTC without a GPU in CI (:func:`nvrtc_compile`, tests/test_cuda_sources.py) and by
+the host C++ compiler behind ``src/host_shim.h``, which runs them on the CPU against
+the numpy kernels (tests/cuda_host.py).  See docs/GPU_KERNELS.md, "Our own kernels".
+
+Every kernel is a grid-stride loop without block-level synchronisation: any grid gives
+the same results, so a launcher picks the grid freely (:func:`grid_for`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+SOURCE_DIR = Path(__file__).parent / "src"
+# Header every source includes, and the shim that stands in for CUDA on the host.
+HEADERS = ("common.cuh", "host_shim.h")
+ARCHITECTURES = ("sm_80", "sm_90")
+NVRTC_OPTIONS = ("-std=c++17",)
+BLOCK = 256
+# Most blocks a launch asks for: a grid-stride loop covers the rest (about 8 blocks of
+# 256 threads per SM on 132 SMs, with room).
+MAX_BLOCKS = 4096
+
+# Argument codes: p a pointer (an array or None), i int32, l int64, f float32,
+# d float64, u uint64.
+_CODES = {"i": np.int32, "l": np.int64, "f": np.float32, "d": np.float64, "u": np.uint64}
+
+
+def _both(name: str, codes: str) -> dict[str, tuple[str, str]]:
+    return {f"{name}_f32": codes, f"{name}_bf16": codes}  # type: ignore[dict-item]
+
+
+# kernel name -> (source file, argument codes)
+KERNELS: dict[str, tuple[str, str]] = {
+    **{k: ("input.cu", c) for k, c in _both("input_transform", "pppplilii").items()},
+    **{k: ("epilogue.cu", c) for k, c in _both("bias_leaky_relu", "ppplilf").items()},
+    **{k: ("epilogue.cu", c) for k, c in _both("leaky_relu_backward", "ppplff").items()},
+    **{k: ("avgpool.cu", c) for k, c in _both("avgpool_forward", "pplpfi").items()},
+    **{k: ("avgpool.cu", c) for k, c in _both("avgpool_backward", "ppplpfiff").items()},
+    **{k: ("maxpool.cu", c) for k, c in _both("maxpool2_forward", "pppliii").items()},
+    **{k: ("maxpool.cu", c) for k, c in _both("maxpool2_backward", "pppliii").items()},
+    **{k: ("dropout.cu", c) for k, c in _both("dropout", "pppudf").items()},
+    **{k: ("loss.cu", c) for k, c in _both("mse", "ppplfpp").items()},
+    "sgd_momentum_multi": ("optim.cu", "ppipp"),
+    "adam_multi": ("optim.cu", "ppipp"),
+    "nonfinite_flag": ("optim.cu", "plp"),
+}
+
+
+def sources() -> list[Path]:
+    """Every ``.cu`` source of the project."""
+    return sorted(SOURCE_DIR.glob("*.cu"))
+
+
+def suffix(dtype: Any) -> str:
+    """``f32`` or ``bf16``: the entry point for a storage dtype."""
+    name = np.dtype(dtype).name
+    if name == "float32":
+        return "f32"
+    if name == "bfloat16":
+        return "bf16"
+    raise ValueError(f"our CUDA kernels store float32 or bfloat16, not {name}")
+
+
+def grid_for(size: int, block: int = BLOCK) -> int:
+    """Blocks for ``size`` elements, one thread each, capped at ``MAX_BLOCKS``."""
+    return max(1, min(-(-size // block), MAX_BLOCKS))
+
+
+def pack(kernel: str, args: Sequence[Any], address: Callable[[Any], Any]) -> list[Any]:
+    """``args`` as the kernel's C types: numpy scalars, and ``address(array)`` for each
+    pointer (None: a null pointer)."""
+    codes = KERNELS[kernel][1]
+    if len(codes) != len(args):
+        raise TypeError(f"{kernel} takes {len(codes)} arguments, got {len(args)}")
+    return [(np.uint64(0) if a is None else address(a)) if c == "p" else _CODES[c](a)
+            for c, a in zip(codes, args)]
+
+
+def include_dirs() -> list[str]:
+    """NVRTC's include folders: ours, cupy's ``_core/include`` and the nvidia wheels'
+    ``include`` folders (``cuda_bf16.h``); empty for a package that is not installed."""
+    dirs = [str(SOURCE_DIR)]
+    for package, pattern in (("cupy", "_core/include"), ("nvidia", "*/include")):
+        spec = importlib.util.find_spec(package)
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            dirs += [str(p) for p in sorted(Path(root).glob(pattern)) if p.is_dir()]
+    return dirs
+
+
+def nvrtc_compile(source: Path, arch: str) -> bytes:
+    """The cubin of ``source`` for ``arch`` (``sm_90``) through NVRTC's raw binding, which
+    needs no GPU or driver (cupy's ``compile_using_nvrtc`` asks for the current device).
+    Raises RuntimeError with NVRTC's log when the source does not compile."""
+    from cupy.cuda import nvrtc  # type: ignore[import-not-found]
+
+    options = [f"--gpu-architecture={arch}", *NVRTC_OPTIONS,
+               *(f"-I{d}" for d in include_dirs())]
+    program = nvrtc.createProgram(source.read_text(), source.name, [], [])
+    try:
+        nvrtc.compileProgram(program, options)
+    except nvrtc.NVRTCError as error:
+        raise RuntimeError(f"{source.name} ({arch}): {error}\n"
+                           f"{nvrtc.getProgramLog(program)}") from None
+    cubin = nvrtc.getCUBIN(program)
+    nvrtc.destroyProgram(program)
+    return cubin
+
+
+@functools.cache
+def module(source: str) -> Any:
+    """The ``cupy.RawModule`` of ``src/<source>``, compiled once per process."""
+    import cupy  # type: ignore[import-not-found]
+
+    options = (*NVRTC_OPTIONS, *(f"-I{d}" for d in include_dirs()))
+    return cupy.RawModule(code=(SOURCE_DIR / source).read_text(), options=options,
+                          backend="nvrtc")
+
+
+def cupy_launch(kernel: str, size: int, args: Sequence[Any]) -> None:
+    """Launch ``kernel`` on the current stream with a grid for ``size`` elements."""
+    function = module(KERNELS[kernel][0]).get_function(kernel)
+    function((grid_for(size),), (BLOCK,), tuple(pack(kernel, args, lambda a: a)))
