@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cosmotrain.data.transform import apply_transform, int16_log1p_table
-from cosmotrain.kernels import activation, dropout, loss, pool3d
+from cosmotrain.kernels import activation, dropout, loss, pool3d, pool3d_xp
 from cosmotrain.kernels.cuda import raw_ops
 from cosmotrain.precision import bfloat16, narrow, widen
 from cosmotrain.train.optim import SGD, Adam
@@ -123,6 +123,26 @@ def test_max_pool2_ties_nans_and_odd_sizes(name: str) -> None:
     dy.reshape(-1)[5] = np.inf
     want_dx = _cpu(pool3d.max_pool3d_backward, dy, want_arg, shape, 2, 2, 0)
     _same(raw_ops.max_pool2_backward(dy, arg, shape, launch=HostLauncher()), want_dx)
+
+
+def test_xp_max_pooling_takes_the_kernel_for_tiled_windows_only() -> None:
+    """kernels/pool3d_xp.py (the GPU's pooling) routes 2x2x2 tiled windows to
+    maxpool.cu: the same results as its whole-array path, and no host wait."""
+    x = np.random.default_rng(11).integers(-3, 3, size=(2, 2, 6, 4, 5)).astype(np.float32)
+    x[1, 1, 2, 2, 2] = np.nan
+    pool = pool3d.PoolGeometry(x.shape, 2, 2, 0, max_pool=True)
+    launcher = HostLauncher()
+    y, arg = pool3d_xp.max_pool3d_forward(x, pool, launch=launcher)
+    want_y, want_arg = pool3d_xp.max_pool3d_forward(x, pool)
+    _same(y, want_y)
+    np.testing.assert_array_equal(arg, want_arg, strict=True)
+    dy = np.random.default_rng(12).normal(size=y.shape).astype(np.float32)
+    _same(pool3d_xp.max_pool3d_backward(dy, arg, pool, launch=launcher),
+          pool3d_xp.max_pool3d_backward(dy, arg, pool))
+    assert [k for k, _ in launcher.launches] == ["maxpool2_forward_f32", "maxpool2_backward_f32"]
+    overlapping = pool3d.PoolGeometry(x.shape, 3, 2, 1, max_pool=True)
+    pool3d_xp.max_pool3d_forward(x, overlapping, launch=launcher)
+    assert len(launcher.launches) == 2
 
 
 @pytest.mark.parametrize("name", DTYPES)

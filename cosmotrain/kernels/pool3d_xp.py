@@ -14,12 +14,17 @@ is written last; a window holding a NaN points at its first NaN.  Backward: aver
 pooling spreads ``dy / k^3`` back separably (each 1-D window sum's transpose: ``k``
 strided adds), max pooling adds ``dy`` into each window's argmax tap (one masked strided
 add per tap, which also sums overlapping windows); the padding is cropped at the end.
+
+Max pooling over 2x2x2 windows that tile the input (MLPerf's) takes our CUDA kernel on
+device arrays instead (:func:`.cuda.raw_ops.max_pool2_forward`: one pass, the same
+maxima, offsets and NaN rule, and no host wait for the NaN check); ``launch`` runs it
+through another launcher (the tests: the kernel's host build, on numpy arrays).
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -94,9 +99,21 @@ def avg_pool3d_backward(dy: Any, pool: Any) -> Any:
     return _cropped(grad, pool.padding, pool.x_shape[2:])
 
 
-def max_pool3d_forward(x: Any, pool: Any) -> tuple[Any, Any]:
+def _own_kernel(xp: Any, pool: Any, launch: Optional[Callable]) -> bool:
+    """Whether our CUDA kernel pools: 2x2x2 windows tiling a device array (or any
+    array, given a launcher)."""
+    tiles = (tuple(pool.kernel) == (2, 2, 2) and tuple(pool.stride) == (2, 2, 2)
+             and all(lo == 0 and hi == 0 for lo, hi in pool.padding))
+    return tiles and (xp is not np or launch is not None)
+
+
+def max_pool3d_forward(x: Any, pool: Any, launch: Optional[Callable] = None
+                       ) -> tuple[Any, Any]:
     """Max pooling with ``-inf`` padding: ``(y, argmax)``."""
     xp = array_module(x)
+    if _own_kernel(xp, pool, launch):
+        from .cuda import raw_ops
+        return raw_ops.max_pool2_forward(xp.ascontiguousarray(x), launch=launch)
     padded = _padded(x, pool.padding, -np.inf)
     y = _reduce(padded, pool, xp.maximum)
     arg = xp.zeros(y.shape, dtype=pool.argmax_dtype)
@@ -109,9 +126,14 @@ def max_pool3d_forward(x: Any, pool: Any) -> tuple[Any, Any]:
     return y, arg
 
 
-def max_pool3d_backward(dy: Any, argmax: Any, pool: Any) -> Any:
+def max_pool3d_backward(dy: Any, argmax: Any, pool: Any,
+                        launch: Optional[Callable] = None) -> Any:
     """Gradient of :func:`max_pool3d_forward`: ``dy`` added at each window's maximum."""
     xp = array_module(dy)
+    if _own_kernel(xp, pool, launch):
+        from .cuda import raw_ops
+        return raw_ops.max_pool2_backward(xp.ascontiguousarray(dy), xp.ascontiguousarray(argmax),
+                                          pool.x_shape, launch=launch)
     shape = dy.shape[:2] + tuple(n + lo + hi for n, (lo, hi) in
                                  zip(pool.x_shape[2:], pool.padding))
     grad = xp.zeros(shape, dtype=dy.dtype)
