@@ -21,7 +21,9 @@ __device__ __forceinline__ int floor_div(int a, int b) { return (a - (((a % b) +
 // Input indices of output j's window along one dimension in `_window`'s order.
 __device__ int window_order(int k, int s, int lo, int n_in, int n_out, int j, int* out) {
     int n = 0;
+#pragma unroll 1
     for (int pass = 0; pass < 2; pass++)
+#pragma unroll 1
         for (int e = 0; e < k; e++) {
             const int j0 = -floor_div(e - lo, s) > 0 ? -floor_div(e - lo, s) : 0;
             int j1 = floor_div(n_in - 1 - e + lo, s) + 1;
@@ -38,7 +40,9 @@ __device__ int window_order(int k, int s, int lo, int n_in, int n_out, int j, in
 __device__ int spread_order(int k, int s, int lo, int n_in, int n_out, int i, int* out) {
     const int r = i % s, m = i / s, count = (n_in - r + s - 1) / s;
     int n = 0;
+#pragma unroll 1
     for (int pass = 0; pass < 2; pass++)
+#pragma unroll 1
         for (int e = 0; e < k; e++) {
             const int num = r + lo - e;
             const int rem = ((num % s) + s) % s;
