@@ -58,3 +58,15 @@ def test_the_sources_ship_as_package_data() -> None:
     shipped = {p for pattern in patterns for p in (ROOT / "cosmotrain").glob(pattern)}
     wanted = set(raw.sources()) | {raw.SOURCE_DIR / h for h in raw.HEADERS}
     assert wanted <= shipped
+
+
+@pytest.mark.parametrize("source", raw.sources(), ids=lambda p: p.name)
+def test_the_device_code_keeps_the_cpus_float32_rounding(source: Path) -> None:
+    """No float32 fused multiply-add and no flushing of subnormals in the PTX: each
+    product and sum rounds as numpy's do (the host build's bits are the device's)."""
+    reason = _nvrtc_ready()
+    if reason:
+        pytest.skip(reason)
+    ptx = raw.nvrtc_ptx(source, "compute_90")
+    assert ".entry" in ptx
+    assert not re.search(r"\bfma\.\w+\.f32|\.ftz\b", ptx)

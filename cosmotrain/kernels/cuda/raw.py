@@ -1,8 +1,10 @@
 """Our own CUDA kernels: the ``.cu`` sources under ``src/``, their entry points and
-argument types, NVRTC compilation, and launching them through cupy's ``RawModule``.
+argument types, NVRTC compilation, and launching them through cupy (a loaded
+``cupy.cuda.function.Module``, what ``RawModule`` holds; see :func:`module`).
 
 Why files, not strings: compilers, editors and CI see them.  Each source compiles once
-per process into a ``RawModule`` (cached here) on first use; nothing is compiled at
+per process (NVRTC, for the current device) into a loaded module, cached here, on
+first use; nothing is compiled at
 import, and importing this module imports no cupy.  The same sources are compiled by
 NVRTC without a GPU in CI (:func:`nvrtc_compile`, tests/test_cuda_sources.py) and by
 the host C++ compiler behind ``src/host_shim.h``, which runs them on the CPU against
@@ -25,7 +27,10 @@ SOURCE_DIR = Path(__file__).parent / "src"
 # Header every source includes, and the shim that stands in for CUDA on the host.
 HEADERS = ("common.cuh", "host_shim.h")
 ARCHITECTURES = ("sm_80", "sm_90")
-NVRTC_OPTIONS = ("-std=c++17",)
+# No flushing of float32 subnormals to zero (cupy's own compile path adds -ftz=true last,
+# which would win: so modules are built here, see :func:`module`), no contraction into
+# fused multiply-adds: the CPU's float32 bits (the sources' _rn intrinsics say it too).
+NVRTC_OPTIONS = ("-std=c++17", "-ftz=false", "-fmad=false")
 BLOCK = 256
 # Most blocks a launch asks for: a grid-stride loop covers the rest (about 8 blocks of
 # 256 threads per SM on 132 SMs, with room).
@@ -98,33 +103,46 @@ def include_dirs() -> list[str]:
     return dirs
 
 
-def nvrtc_compile(source: Path, arch: str) -> bytes:
-    """The cubin of ``source`` for ``arch`` (``sm_90``) through NVRTC's raw binding, which
+def _program(source: Path, options: Sequence[str], output: str) -> bytes:
+    """NVRTC's ``output`` ("cubin" or "ptx") of ``source`` through the raw binding, which
     needs no GPU or driver (cupy's ``compile_using_nvrtc`` asks for the current device).
     Raises RuntimeError with NVRTC's log when the source does not compile."""
     from cupy.cuda import nvrtc  # type: ignore[import-not-found]
 
-    options = [f"--gpu-architecture={arch}", *NVRTC_OPTIONS,
-               *(f"-I{d}" for d in include_dirs())]
+    options = [*options, *NVRTC_OPTIONS, *(f"-I{d}" for d in include_dirs())]
     program = nvrtc.createProgram(source.read_text(), source.name, [], [])
     try:
         nvrtc.compileProgram(program, options)
+        result = nvrtc.getCUBIN(program) if output == "cubin" else nvrtc.getPTX(program)
     except nvrtc.NVRTCError as error:
-        raise RuntimeError(f"{source.name} ({arch}): {error}\n"
+        raise RuntimeError(f"{source.name} ({' '.join(options[:1])}): {error}\n"
                            f"{nvrtc.getProgramLog(program)}") from None
-    cubin = nvrtc.getCUBIN(program)
-    nvrtc.destroyProgram(program)
-    return cubin
+    finally:
+        nvrtc.destroyProgram(program)
+    return result if isinstance(result, bytes) else result.encode()
+
+
+def nvrtc_compile(source: Path, arch: str) -> bytes:
+    """The cubin of ``source`` for ``arch`` (``sm_90``), without a GPU."""
+    return _program(source, [f"--gpu-architecture={arch}"], "cubin")
+
+
+def nvrtc_ptx(source: Path, arch: str) -> str:
+    """The PTX of ``source`` for the virtual ``arch`` (``compute_90``), without a GPU."""
+    return _program(source, [f"--gpu-architecture={arch}"], "ptx").decode()
 
 
 @functools.cache
 def module(source: str) -> Any:
-    """The ``cupy.RawModule`` of ``src/<source>``, compiled once per process."""
+    """The loaded module of ``src/<source>`` for the current device, compiled once per
+    process by :func:`nvrtc_compile` (not ``cupy.RawModule(code=...)``: its compile path
+    appends -ftz=true, flushing float32 subnormals the CPU keeps)."""
     import cupy  # type: ignore[import-not-found]
 
-    options = (*NVRTC_OPTIONS, *(f"-I{d}" for d in include_dirs()))
-    return cupy.RawModule(code=(SOURCE_DIR / source).read_text(), options=options,
-                          backend="nvrtc")
+    arch = f"sm_{cupy.cuda.Device().compute_capability}"
+    loaded = cupy.cuda.function.Module()
+    loaded.load(nvrtc_compile(SOURCE_DIR / source, arch))
+    return loaded
 
 
 def cupy_launch(kernel: str, size: int, args: Sequence[Any]) -> None:
