@@ -5,7 +5,9 @@
 // Backward (a layer whose activation no pooling follows; an average pooling fuses it,
 // avgpool.cu): dx = dy * (y > 0 ? up : down), the factors of
 // activation.backward_factors, the product native/activation.c forms.  Bias is float32
-// (the parameters' dtype) whatever the storage dtype.
+// (the parameters' dtype) whatever the storage dtype.  bf16: one rounding, of the
+// activation's output; the layers' unfused path (conv3d adds the bias rounded to bf16,
+// rounds the sum, then the activation rounds again) agrees within bf16 rounding.
 #include "common.cuh"
 
 template <class T>

@@ -24,9 +24,18 @@ __device__ __forceinline__ int tensor_of(const i64* offsets, int tensors, i64 i)
     return lo;
 }
 
-__device__ __forceinline__ float* role(const unsigned long long* ptrs, int tensors, int r,
-                                       int t) {
-    return (float*)ptrs[(i64)r * tensors + t];
+// Element i of the concatenated tensors: tensor t, index j; at(r) is role r there.
+struct Slot {
+    const unsigned long long* ptrs;
+    int tensors, t;
+    i64 j;
+    __device__ float& operator()(int r) const { return ((float*)ptrs[(i64)r * tensors + t])[j]; }
+};
+
+__device__ __forceinline__ Slot slot(const unsigned long long* ptrs, const i64* offsets,
+                                     int tensors, i64 i) {
+    const int t = tensor_of(offsets, tensors, i);
+    return Slot{ptrs, tensors, t, i - offsets[t]};
 }
 
 // hyper: momentum, lr, first (1: the buffer starts as the gradient, torch's first step).
@@ -37,14 +46,11 @@ extern "C" __global__ void sgd_momentum_multi(const unsigned long long* ptrs,
     const float momentum = hyper[0], lr = hyper[1];
     const int first = hyper[2] != 0.0f;
     GRID_STRIDE(i, offsets[tensors]) {
-        const int t = tensor_of(offsets, tensors, i);
-        const i64 j = i - offsets[t];
-        float* data = role(ptrs, tensors, 0, t);
-        const float g = role(ptrs, tensors, 1, t)[j];
-        float* buf = role(ptrs, tensors, 2, t);
-        const float b = first ? g : __fadd_rn(__fmul_rn(buf[j], momentum), g);
-        buf[j] = b;
-        data[j] = __fsub_rn(data[j], __fmul_rn(b, lr));
+        const Slot at = slot(ptrs, offsets, tensors, i);  // roles: data, grad, buffer
+        const float g = at(1);
+        const float b = first ? g : __fadd_rn(__fmul_rn(at(2), momentum), g);
+        at(2) = b;
+        at(0) = __fsub_rn(at(0), __fmul_rn(b, lr));
     }
 }
 
@@ -57,19 +63,15 @@ extern "C" __global__ void adam_multi(const unsigned long long* ptrs, const i64*
     const float one_minus_beta2 = hyper[3], bias2_sqrt = hyper[4], eps = hyper[5];
     const float step_size = hyper[6];
     GRID_STRIDE(i, offsets[tensors]) {
-        const int t = tensor_of(offsets, tensors, i);
-        const i64 j = i - offsets[t];
-        float* data = role(ptrs, tensors, 0, t);
-        const float g = role(ptrs, tensors, 1, t)[j];
-        float* m = role(ptrs, tensors, 2, t);
-        float* v = role(ptrs, tensors, 3, t);
-        const float mi = __fadd_rn(__fmul_rn(m[j], beta1), __fmul_rn(g, one_minus_beta1));
-        const float vi = __fadd_rn(__fmul_rn(v[j], beta2),
+        const Slot at = slot(ptrs, offsets, tensors, i);  // roles: data, grad, m, v
+        const float g = at(1);
+        const float mi = __fadd_rn(__fmul_rn(at(2), beta1), __fmul_rn(g, one_minus_beta1));
+        const float vi = __fadd_rn(__fmul_rn(at(3), beta2),
                                    __fmul_rn(__fmul_rn(g, g), one_minus_beta2));
-        m[j] = mi;
-        v[j] = vi;
+        at(2) = mi;
+        at(3) = vi;
         const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bias2_sqrt), eps);
-        data[j] = __fsub_rn(data[j], __fmul_rn(__fdiv_rn(mi, denom), step_size));
+        at(0) = __fsub_rn(at(0), __fmul_rn(__fdiv_rn(mi, denom), step_size));
     }
 }
 
