@@ -50,7 +50,7 @@ KERNELS: dict[str, tuple[str, str]] = {
     **{k: ("input.cu", c) for k, c in _both("input_transform", "pppplilii").items()},
     **{k: ("epilogue.cu", c) for k, c in _both("bias_leaky_relu", "ppplilf").items()},
     **{k: ("epilogue.cu", c) for k, c in _both("leaky_relu_backward", "ppplff").items()},
-    **{k: ("avgpool.cu", c) for k, c in _both("avgpool_forward", "pplpfi").items()},
+    **{k: ("avgpool.cu", c) for k, c in _both("avgpool_forward", "pplpf").items()},
     **{k: ("avgpool.cu", c) for k, c in _both("avgpool_backward", "ppplpfiff").items()},
     **{k: ("maxpool.cu", c) for k, c in _both("maxpool2_forward", "pppliii").items()},
     **{k: ("maxpool.cu", c) for k, c in _both("maxpool2_backward", "pppliii").items()},

@@ -19,7 +19,7 @@ from cosmotrain.device.xp import array_module
 from cosmotrain.kernels.activation import backward_factors
 from cosmotrain.kernels.dropout import stream_key
 
-from . import raw
+from . import pool_tables, raw
 
 Launch = Callable[[str, int, Sequence[Any]], None]
 MODES = {"log1p": 0, "mean": 1, "none": 2}
@@ -27,6 +27,23 @@ MODES = {"log1p": 0, "mean": 1, "none": 2}
 
 def _launch(launch: Optional[Launch]) -> Launch:
     return launch or raw.cupy_launch
+
+
+# Small constant arrays (pooling tables, dropout shapes) already on a device, by
+# (array module, device, dtype, values): uploaded once, so a repeated step copies
+# nothing from the host (a pageable copy would make the host wait) and a captured graph
+# keeps valid addresses.  Per process, like the CUDA context the arrays live in.
+_CONSTANTS: dict[tuple, Any] = {}
+
+
+def constant(values: Sequence[int], dtype: Any, xp: Any = np) -> Any:
+    """``values`` as a read-only array of ``xp`` (cached on the device for cupy)."""
+    if xp is np:
+        return np.asarray(values, dtype=dtype)
+    key = (xp.__name__, xp.cuda.Device().id, np.dtype(dtype).str, tuple(values))
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = xp.asarray(np.asarray(values, dtype=dtype))
+    return _CONSTANTS[key]
 
 
 def _split(shape: Sequence[int]) -> tuple[int, int, int]:
@@ -73,26 +90,20 @@ def leaky_relu_backward(dy: Any, y: Any, slope: float, out: Any = None,
     return dx
 
 
-def pool_geometry(pool: Any, xp: Any = np) -> Any:
-    """The 15 ints ``avgpool.cu`` reads (``pool``: a ``kernels.pool3d.PoolGeometry``)."""
-    values = [*pool.x_shape[2:], *pool.out, *pool.kernel, *pool.stride,
-              *(lo for lo, _ in pool.padding)]
-    return xp.asarray(np.asarray(values, dtype=np.int32))
-
-
-def _whole(pool: Any) -> int:
+def _whole(pool: Any) -> bool:
     """The CPU kernels' summation order for this geometry (float32 itemsize: bf16 is
     pooled widened there)."""
-    return int(pool.whole(4))
+    return bool(pool.whole(4))
 
 
 def avg_pool_forward(x: Any, pool: Any, launch: Optional[Launch] = None) -> Any:
     """Average pooling (zero padding counted) in one pass: the CPU kernel's bits."""
     xp = array_module(x)
     y = xp.empty(pool.y_shape, dtype=x.dtype)
+    geometry = constant(pool_tables.forward_table(pool, _whole(pool)), np.int32, xp)
     _launch(launch)(f"avgpool_forward_{raw.suffix(x.dtype)}", y.size,
-                    (x, y, pool.x_shape[0] * pool.x_shape[1], pool_geometry(pool, xp),
-                     float(np.float32(1.0 / math.prod(pool.kernel))), _whole(pool)))
+                    (x, y, pool.x_shape[0] * pool.x_shape[1], geometry,
+                     float(np.float32(1.0 / math.prod(pool.kernel)))))
     return y
 
 
@@ -104,10 +115,11 @@ def avg_pool_backward(dy: Any, pool: Any, activation: Any = None, slope: float =
     xp = array_module(dy)
     dx = xp.empty(pool.x_shape, dtype=dy.dtype)
     up, down = backward_factors(slope)
+    geometry = constant(pool_tables.backward_table(pool, _whole(pool)), np.int32, xp)
     _launch(launch)(f"avgpool_backward_{raw.suffix(dy.dtype)}", dx.size,
-                    (dy, dx, activation, pool.x_shape[0] * pool.x_shape[1],
-                     pool_geometry(pool, xp), float(np.float32(1.0 / math.prod(pool.kernel))),
-                     _whole(pool), up, down))
+                    (dy, dx, activation, pool.x_shape[0] * pool.x_shape[1], geometry,
+                     float(np.float32(1.0 / math.prod(pool.kernel))), int(_whole(pool)),
+                     up, down))
     return dx
 
 
@@ -131,15 +143,14 @@ def max_pool2_backward(dy: Any, argmax: Any, x_shape: Sequence[int],
 
 
 def dropout_shape(local_shape: Sequence[int], offset: Sequence[int],
-                  global_shape: Sequence[int], xp: Any = np) -> Any:
+                  global_shape: Sequence[int]) -> tuple[int, ...]:
     """The 15 int64 ``dropout.cu`` reads: local shape, offset, global shape, each padded
     in front to 5 dimensions."""
     pad = 5 - len(local_shape)
     if pad < 0:
         raise ValueError(f"dropout on the device takes up to 5 dimensions, not {len(local_shape)}")
-    values = ([1] * pad + list(local_shape) + [0] * pad + list(offset) + [1] * pad
-              + list(global_shape))
-    return xp.asarray(np.asarray(values, dtype=np.int64))
+    return tuple([1] * pad + list(local_shape) + [0] * pad + list(offset) + [1] * pad
+                 + list(global_shape))
 
 
 def dropout(x: Any, offset: Sequence[int], global_shape: Sequence[int], p: float, seed: int,
@@ -149,7 +160,7 @@ def dropout(x: Any, offset: Sequence[int], global_shape: Sequence[int], p: float
     xp = array_module(x)
     y = xp.empty_like(x)
     _launch(launch)(f"dropout_{raw.suffix(x.dtype)}", x.size,
-                    (x, y, dropout_shape(x.shape, offset, global_shape, xp),
+                    (x, y, constant(dropout_shape(x.shape, offset, global_shape), np.int64, xp),
                      int(stream_key(seed, step, salt)), float(p),
                      float(np.float32(1.0 / (1.0 - p)))))
     return y

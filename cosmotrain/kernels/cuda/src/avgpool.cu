@@ -5,59 +5,23 @@
 // the order of the CPU kernels (kernels/native/avgpool.c, itself numpy's order in
 // kernels/pool3d.py): along D, then H, then W, each dimension's taps in `_window`'s
 // order (the taps whose part covers every output first, then the others) or, on the
-// CPU's plane-by-plane path (`whole` == 0), D in ascending order.  That order is what
-// makes every spatial split give one process's results, so the GPU keeps it too; the
-// float32 results are the CPU's bit for bit, and bf16 storage gives the CPU bf16 path's
-// bits (it pools the widened values in float32 and rounds once).
+// CPU's plane-by-plane path, D in ascending order.  That order is what makes every
+// spatial split give one process's results, so the GPU keeps it too; the float32
+// results are the CPU's bit for bit, and bf16 storage gives the CPU bf16 path's bits (it
+// pools the widened values in float32 and rounds once).  The order comes in tables
+// built once per geometry on the host (working it out per thread took about 70 integer
+// divisions an output).  `whole` (backward): the CPU's whole-volume path, which scales
+// each term before the sum over D; the plane-by-plane path scales the sum.
 //
-// One thread per output (forward) or per input element (backward).  At most 8 taps a
-// dimension.  NCDHW, C-contiguous; `planes` = N * C.
+// One thread per output (forward) or per input element (backward).  NCDHW,
+// C-contiguous; `planes` = N * C.
 #include "common.cuh"
 
-#define MAX_TAPS 8
-
-__device__ __forceinline__ int floor_div(int a, int b) { return (a - (((a % b) + b) % b)) / b; }
-
-// Input indices of output j's window along one dimension in `_window`'s order.
-__device__ int window_order(int k, int s, int lo, int n_in, int n_out, int j, int* out) {
-    int n = 0;
-#pragma unroll 1
-    for (int pass = 0; pass < 2; pass++)
-#pragma unroll 1
-        for (int e = 0; e < k; e++) {
-            const int j0 = -floor_div(e - lo, s) > 0 ? -floor_div(e - lo, s) : 0;
-            int j1 = floor_div(n_in - 1 - e + lo, s) + 1;
-            if (j1 > n_out) j1 = n_out;
-            if (j1 <= j0) continue;
-            const int full = j0 == 0 && j1 == n_out;
-            if (full != (pass == 0) || j < j0 || j >= j1) continue;
-            out[n++] = j * s + e - lo;
-        }
-    return n;
-}
-
-// Outputs whose windows hold input i along one dimension, in `_spread`'s order.
-__device__ int spread_order(int k, int s, int lo, int n_in, int n_out, int i, int* out) {
-    const int r = i % s, m = i / s, count = (n_in - r + s - 1) / s;
-    int n = 0;
-#pragma unroll 1
-    for (int pass = 0; pass < 2; pass++)
-#pragma unroll 1
-        for (int e = 0; e < k; e++) {
-            const int num = r + lo - e;
-            const int rem = ((num % s) + s) % s;
-            if (rem) continue;
-            const int q = (num - rem) / s;
-            const int m0 = q < 0 ? -q : 0, m1 = count < n_out - q ? count : n_out - q;
-            const int full = m0 == 0 && m1 == count;
-            if (m1 <= m0 || full != (pass == 0) || m < m0 || m >= m1) continue;
-            out[n++] = m + q;
-        }
-    return n;
-}
-
-// The geometry, 15 ints in device memory (static across steps, so a captured graph
-// replays it): input D, H, W; output D, H, W; kernel; stride; padding before.
+// geo (int32, kernels/cuda/pool_tables.py): the 15 geometry ints (input D, H, W;
+// output D, H, W; kernel; stride; padding before), the offsets of the D, H and W order
+// tables, then the tables: per output (forward) or input index (backward) along a
+// dimension, a row of k + 1 ints, the count and then the indices in adding order.
+// Static across steps, so a captured graph replays it.
 struct Pool {
     int d_in, h_in, w_in, d_out, h_out, w_out, kd, kh, kw, sd, sh, sw, dl, hl, wl;
 };
@@ -67,9 +31,14 @@ __device__ __forceinline__ Pool load_pool(const int* v) {
                 v[12], v[13], v[14]};
 }
 
+// The order row of index `index` along dimension `dim` (kernel size k): count, indices.
+__device__ __forceinline__ const int* order(const int* geo, int dim, int index, int k) {
+    return geo + geo[15 + dim] + (i64)index * (k + 1);
+}
+
 template <class T>
 __device__ void avgpool_forward_body(const T* __restrict__ x, T* __restrict__ y, i64 planes,
-                                     const int* geo, float scale, int whole) {
+                                     const int* geo, float scale) {
     const Pool g = load_pool(geo);
     const i64 out_volume = (i64)g.d_out * g.h_out * g.w_out;
     const i64 in_volume = (i64)g.d_in * g.h_in * g.w_in;
@@ -77,17 +46,10 @@ __device__ void avgpool_forward_body(const T* __restrict__ x, T* __restrict__ y,
         const int w = (int)(i % g.w_out), h = (int)((i / g.w_out) % g.h_out);
         const int z = (int)((i / ((i64)g.w_out * g.h_out)) % g.d_out);
         const T* xc = x + (i / out_volume) * in_volume;
-        int ds[MAX_TAPS], hs[MAX_TAPS], ws[MAX_TAPS], nd = 0;
-        if (whole) {
-            nd = window_order(g.kd, g.sd, g.dl, g.d_in, g.d_out, z, ds);
-        } else {
-            for (int a = 0; a < g.kd; a++) {
-                const int p = z * g.sd + a - g.dl;
-                if (p >= 0 && p < g.d_in) ds[nd++] = p;
-            }
-        }
-        const int nh = window_order(g.kh, g.sh, g.hl, g.h_in, g.h_out, h, hs);
-        const int nw = window_order(g.kw, g.sw, g.wl, g.w_in, g.w_out, w, ws);
+        const int* ds = order(geo, 0, z, g.kd);
+        const int* hs = order(geo, 1, h, g.kh);
+        const int* ws = order(geo, 2, w, g.kw);
+        const int nd = *ds++, nh = *hs++, nw = *ws++;
         float total = 0.0f;
         for (int qw = 0; qw < nw; qw++) {
             float rows = 0.0f;
@@ -106,8 +68,8 @@ __device__ void avgpool_forward_body(const T* __restrict__ x, T* __restrict__ y,
 }
 
 COSMO_BOTH(avgpool_forward,
-           (const T* x, T* y, i64 planes, const int* geo, float scale, int whole),
-           <T>(x, y, planes, geo, scale, whole))
+           (const T* x, T* y, i64 planes, const int* geo, float scale),
+           <T>(x, y, planes, geo, scale))
 
 // dx = the spread of dy * scale; with `ya` (the output of a LeakyReLU before the
 // pooling, dx's shape), times (ya > 0 ? up : down): that activation's backward in the
@@ -124,17 +86,10 @@ __device__ void avgpool_backward_body(const T* __restrict__ dy, T* __restrict__ 
         const int w = (int)(i % g.w_in), r = (int)((i / g.w_in) % g.h_in);
         const int p = (int)((i / ((i64)g.w_in * g.h_in)) % g.d_in);
         const T* gc = dy + (i / in_volume) * out_volume;
-        int zs[MAX_TAPS], hs[MAX_TAPS], ws[MAX_TAPS], nz = 0;
-        if (whole) {
-            nz = spread_order(g.kd, g.sd, g.dl, g.d_in, g.d_out, p, zs);
-        } else {
-            for (int z = 0; z < g.d_out; z++) {
-                const int a = p + g.dl - z * g.sd;
-                if (a >= 0 && a < g.kd) zs[nz++] = z;
-            }
-        }
-        const int nh = spread_order(g.kh, g.sh, g.hl, g.h_in, g.h_out, r, hs);
-        const int nw = spread_order(g.kw, g.sw, g.wl, g.w_in, g.w_out, w, ws);
+        const int* zs = order(geo, 0, p, g.kd);
+        const int* hs = order(geo, 1, r, g.kh);
+        const int* ws = order(geo, 2, w, g.kw);
+        const int nz = *zs++, nh = *hs++, nw = *ws++;
         float total = 0.0f;
         for (int qw = 0; qw < nw; qw++) {
             float rows = 0.0f;
