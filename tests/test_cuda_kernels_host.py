@@ -103,7 +103,7 @@ def test_avg_pool_forward_and_fused_backward_give_the_cpu_bits(
     want = _cpu(pool3d.avg_pool3d_forward, x, kernel, stride, padding, by_planes=by_planes)
     _same(raw_ops.avg_pool_forward(x, pool, launch=HostLauncher()), want)
     dy = rng.normal(size=want.shape).astype(x.dtype)
-    back = pool3d.PoolGeometry(shape, kernel, stride, padding)  # the CPU's backward order
+    back = pool  # by_planes is the forward's choice; the backward keeps the CPU's order
     want_dx = _cpu(pool3d.avg_pool3d_backward, dy, shape, kernel, stride, padding)
     _same(raw_ops.avg_pool_backward(dy, back, launch=HostLauncher()), want_dx)
     ya = rng.normal(size=shape).astype(x.dtype)

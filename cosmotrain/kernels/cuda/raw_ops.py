@@ -111,15 +111,16 @@ def avg_pool_backward(dy: Any, pool: Any, activation: Any = None, slope: float =
                       launch: Optional[Launch] = None) -> Any:
     """Gradient of :func:`avg_pool_forward` as a gather; with ``activation`` (the output
     of the LeakyReLU before the pooling, of the input's shape) times that activation's
-    backward factors in the same pass."""
+    backward factors in the same pass.  The order is the CPU backward's, which pools
+    by planes only for large volumes (``pool.by_planes`` plays no part there)."""
     xp = array_module(dy)
     dx = xp.empty(pool.x_shape, dtype=dy.dtype)
     up, down = backward_factors(slope)
-    geometry = constant(pool_tables.backward_table(pool, _whole(pool)), np.int32, xp)
+    whole = _whole(type(pool)(pool.x_shape, pool.kernel, pool.stride, pool.padding))
+    geometry = constant(pool_tables.backward_table(pool, whole), np.int32, xp)
     _launch(launch)(f"avgpool_backward_{raw.suffix(dy.dtype)}", dx.size,
                     (dy, dx, activation, pool.x_shape[0] * pool.x_shape[1], geometry,
-                     float(np.float32(1.0 / math.prod(pool.kernel))), int(_whole(pool)),
-                     up, down))
+                     float(np.float32(1.0 / math.prod(pool.kernel))), int(whole), up, down))
     return dx
 
 
