@@ -183,21 +183,24 @@ def _tensors(seed: int) -> list[np.ndarray]:
     return [rng.normal(size=n).astype(np.float32) for n in (5, 1, 170, 901)]
 
 
+@pytest.mark.parametrize("decay", [0.0, 0.05])
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
-def test_multi_tensor_optimizers_give_torch_optims_bits_and_skip_on_the_flag(kind: str) -> None:
+def test_multi_tensor_optimizers_give_torch_optims_bits_and_skip_on_the_flag(
+        kind: str, decay: float) -> None:
     data, ours = _tensors(7), _tensors(7)
     states = [[np.zeros_like(a) for a in ours] for _ in range(1 if kind == "sgd" else 2)]
     grads = [_tensors(8), _tensors(9)]
-    optimizer = SGD(lr=0.1, momentum=0.9) if kind == "sgd" else Adam(lr=0.01)
+    optimizer = (SGD(lr=0.1, momentum=0.9, weight_decay=decay) if kind == "sgd"
+                 else Adam(lr=0.01, weight_decay=decay))
     table = raw_ops.tensor_table([ours, grads[0], *states], lambda a: a.ctypes.data)
     skip = np.zeros(1, dtype=np.int32)
     for step, grad in enumerate(grads, start=1):
         for i, (d, g) in enumerate(zip(data, grad)):
-            optimizer.update(str(i), d, g, 0.1 if kind == "sgd" else 0.01)
+            optimizer.apply(str(i), d, g, 0.1 if kind == "sgd" else 0.01)
         for target, g in zip(grads[0], grad):  # the table holds grads[0]'s addresses
             target[...] = g
-        hyper = (raw_ops.sgd_hyper(0.9, 0.1, step == 1) if kind == "sgd"
-                 else raw_ops.adam_hyper(0.9, 0.999, 1e-8, 0.01, step))
+        hyper = (raw_ops.sgd_hyper(0.9, 0.1, step == 1, decay) if kind == "sgd"
+                 else raw_ops.adam_hyper(0.9, 0.999, 1e-8, 0.01, step, decay))
         raw_ops.multi_update(f"{kind if kind == 'adam' else 'sgd_momentum'}_multi", table,
                              hyper, skip, launch=HostLauncher())
     for want, got in zip(data, ours):

@@ -193,16 +193,18 @@ def tensor_table(roles: Sequence[Sequence[Any]], address: Callable[[Any], int],
     return xp.asarray(pointers), xp.asarray(offsets), int(offsets[-1])
 
 
-def sgd_hyper(momentum: float, lr: float, first: bool) -> np.ndarray:
+def sgd_hyper(momentum: float, lr: float, first: bool, weight_decay: float = 0.0
+              ) -> np.ndarray:
     """``sgd_momentum_multi``'s hyperparameters (copy them to the device)."""
-    return np.asarray([momentum, lr, float(first)], dtype=np.float32)
+    return np.asarray([momentum, lr, float(first), weight_decay], dtype=np.float32)
 
 
-def adam_hyper(beta1: float, beta2: float, eps: float, lr: float, step: int) -> np.ndarray:
+def adam_hyper(beta1: float, beta2: float, eps: float, lr: float, step: int,
+               weight_decay: float = 0.0) -> np.ndarray:
     """``adam_multi``'s hyperparameters for step ``step`` (from 1), rounded as
     ``kernels.optim_update.adam`` rounds them."""
     return np.asarray([beta1, 1 - beta1, beta2, 1 - beta2, math.sqrt(1 - beta2 ** step), eps,
-                       lr / (1 - beta1 ** step)], dtype=np.float32)
+                       lr / (1 - beta1 ** step), weight_decay], dtype=np.float32)
 
 
 def multi_update(kernel: str, table: tuple[Any, Any, int], hyper: Any, skip: Any,

@@ -38,16 +38,24 @@ __device__ __forceinline__ Slot slot(const unsigned long long* ptrs, const i64* 
     return Slot{ptrs, tensors, t, i - offsets[t]};
 }
 
-// hyper: momentum, lr, first (1: the buffer starts as the gradient, torch's first step).
+// The gradient with weight decay, as Optimizer.apply forms it: grad + data * decay
+// (none when decay is 0, as there).
+__device__ __forceinline__ float decayed(const Slot& at, float decay) {
+    return decay != 0.0f ? __fadd_rn(at(1), __fmul_rn(at(0), decay)) : at(1);
+}
+
+// hyper: momentum, lr, first (1: the buffer starts as the gradient, torch's first
+// step), weight decay.
 extern "C" __global__ void sgd_momentum_multi(const unsigned long long* ptrs,
                                               const i64* offsets, int tensors,
                                               const float* hyper, const int* skip) {
     if (skip && *skip) return;
     const float momentum = hyper[0], lr = hyper[1];
     const int first = hyper[2] != 0.0f;
+    const float decay = hyper[3];
     GRID_STRIDE(i, offsets[tensors]) {
         const Slot at = slot(ptrs, offsets, tensors, i);  // roles: data, grad, buffer
-        const float g = at(1);
+        const float g = decayed(at, decay);
         const float b = first ? g : __fadd_rn(__fmul_rn(at(2), momentum), g);
         at(2) = b;
         at(0) = __fsub_rn(at(0), __fmul_rn(b, lr));
@@ -55,16 +63,17 @@ extern "C" __global__ void sgd_momentum_multi(const unsigned long long* ptrs,
 }
 
 // hyper: beta1, 1 - beta1, beta2, 1 - beta2, sqrt(1 - beta2^t), eps,
-// lr / (1 - beta1^t), each rounded to float32 as optim_update.adam rounds them.
+// lr / (1 - beta1^t), each rounded to float32 as optim_update.adam rounds them, then
+// the weight decay.
 extern "C" __global__ void adam_multi(const unsigned long long* ptrs, const i64* offsets,
                                       int tensors, const float* hyper, const int* skip) {
     if (skip && *skip) return;
     const float beta1 = hyper[0], one_minus_beta1 = hyper[1], beta2 = hyper[2];
     const float one_minus_beta2 = hyper[3], bias2_sqrt = hyper[4], eps = hyper[5];
-    const float step_size = hyper[6];
+    const float step_size = hyper[6], decay = hyper[7];
     GRID_STRIDE(i, offsets[tensors]) {
         const Slot at = slot(ptrs, offsets, tensors, i);  // roles: data, grad, m, v
-        const float g = at(1);
+        const float g = decayed(at, decay);
         const float mi = __fadd_rn(__fmul_rn(at(2), beta1), __fmul_rn(g, one_minus_beta1));
         const float vi = __fadd_rn(__fmul_rn(at(3), beta2),
                                    __fmul_rn(__fmul_rn(g, g), one_minus_beta2));
