@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cuda_host import HostLauncher, need_compiler
 
 from cosmotrain.data.transform import apply_transform, int16_log1p_table
 from cosmotrain.kernels import activation, dropout, loss, pool3d, pool3d_xp
 from cosmotrain.kernels.cuda import raw_ops
 from cosmotrain.precision import bfloat16, narrow, widen
 from cosmotrain.train.optim import SGD, Adam
-
-from cuda_host import HostLauncher, need_compiler
 
 pytestmark = pytest.mark.usefixtures("compiler")
 DTYPES = ["float32", "bfloat16"]

@@ -6,10 +6,10 @@ the package data agree."""
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from cosmotrain.kernels.cuda import raw
 
@@ -21,7 +21,7 @@ def _nvrtc_ready() -> str:
     try:
         from cupy.cuda import nvrtc
         nvrtc.getVersion()
-    except Exception as error:  # ImportError, or the NVRTC library missing
+    except Exception as error:  # noqa: BLE001 - ImportError, or no NVRTC library
         return f'NVRTC unavailable ({type(error).__name__}: {error}); pip install -e ".[cuda-check]"'
     if not any((Path(d) / "cuda_bf16.h").exists() for d in raw.include_dirs()):
         return 'cuda_bf16.h not found in the nvidia wheels; pip install -e ".[cuda-check]"'
@@ -31,7 +31,7 @@ def _nvrtc_ready() -> str:
 def _entry_points(source: Path) -> set[str]:
     text = source.read_text()
     names = set(re.findall(r'extern "C" __global__ void (\w+)\(', text))
-    for name in re.findall(r"^COSMO_BOTH\((\w+),", text, flags=re.M):
+    for name in re.findall(r"^COSMO_BOTH\((\w+),", text, flags=re.MULTILINE):
         names |= {f"{name}_f32", f"{name}_bf16"}
     return names
 

@@ -41,21 +41,22 @@ MAX_BLOCKS = 4096
 _CODES = {"i": np.int32, "l": np.int64, "f": np.float32, "d": np.float64, "u": np.uint64}
 
 
-def _both(name: str, codes: str) -> dict[str, tuple[str, str]]:
-    return {f"{name}_f32": codes, f"{name}_bf16": codes}  # type: ignore[dict-item]
+def _both(source: str, name: str, codes: str) -> dict[str, tuple[str, str]]:
+    """The float32 and bf16 entry points of one templated kernel (``COSMO_BOTH``)."""
+    return {f"{name}_{kind}": (source, codes) for kind in ("f32", "bf16")}
 
 
 # kernel name -> (source file, argument codes)
 KERNELS: dict[str, tuple[str, str]] = {
-    **{k: ("input.cu", c) for k, c in _both("input_transform", "pppplilii").items()},
-    **{k: ("epilogue.cu", c) for k, c in _both("bias_leaky_relu", "ppplilf").items()},
-    **{k: ("epilogue.cu", c) for k, c in _both("leaky_relu_backward", "ppplff").items()},
-    **{k: ("avgpool.cu", c) for k, c in _both("avgpool_forward", "pplpf").items()},
-    **{k: ("avgpool.cu", c) for k, c in _both("avgpool_backward", "ppplpfiff").items()},
-    **{k: ("maxpool.cu", c) for k, c in _both("maxpool2_forward", "pppliii").items()},
-    **{k: ("maxpool.cu", c) for k, c in _both("maxpool2_backward", "pppliii").items()},
-    **{k: ("dropout.cu", c) for k, c in _both("dropout", "pppudf").items()},
-    **{k: ("loss.cu", c) for k, c in _both("mse", "ppplfpp").items()},
+    **_both("input.cu", "input_transform", "pppplilii"),
+    **_both("epilogue.cu", "bias_leaky_relu", "ppplilf"),
+    **_both("epilogue.cu", "leaky_relu_backward", "ppplff"),
+    **_both("avgpool.cu", "avgpool_forward", "pplpf"),
+    **_both("avgpool.cu", "avgpool_backward", "ppplpfiff"),
+    **_both("maxpool.cu", "maxpool2_forward", "pppliii"),
+    **_both("maxpool.cu", "maxpool2_backward", "pppliii"),
+    **_both("dropout.cu", "dropout", "pppudf"),
+    **_both("loss.cu", "mse", "ppplfpp"),
     "sgd_momentum_multi": ("optim.cu", "ppipp"),
     "adam_multi": ("optim.cu", "ppipp"),
     "nonfinite_flag": ("optim.cu", "plp"),
