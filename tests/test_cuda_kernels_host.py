@@ -129,6 +129,22 @@ def test_max_pool2_ties_nans_and_odd_sizes(name: str) -> None:
     _same(raw_ops.max_pool2_backward(dy, arg, shape, launch=HostLauncher()), want_dx)
 
 
+def test_xp_average_pooling_takes_the_kernels_with_the_cpu_bits() -> None:
+    """kernels/pool3d_xp.py sends float32 and bf16 device arrays to avgpool.cu: the CPU
+    kernels' bits (its own whole-array path adds in another order); float64 stays."""
+    x = np.random.default_rng(13).normal(size=(2, 3, 7, 6, 9)).astype(np.float32)
+    pool = pool3d.PoolGeometry(x.shape, 3, 2, 1)
+    launcher = HostLauncher()
+    y = pool3d_xp.avg_pool3d_forward(x, pool, launch=launcher)
+    _same(y, pool3d.avg_pool3d_forward(x, 3, 2, 1))
+    dy = np.random.default_rng(14).normal(size=y.shape).astype(np.float32)
+    _same(pool3d_xp.avg_pool3d_backward(dy, pool, launch=launcher),
+          pool3d.avg_pool3d_backward(dy, x.shape, 3, 2, 1))
+    assert [k for k, _ in launcher.launches] == ["avgpool_forward_f32", "avgpool_backward_f32"]
+    pool3d_xp.avg_pool3d_forward(x.astype(np.float64), pool, launch=launcher)
+    assert len(launcher.launches) == 2
+
+
 def test_xp_max_pooling_takes_the_kernel_for_tiled_windows_only() -> None:
     """kernels/pool3d_xp.py (the GPU's pooling) routes 2x2x2 tiled windows to
     maxpool.cu: the same results as its whole-array path, and no host wait."""

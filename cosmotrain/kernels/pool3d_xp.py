@@ -15,10 +15,11 @@ pooling spreads ``dy / k^3`` back separably (each 1-D window sum's transpose: ``
 strided adds), max pooling adds ``dy`` into each window's argmax tap (one masked strided
 add per tap, which also sums overlapping windows); the padding is cropped at the end.
 
-Max pooling over 2x2x2 windows that tile the input (MLPerf's) takes our CUDA kernel on
-device arrays instead (:func:`.cuda.raw_ops.max_pool2_forward`: one pass, the same
-maxima, offsets and NaN rule, and no host wait for the NaN check); ``launch`` runs it
-through another launcher (the tests: the kernel's host build, on numpy arrays).
+float32 and bf16 device arrays take our CUDA kernels instead (:mod:`.cuda.raw_ops`):
+average pooling in one pass each way, in the CPU kernels' adding order (their bits);
+max pooling over 2x2x2 windows that tile the input (MLPerf's) with the same maxima,
+offsets and NaN rule, and no host wait for the NaN check.  ``launch`` runs them through
+another launcher (the tests: the kernels' host build, on numpy arrays).
 """
 
 from __future__ import annotations
@@ -76,16 +77,22 @@ def _taps(pool: Any) -> list[tuple[int, tuple[Any, ...]]]:
     return taps
 
 
-def avg_pool3d_forward(x: Any, pool: Any) -> Any:
+def avg_pool3d_forward(x: Any, pool: Any, launch: Optional[Callable] = None) -> Any:
     """Average pooling (zero padding counted in the divisor) for the geometry ``pool``."""
+    if _own_kernel(x, launch):
+        from .cuda import raw_ops
+        return raw_ops.avg_pool_forward(array_module(x).ascontiguousarray(x), pool, launch)
     y = _reduce(_padded(x, pool.padding, 0.0), pool, array_module(x).add)
     y *= y.dtype.type(1.0 / int(np.prod(pool.kernel)))
     return y
 
 
-def avg_pool3d_backward(dy: Any, pool: Any) -> Any:
+def avg_pool3d_backward(dy: Any, pool: Any, launch: Optional[Callable] = None) -> Any:
     """Gradient of :func:`avg_pool3d_forward`: the scaled spread of ``dy``."""
     xp = array_module(dy)
+    if _own_kernel(dy, launch):
+        from .cuda import raw_ops
+        return raw_ops.avg_pool_backward(xp.ascontiguousarray(dy), pool, launch=launch)
     grad = dy * dy.dtype.type(1.0 / int(np.prod(pool.kernel)))
     padded = [n + lo + hi for n, (lo, hi) in zip(pool.x_shape[2:], pool.padding)]
     for dim in (2, 1, 0):
@@ -99,19 +106,23 @@ def avg_pool3d_backward(dy: Any, pool: Any) -> Any:
     return _cropped(grad, pool.padding, pool.x_shape[2:])
 
 
-def _own_kernel(xp: Any, pool: Any, launch: Optional[Callable]) -> bool:
-    """Whether our CUDA kernel pools: 2x2x2 windows tiling a device array (or any
-    array, given a launcher)."""
-    tiles = (tuple(pool.kernel) == (2, 2, 2) and tuple(pool.stride) == (2, 2, 2)
-             and all(lo == 0 and hi == 0 for lo, hi in pool.padding))
-    return tiles and (xp is not np or launch is not None)
+def _own_kernel(array: Any, launch: Optional[Callable], tiled: Any = None) -> bool:
+    """Whether our CUDA kernels pool: a float32 or bf16 device array (or any such array,
+    given a launcher), for max pooling over 2x2x2 windows tiling it (``tiled``: its
+    geometry)."""
+    if tiled is not None and not (tuple(tiled.kernel) == (2, 2, 2)
+                                  and tuple(tiled.stride) == (2, 2, 2)
+                                  and all(lo == 0 and hi == 0 for lo, hi in tiled.padding)):
+        return False
+    return (array.dtype.name in ("float32", "bfloat16")
+            and (array_module(array) is not np or launch is not None))
 
 
 def max_pool3d_forward(x: Any, pool: Any, launch: Optional[Callable] = None
                        ) -> tuple[Any, Any]:
     """Max pooling with ``-inf`` padding: ``(y, argmax)``."""
     xp = array_module(x)
-    if _own_kernel(xp, pool, launch):
+    if _own_kernel(x, launch, tiled=pool):
         from .cuda import raw_ops
         return raw_ops.max_pool2_forward(xp.ascontiguousarray(x), launch=launch)
     padded = _padded(x, pool.padding, -np.inf)
@@ -130,7 +141,7 @@ def max_pool3d_backward(dy: Any, argmax: Any, pool: Any,
                         launch: Optional[Callable] = None) -> Any:
     """Gradient of :func:`max_pool3d_forward`: ``dy`` added at each window's maximum."""
     xp = array_module(dy)
-    if _own_kernel(xp, pool, launch):
+    if _own_kernel(dy, launch, tiled=pool):
         from .cuda import raw_ops
         return raw_ops.max_pool2_backward(xp.ascontiguousarray(dy), xp.ascontiguousarray(argmax),
                                           pool.x_shape, launch=launch)
