@@ -8,17 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import cuda_devices
+
 cupy = pytest.importorskip("cupy")
-
-
-def _visible_devices() -> int:
-    try:
-        return int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:  # noqa: BLE001 - no driver or no device: nothing to test
-        return 0
-
-
-pytestmark = pytest.mark.skipif(_visible_devices() == 0, reason="no CUDA device visible")
+pytestmark = pytest.mark.skipif(cuda_devices() == 0, reason="no CUDA device visible")
 
 from cosmotrain.data.transform import apply_transform, int16_log1p_table  # noqa: E402
 from cosmotrain.kernels import activation, dropout, loss, pool3d  # noqa: E402
