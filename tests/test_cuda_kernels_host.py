@@ -74,6 +74,8 @@ def test_bias_leaky_relu_and_its_backward(name: str) -> None:
         bias16 = widen(bias.astype(x.dtype))[:, None, None, None]
         unfused = narrow(activation.leaky_relu_forward(widen(narrow(widen(x) + bias16)), slope))
         np.testing.assert_allclose(widen(got), widen(unfused), rtol=2 ** -6, atol=2 ** -7)
+    _same(raw_ops.bias_leaky_relu(x, None, slope, launch=HostLauncher()),
+          _cpu(lambda v: activation.leaky_relu_forward(v, slope, inplace=False), x))
     inplace = x.copy()
     assert raw_ops.bias_leaky_relu(inplace, bias, slope, out=inplace,
                                    launch=HostLauncher()) is inplace
