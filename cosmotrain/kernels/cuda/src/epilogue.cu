@@ -14,8 +14,8 @@ template <class T>
 __device__ void bias_leaky_relu_body(const T* x, T* y, const float* __restrict__ bias,
                                      i64 samples, int channels, i64 spatial, float slope) {
     GRID_STRIDE(i, samples * channels * spatial) {
-        const int c = (int)((i / spatial) % channels);
-        const float v = bias ? __fadd_rn(load_f(x, i), bias[c]) : load_f(x, i);
+        const float v = bias ? __fadd_rn(load_f(x, i), bias[(i / spatial) % channels])
+                             : load_f(x, i);
         store_f(y, i, v > 0.0f ? v : __fmul_rn(v, slope));
     }
 }
