@@ -230,6 +230,7 @@ def test_multi_tensor_optimizers_give_torch_optims_bits_and_skip_on_the_flag(
     optimizer = (SGD(lr=0.1, momentum=0.9, weight_decay=decay) if kind == "sgd"
                  else Adam(lr=0.01, weight_decay=decay))
     table = raw_ops.tensor_table([ours, grads[0], *states], lambda a: a.ctypes.data)
+    assert all(any(a is b for b in table.arrays) for a in [*ours, *grads[0]])  # kept alive
     skip = np.zeros(1, dtype=np.int32)
     for step, grad in enumerate(grads, start=1):
         for i, (d, g) in enumerate(zip(data, grad)):

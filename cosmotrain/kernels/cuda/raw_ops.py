@@ -11,6 +11,7 @@ bfloat16 storage (the dtype picks the ``_f32`` / ``_bf16`` entry point).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -179,18 +180,30 @@ def mse(pred: Any, target: Any, total_count: int, total: Any, nonfinite: Any,
     return grad
 
 
+@dataclass(frozen=True)
+class TensorTable:
+    """The address table of the multi-tensor kernels, holding the arrays it points at
+    (freed arrays would leave it pointing into memory the pool hands out again)."""
+
+    pointers: Any
+    offsets: Any
+    total: int
+    arrays: tuple
+
+
 def tensor_table(roles: Sequence[Sequence[Any]], address: Callable[[Any], int],
-                 xp: Any = np) -> tuple[Any, Any, int]:
-    """``(pointers, offsets, total)`` for the multi-tensor kernels, built once per bucket
-    list: ``roles[r][t]`` is role ``r`` (data, grad, then the state) of tensor ``t``, all
-    float32 of matching sizes; ``address`` gives an array's device address."""
+                 xp: Any = np) -> TensorTable:
+    """The table for the multi-tensor kernels, built once per bucket list: ``roles[r][t]``
+    is role ``r`` (data, grad, then the state) of tensor ``t``, all float32 of matching
+    sizes; ``address`` gives an array's device address."""
     sizes = [a.size for a in roles[0]]
     for arrays in roles:
         if [a.size for a in arrays] != sizes or any(a.dtype != np.float32 for a in arrays):
             raise ValueError("every role needs float32 arrays of the parameters' sizes")
     pointers = np.asarray([address(a) for arrays in roles for a in arrays], dtype=np.uint64)
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    return xp.asarray(pointers), xp.asarray(offsets), int(offsets[-1])
+    return TensorTable(xp.asarray(pointers), xp.asarray(offsets), int(offsets[-1]),
+                       tuple(a for arrays in roles for a in arrays))
 
 
 def sgd_hyper(momentum: float, lr: float, first: bool, weight_decay: float = 0.0
@@ -207,13 +220,13 @@ def adam_hyper(beta1: float, beta2: float, eps: float, lr: float, step: int,
                        lr / (1 - beta1 ** step), weight_decay], dtype=np.float32)
 
 
-def multi_update(kernel: str, table: tuple[Any, Any, int], hyper: Any, skip: Any,
+def multi_update(kernel: str, table: TensorTable, hyper: Any, skip: Any,
                  launch: Optional[Launch] = None) -> None:
     """One ``sgd_momentum_multi`` or ``adam_multi`` launch over a :func:`tensor_table`;
     ``hyper`` (float32 device array) and ``skip`` (int32 device flag, or None: always
     apply) stay on the device."""
-    pointers, offsets, total = table
-    _launch(launch)(kernel, total, (pointers, offsets, len(offsets) - 1, hyper, skip))
+    _launch(launch)(kernel, table.total, (table.pointers, table.offsets,
+                                          len(table.offsets) - 1, hyper, skip))
 
 
 def nonfinite_flag(x: Any, flag: Any, launch: Optional[Launch] = None) -> None:
