@@ -196,7 +196,8 @@ def test_dropout_draws_the_cpu_mask_on_any_block(name: str, local, offset, total
     p, seed, step, salt = 0.3, 1234, 17, 2
     keep = dropout.dropout_keep_mask(local, offset, total, p, seed, step, salt)
     assert 0 < keep.mean() < 1
-    got = raw_ops.dropout(x, offset, total, p, seed, step, salt, launch=HostLauncher())
+    got = raw_ops.dropout(x, offset, total, p, int(dropout.stream_key(seed, step, salt)),
+                          launch=HostLauncher())
     _same(got, dropout.dropout_forward(x, keep, p))
 
 
@@ -264,3 +265,8 @@ def test_nonfinite_flag_and_any_grid() -> None:
     v = np.random.default_rng(10).normal(size=pool.x_shape).astype(np.float32)
     _same(raw_ops.avg_pool_forward(v, pool, launch=HostLauncher(grid=1, block=1)),
           raw_ops.avg_pool_forward(v, pool, launch=HostLauncher(grid=5, block=7)))
+
+
+def test_the_backward_factors_are_the_activations() -> None:
+    for slope in (0.0, 0.01, 0.1, 0.2, 0.3, 1 / 3, 0.7, 1.0):
+        assert raw_ops.backward_factors(slope) == activation.backward_factors(slope)

@@ -51,7 +51,8 @@ def test_gpu_input_epilogue_dropout_and_loss(name: str) -> None:
                                                         inplace=False), x)
     _same(raw_ops.bias_leaky_relu(cupy.asarray(x), cupy.asarray(bias), 0.3), want)
     keep = dropout.dropout_keep_mask(x.shape, (2, 0, 8, 0, 0), (4, 3, 16, 8, 8), 0.3, 5, 6, 7)
-    _same(raw_ops.dropout(cupy.asarray(x), (2, 0, 8, 0, 0), (4, 3, 16, 8, 8), 0.3, 5, 6, 7),
+    _same(raw_ops.dropout(cupy.asarray(x), (2, 0, 8, 0, 0), (4, 3, 16, 8, 8), 0.3,
+                          int(dropout.stream_key(5, 6, 7))),
           dropout.dropout_forward(x, keep, 0.3))
     target = rng.normal(size=x.shape).astype(np.float32)
     total, flag = cupy.zeros(1), cupy.zeros(1, dtype=np.int32)

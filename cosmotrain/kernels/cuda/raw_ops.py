@@ -17,8 +17,6 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from cosmotrain.device.xp import array_module
-from cosmotrain.kernels.activation import backward_factors
-from cosmotrain.kernels.dropout import stream_key
 
 from . import pool_tables, raw
 
@@ -45,6 +43,15 @@ def constant(values: Sequence[int], dtype: Any, xp: Any = np) -> Any:
     if key not in _CONSTANTS:
         _CONSTANTS[key] = xp.asarray(np.asarray(values, dtype=dtype))
     return _CONSTANTS[key]
+
+
+def backward_factors(slope: float) -> tuple[float, float]:
+    """``(up, down)``, LeakyReLU's backward factors rounded as numpy builds them
+    (``(1 - slope) + slope`` is not always 1): ``kernels.activation.backward_factors``'s
+    values, worked out here because a back end does not import the front doors (the
+    tests compare the bits)."""
+    factor = np.float32(slope)
+    return float((np.float32(1) - factor) + factor), float(factor)
 
 
 def _split(shape: Sequence[int]) -> tuple[int, int, int]:
@@ -155,15 +162,16 @@ def dropout_shape(local_shape: Sequence[int], offset: Sequence[int],
                  + list(global_shape))
 
 
-def dropout(x: Any, offset: Sequence[int], global_shape: Sequence[int], p: float, seed: int,
-            step: int, salt: int, launch: Optional[Launch] = None) -> Any:
+def dropout(x: Any, offset: Sequence[int], global_shape: Sequence[int], p: float, key: int,
+            launch: Optional[Launch] = None) -> Any:
     """Inverted dropout with :func:`cosmotrain.kernels.dropout.dropout_keep_mask`'s mask
-    (forward; the backward is the same call on the gradient)."""
+    for the stream ``key`` (``kernels.dropout.stream_key(seed, step, salt)``, which the
+    caller works out); forward, and the backward as the same call on the gradient."""
     xp = array_module(x)
     y = xp.empty_like(x)
     _launch(launch)(f"dropout_{raw.suffix(x.dtype)}", x.size,
                     (x, y, constant(dropout_shape(x.shape, offset, global_shape), np.int64, xp),
-                     int(stream_key(seed, step, salt)), float(p),
+                     int(key), float(p),
                      float(np.float32(1.0 / (1.0 - p)))))
     return y
 
