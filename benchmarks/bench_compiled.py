@@ -5,9 +5,9 @@ sample by default) this times the three algorithms that ``cosmotrain.kernels`` c
 on the same data, in the same process, each call best of ``--repeat``:
 
 * ``lowered``: the numpy GEMM lowerings (``compiled_choice.USE_DIRECT = False``);
-* ``direct``: the compiled direct loops (``kernels/direct.py``), where the row width
+* ``direct``: the compiled direct loops (``kernels/compiled/direct.py``), where the row width
   fits their register runs;
-* ``winograd``: F(4,3) or F(2,3) along W (``kernels/winograd.py``; the tile
+* ``winograd``: F(4,3) or F(2,3) along W (``kernels/compiled/winograd.py``; the tile
   ``compiled_choice`` picks; the filter gradient's form is F(2,3));
 
 for the forward, the data gradient (the forward of the flipped kernel) and the filter

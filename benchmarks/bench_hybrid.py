@@ -10,7 +10,7 @@ steps of the configured model and strategy.  Rank 0 prints, as one JSON object:
 
 * seconds per step (slowest rank, best step after ``--warmup``) and the mean per-rank
   breakdown: halo, allreduce, redistribution, channel (time spent waiting on or
-  packing messages, see ``comm/timers.py``) and compute (the rest);
+  packing messages, see ``runtime/timers.py``) and compute (the rest);
 * with ``--memory``: per-rank bytes held before a step (parameters, optimizer state,
   input block) and the peak working memory of a step above that (tracemalloc; the run
   is slower, so time and memory are separate runs);

@@ -66,7 +66,8 @@ run_stage() {
             mpiexec --version | head -3' ;;
     tests)
         stage tests "${TESTS_LIMIT:-300}" python3 -m pytest -p no:cacheprovider -q -rfEs \
-            --timeout=150 tests/test_gpu_engine.py tests/test_gpu_conv.py ;;
+            --timeout=150 tests/test_gpu_engine.py tests/test_gpu_conv.py \
+            tests/test_gpu_raw_kernels.py ;;
     bench-quick)
         stage bench-quick 120 python3 benchmarks/bench_step.py --width 128 --batch 8 \
             --precisions fp32 bf16 --steps 5 --warmup 2 --out "$OUT/step_quick.json" ;;
@@ -85,6 +86,9 @@ run_stage() {
             --precisions fp32 bf16 --algorithms cudnn --steps 5 --warmup 2 --input device \
             --layers --torch-layouts ncdhw --set device.cudnn_autotune="${AUTOTUNE:-false}" \
             --out "$OUT/profile_w128_b8.json" ;;
+    bench-raw)  # our own CUDA kernels (kernels/cuda/src): ms and GB/s against the peak
+        stage bench-raw 90 python3 benchmarks/bench_raw_kernels.py --width 128 --batch 8 \
+            --out "$OUT/raw_kernels_w128_b8.json" ;;
     bench-layers)
         stage bench-layers 180 python3 benchmarks/bench_gpu.py --width 128 --batch 8 \
             --precisions bf16 --out "$OUT/layers_w128.json" ;;

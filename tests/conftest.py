@@ -34,6 +34,15 @@ def mpiexec() -> str:
     return found
 
 
+def cuda_devices() -> int:
+    """How many CUDA devices cupy sees (0 without cupy, a driver or a device)."""
+    try:
+        import cupy
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # noqa: BLE001 - no cupy, no driver, no device: none usable
+        return 0
+
+
 def subprocess_env() -> dict[str, str]:
     """Environment for child processes: the venv's bin first, one BLAS thread per rank."""
     env = dict(os.environ)

@@ -1,6 +1,6 @@
 """Kernels beyond float32/float64 numpy: the xp-generic pooling and bf16 storage.
 
-* ``kernels/pool3d_xp.py`` is the GPU's pooling, written for any array module; on numpy
+* ``kernels/cuda/pool.py`` is the GPU's pooling, written for any array module; on numpy
   it must reproduce the CPU kernels (strides below and above the kernel, asymmetric
   padding, ties and NaN for max pooling).
 * Every kernel accepts bfloat16 arrays (the CPU emulation of ``precision: bf16``): it

@@ -23,7 +23,7 @@ reports, so while backward goes on) the rank copies its range of the sums out
 (:attr:`Bucket.shard`) and drops the buffer: the full gradient of a bucket is held only
 from :meth:`~GradientReducer.prepare` to its reduction, not through the rest of backward
 (where a step's memory peaks) nor between steps, and ``param.grad`` of a bucketed
-parameter is None afterwards.  The sharded optimizer (``train/optim_shards.py``) updates the range
+parameter is None afterwards.  The sharded optimizer (``engine/optim_shards.py``) updates the range
 and hands the new values to :meth:`GradientReducer.start_gather`, whose all-gather puts
 every rank's range into every rank's parameters (:meth:`finish_gather`): a
 reduce-scatter and an all-gather move what one allreduce moves.  The shard is copied into

@@ -5,7 +5,7 @@ parameters and a distributed run can keep only the state of the blocks it owns. 
 decay is L2 (added to the gradient), as in ``torch.optim.SGD`` / ``torch.optim.Adam``.
 Updates are in place and in the parameter's dtype (float32), and element-wise: applied
 to a contiguous piece of a parameter (:meth:`Optimizer.apply`, the sharded optimizer of
-``train/optim_shards.py``) they give that piece of the whole update, bit for bit.
+``engine/optim_shards.py``) they give that piece of the whole update, bit for bit.
 float32 numpy arrays take compiled loops with the same operations in the same order
 (``kernels/optim_update.py``: one pass instead of ten, the same bits).
 """

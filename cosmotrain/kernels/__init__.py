@@ -1,35 +1,29 @@
 """Local compute kernels: the per-device operations that the distributed layers call.
 
 A kernel works on one rank's local block and knows nothing about MPI, halos or the
-process grid.  Each operation is a module of plain functions on C-contiguous NCDHW
-arrays, named the same on every device, so that a device implementation (this package:
-CPU, numpy + BLAS; CUDA, under :mod:`.cuda`) can be swapped without touching the layers:
+process grid.  The package has front doors and back ends.
 
-* :mod:`.conv3d`: ``conv3d_forward(x, w, stride, padding)``,
-  ``conv3d_backward_data(dy, w, x_shape, stride, padding)``,
-  ``conv3d_backward_filter(x, dy, w_shape, stride, padding)``;
-* :mod:`.pool3d`: ``avg_pool3d_forward / avg_pool3d_backward`` and
-  ``max_pool3d_forward -> (y, argmax) / max_pool3d_backward``;
-* element-wise kernels (activation, batch norm, dropout, linear, loss) in their modules.
+Front doors (this folder), one operation each, named the same on every device:
+:mod:`.conv3d` (forward, data and filter gradients), :mod:`.pool3d` (average and max
+pooling), :mod:`.activation`, :mod:`.batchnorm`, :mod:`.dropout`, :mod:`.linear`,
+:mod:`.loss`, :mod:`.optim_update` and :mod:`.pool_activation` (a LeakyReLU's backward
+inside the next average pooling's).  Each handles the empty batch (``N = 0``: a sample
+group left empty by a short batch still runs its layers for their collectives, and gets
+empty results and zero weight gradients), then asks :func:`.route.route` once where the
+call runs, and hands it to one back end:
 
-Shared conventions (:mod:`.geometry`): ``stride`` and ``kernel`` are triples (or ints);
-``padding`` is one ``(lo, hi)`` pair of zero padding per spatial dimension, asymmetric
-because a block that already carries halos is called with 0 on those sides and the true
-padding only on global boundaries.  Output size ``(n + lo + hi - k) // s + 1``.  Shape
-mismatches raise ``ValueError``; a batch of no sample (``N = 0``: a sample group left
-empty by a short batch, which still runs its layers for their collectives) is valid and
-gives empty results and zero weight gradients.  The CPU kernels accept float32
-(training) and float64 (tests), run their chunks on a small worker pool
-(:mod:`cosmotrain.kernels.cpu.workers`) and never import torch.  float32 work goes, where it pays, to the
-compiled loops of ``native/`` (one optional C extension, :mod:`.compiled`): direct and
-Winograd convolutions (:mod:`.direct`, :mod:`.winograd`, chosen by
-:mod:`.compiled_choice`), pooling, LeakyReLU and the optimizer updates, each with a
-numpy twin for installs without a C compiler.
+* :mod:`.cpu`: numpy (float32 in training, float64 in tests), chunked over the kernel
+  worker pool (:mod:`.cpu.workers`);
+* :mod:`.compiled`: the optional C loops (``compiled/native/*.c``) and their Python
+  faces, for float32 where they pay, each with a numpy twin in :mod:`.cpu`;
+* :mod:`.cuda`: cupy arrays: cuDNN frontend graphs or im2col + cuBLAS for convolutions,
+  cupy element-wise kernels, and our own CUDA sources (``cuda/src/*.cu``).
 
-Other devices and storage go through the same names: cupy arrays reach the CUDA
-kernels under :mod:`.cuda` (convolutions through the cuDNN frontend or im2col + cuBLAS,
-:mod:`.cuda.conv`; fused element-wise kernels, :mod:`.cuda.fused`) and the xp-generic
-pooling (:mod:`.pool3d_xp`), with the array module of :mod:`cosmotrain.device.xp`;
-bfloat16 arrays (``precision: bf16``) are computed in float32 and stored back as
-bfloat16 (:mod:`cosmotrain.precision`).
+bfloat16 storage on the CPU is widened to float32, computed, and rounded back
+(:mod:`cosmotrain.precision`).  Shared conventions (:mod:`.geometry`,
+:mod:`.pool_geometry`): NCDHW C-contiguous arrays; ``stride`` and ``kernel`` triples (or
+ints); ``padding`` one ``(lo, hi)`` pair of zeros per spatial dimension, asymmetric
+because a block that already carries halos is called with 0 on those sides; output size
+``(n + lo + hi - k) // s + 1``; shape mismatches raise ``ValueError``.  Back ends never
+import the front doors (a contract in pyproject.toml).
 """

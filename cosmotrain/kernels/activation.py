@@ -34,6 +34,7 @@ import numpy as np
 from cosmotrain.device.xp import array_module
 from cosmotrain.kernels.cpu import workers
 from cosmotrain.kernels.compiled import library as compiled
+from cosmotrain.kernels.leaky_factors import backward_factors
 from cosmotrain.kernels.cuda import fused
 from cosmotrain.kernels.route import route
 from cosmotrain.precision import narrow, widen
@@ -148,7 +149,7 @@ def leaky_relu_backward(dy: Any, y: Any, slope: float, inplace: bool = True) -> 
         return fused.leaky_relu_backward(dx, y, slope, dx)
     loops = _compiled(dx, y)
     if loops is not None:
-        up, down = compiled.backward_factors(slope, dx.dtype)
+        up, down = backward_factors(slope, dx.dtype)
         _in_runs(lambda grad, out: loops[1](compiled.address(grad), compiled.address(out),
                                             grad.size, up, down), dx, y)
         return dx

@@ -1,6 +1,6 @@
 """Fused SGD-momentum and Adam updates through the compiled loops of ``native/optim.c``.
 
-Why: ``train/optim.py``'s numpy update makes about ten passes over each parameter, its
+Why: ``engine/optim.py``'s numpy update makes about ten passes over each parameter, its
 gradient and its state on one core; on the paper network (9.4M parameters) Adam took
 45 ms of a 0.38 s step (2026-11-27).  The loops make one pass, on the kernel workers,
 with numpy's operations and roundings in the same order (no fused multiply-adds):

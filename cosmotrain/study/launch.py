@@ -5,7 +5,7 @@ each point as its own MPI job.  Under Slurm the points' srun takes its CPU, MPI 
 options from srun's input environment variables (``SRUN_CPUS_PER_TASK``,
 ``SLURM_MPI_TYPE``, ``SLURM_GPU_BIND``, ...), which ``slurm/scale_study.sbatch`` exports;
 this module adds only the task and node counts.  Without Slurm, each point's ranks share
-the machine's cores themselves (``comm/threads.py``).
+the machine's cores themselves (``runtime/threads.py``).
 """
 
 from __future__ import annotations

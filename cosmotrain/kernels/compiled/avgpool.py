@@ -24,6 +24,7 @@ import numpy as np
 
 from cosmotrain.kernels.cpu import workers
 from cosmotrain.kernels.compiled import library as compiled
+from cosmotrain.kernels.leaky_factors import backward_factors
 
 # False: the numpy kernel only (the tests run both).
 USE_COMPILED = True
@@ -116,4 +117,4 @@ def _activation_args(activation: Optional[tuple], n: int, c0: int) -> list:
         return [None, 0, 0, 0, 0.0, 0.0]
     y, slope = activation
     return [compiled.address(y[n, c0]), *compiled.element_strides(y)[1:4],
-            *compiled.backward_factors(slope)]
+            *backward_factors(slope)]

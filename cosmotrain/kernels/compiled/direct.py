@@ -32,6 +32,7 @@ import numpy as np
 
 from cosmotrain.kernels.cpu import workers
 from cosmotrain.kernels.compiled import library as compiled
+from cosmotrain.kernels.leaky_factors import backward_factors
 from cosmotrain.kernels.geometry import ConvGeometry, plan_chunks
 from cosmotrain.kernels.cpu.lowering import fill_slab
 
@@ -224,7 +225,7 @@ def filter_and_bias_grad(x: np.ndarray, dy: np.ndarray, geo: ConvGeometry, bias:
     _, ho, wo = geo.out
     padded_w = -(-wo // loops.lanes) * loops.lanes
 
-    up, down = compiled.backward_factors(activation[1]) if activation is not None else (0.0, 0.0)
+    up, down = backward_factors(activation[1]) if activation is not None else (0.0, 0.0)
     assert activation is None or (packs_activation(geo) and activation[0].shape == dy.shape)
 
     def work(chunk) -> np.ndarray:

@@ -5,7 +5,7 @@
 kernels run everything.  ctypes releases the GIL for the duration of each call, so the
 kernel workers of :mod:`cosmotrain.kernels.cpu.workers` run compiled chunks on all cores.  Users:
 :mod:`.direct` and :mod:`.winograd` (convolutions), :mod:`.maxpool_tiled` and
-:mod:`.avgpool_compiled` (pooling).
+:mod:`.avgpool` (pooling).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -66,11 +66,3 @@ def address(a: np.ndarray) -> int:
 def element_strides(a: np.ndarray) -> tuple:
     """``a``'s strides in elements (the compiled functions index in elements)."""
     return tuple(s // a.itemsize for s in a.strides)
-
-
-def backward_factors(slope: float, dtype: Any = np.float32) -> tuple[float, float]:
-    """``(up, down)``: the factor the backward multiplies dy by where y > 0 and elsewhere,
-    rounded as numpy builds it (``(1 - slope) + slope`` is not always 1), so that every
-    loop applying it gives the numpy pass's bits."""
-    factor = np.dtype(dtype).type(slope)
-    return float((np.dtype(dtype).type(1) - factor) + factor), float(factor)

@@ -14,12 +14,18 @@ is written last; a window holding a NaN points at its first NaN.  Backward: aver
 pooling spreads ``dy / k^3`` back separably (each 1-D window sum's transpose: ``k``
 strided adds), max pooling adds ``dy`` into each window's argmax tap (one masked strided
 add per tap, which also sums overlapping windows); the padding is cropped at the end.
+
+float32 and bf16 device arrays take our CUDA kernels instead (:mod:`.cuda.raw_ops`):
+average pooling in one pass each way, in the CPU kernels' adding order (their bits);
+max pooling over 2x2x2 windows that tile the input (MLPerf's) with the same maxima,
+offsets and NaN rule, and no host wait for the NaN check.  ``launch`` runs them through
+another launcher (the tests: the kernels' host build, on numpy arrays).
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -71,16 +77,22 @@ def _taps(pool: Any) -> list[tuple[int, tuple[Any, ...]]]:
     return taps
 
 
-def avg_pool3d_forward(x: Any, pool: Any) -> Any:
+def avg_pool3d_forward(x: Any, pool: Any, launch: Optional[Callable] = None) -> Any:
     """Average pooling (zero padding counted in the divisor) for the geometry ``pool``."""
+    if _own_kernel(x, launch):
+        from cosmotrain.kernels.cuda import raw_ops
+        return raw_ops.avg_pool_forward(array_module(x).ascontiguousarray(x), pool, launch)
     y = _reduce(_padded(x, pool.padding, 0.0), pool, array_module(x).add)
     y *= y.dtype.type(1.0 / int(np.prod(pool.kernel)))
     return y
 
 
-def avg_pool3d_backward(dy: Any, pool: Any) -> Any:
+def avg_pool3d_backward(dy: Any, pool: Any, launch: Optional[Callable] = None) -> Any:
     """Gradient of :func:`avg_pool3d_forward`: the scaled spread of ``dy``."""
     xp = array_module(dy)
+    if _own_kernel(dy, launch):
+        from cosmotrain.kernels.cuda import raw_ops
+        return raw_ops.avg_pool_backward(xp.ascontiguousarray(dy), pool, launch=launch)
     grad = dy * dy.dtype.type(1.0 / int(np.prod(pool.kernel)))
     padded = [n + lo + hi for n, (lo, hi) in zip(pool.x_shape[2:], pool.padding)]
     for dim in (2, 1, 0):
@@ -94,9 +106,25 @@ def avg_pool3d_backward(dy: Any, pool: Any) -> Any:
     return _cropped(grad, pool.padding, pool.x_shape[2:])
 
 
-def max_pool3d_forward(x: Any, pool: Any) -> tuple[Any, Any]:
+def _own_kernel(array: Any, launch: Optional[Callable], tiled: Any = None) -> bool:
+    """Whether our CUDA kernels pool: a float32 or bf16 device array (or any such array,
+    given a launcher), for max pooling over 2x2x2 windows tiling it (``tiled``: its
+    geometry)."""
+    if tiled is not None and not (tuple(tiled.kernel) == (2, 2, 2)
+                                  and tuple(tiled.stride) == (2, 2, 2)
+                                  and all(lo == 0 and hi == 0 for lo, hi in tiled.padding)):
+        return False
+    return (array.dtype.name in ("float32", "bfloat16")
+            and (array_module(array) is not np or launch is not None))
+
+
+def max_pool3d_forward(x: Any, pool: Any, launch: Optional[Callable] = None
+                       ) -> tuple[Any, Any]:
     """Max pooling with ``-inf`` padding: ``(y, argmax)``."""
     xp = array_module(x)
+    if _own_kernel(x, launch, tiled=pool):
+        from cosmotrain.kernels.cuda import raw_ops
+        return raw_ops.max_pool2_forward(xp.ascontiguousarray(x), launch=launch)
     padded = _padded(x, pool.padding, -np.inf)
     y = _reduce(padded, pool, xp.maximum)
     arg = xp.zeros(y.shape, dtype=pool.argmax_dtype)
@@ -109,9 +137,14 @@ def max_pool3d_forward(x: Any, pool: Any) -> tuple[Any, Any]:
     return y, arg
 
 
-def max_pool3d_backward(dy: Any, argmax: Any, pool: Any) -> Any:
+def max_pool3d_backward(dy: Any, argmax: Any, pool: Any,
+                        launch: Optional[Callable] = None) -> Any:
     """Gradient of :func:`max_pool3d_forward`: ``dy`` added at each window's maximum."""
     xp = array_module(dy)
+    if _own_kernel(dy, launch, tiled=pool):
+        from cosmotrain.kernels.cuda import raw_ops
+        return raw_ops.max_pool2_backward(xp.ascontiguousarray(dy), xp.ascontiguousarray(argmax),
+                                          pool.x_shape, launch=launch)
     shape = dy.shape[:2] + tuple(n + lo + hi for n, (lo, hi) in
                                  zip(pool.x_shape[2:], pool.padding))
     grad = xp.zeros(shape, dtype=dy.dtype)

@@ -6,7 +6,7 @@ compliance checker parses.  Rank 0 alone writes.  Two commands write the file:
 
 - ``cosmotrain preload`` appends ``staging_start`` / ``staging_stop`` around the copy
   (:func:`staging_logged`, called by the CLI: ``data/`` may not import ``train/``);
-- ``cosmotrain train`` (``train/mlperf_log.py``) writes the run, from ``init_start`` to
+- ``cosmotrain train`` (``train/outputs/mlperf.py``) writes the run, from ``init_start`` to
   ``run_stop``.  A fresh run starts the file anew but keeps the staging lines at its end
   (the preload that just ran for it); a resumed run appends to what is there.
 
