@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from cosmotrain.comm.collective import everyone, on_root, self_comm
-from cosmotrain.data import cache, formats, sample_table, scan
+from cosmotrain.data import cache, file_sums, formats, sample_table, scan, unfinished
 from cosmotrain.errors import ConfigError, DataError, UserError, WriteError
 
 MANIFEST_NAME = "manifest.json"
@@ -197,6 +197,7 @@ def read_description(root: Path, cache_dir: str | None = None, format: str = sca
     """``(file, description)``: ``manifest.json``, a still-valid scan cache, or a new scan."""
     if (root / MANIFEST_NAME).is_file():
         return root / MANIFEST_NAME, _read_json(root / MANIFEST_NAME)
+    unfinished.check_finished(root)  # a stage or conversion under way: never scanned
     _, listing = scan.discover(root, format)
     cached = cache.find(root, SCAN_CACHE_NAME, cache_dir)
     if cached is not None:

@@ -22,9 +22,8 @@ from pathlib import Path
 
 from cosmotrain.data import cache
 from cosmotrain.data.manifest import MANIFEST_NAME
+from cosmotrain.data.unfinished import STAGE_RECORD
 from cosmotrain.errors import UserError
-
-STAGE_RECORD = ".cosmotrain-stage.json"
 
 
 def stage_problem(dest: Path, source: Path, files: Mapping[str, Sequence[str]],

@@ -8,13 +8,14 @@ Each node copies the files its ranks will read into the same local path (``--des
   (``order.shard_ranges``), as in MLPerf HPC, where each worker keeps a fixed shard.
 
 The ranks of a node share its files out; each file is copied to a temporary name with a
-CRC-32 computed on the way, re-read and compared, checked to be a sample of the dataset's
+CRC-32C computed on the way, re-read and compared, checked to be a sample of the dataset's
 shape and dtype, then renamed.  A file already staged with the same size and checksum is
 kept.  NVIDIA's ``_label.npy`` files are staged beside their volumes.  Gzip TFRecord
 files (MLPerf v1.0) are staged *inflated*: a plain record can be memory-mapped and
 sliced, so the training loop never decompresses a file.  Once every rank is done, the
-node's leader writes ``manifest.json`` and the label (and mean) tables beside the copies,
-keyed on the copies' own sizes and modification times, so a job opens the staged
+node's leader writes ``manifest.json`` (with every copy's size and CRC-32C:
+``file_sums.py``) and the label (and mean) tables beside the copies, keyed on the copies'
+own sizes and modification times, so a job opens the staged
 directory without touching any file it lacks.  A failure on any rank is one verdict,
 printed once, and leaves no new manifest.  A ``--dest`` holding another dataset's copy
 (or anything but a staging of this dataset) is refused before anything is written
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import tempfile
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +36,8 @@ from cosmotrain.comm.collective import agree, together
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.config.schema import Config
-from cosmotrain.data import cache, formats, npy_sample, order, sample_table, tfrecord_sample
+from cosmotrain.data import cache, file_sums, formats, npy_sample, order, sample_table
+from cosmotrain.data import tfrecord_sample
 from cosmotrain.data.manifest import MANIFEST_NAME, Manifest
 from cosmotrain.data.open import dataset_root, open_dataset
 from cosmotrain.data.stage_claim import record_source, stage_problem
@@ -143,45 +144,63 @@ def run_staging(plan: StagePlan, comm: Any,
     rank, the lowest failing rank's, printed once; no manifest is written then, so a
     half-staged directory is never taken for a dataset."""
     leader = plan.node.Get_rank() == 0
-    together(comm, lambda: record_source(plan.dest, plan.manifest.root, DEST)
-             if leader else None)
+    together(comm, lambda: _claim(plan) if leader else None)
     plan.node.Barrier()
     start = time.perf_counter()
-    copied, inflated = together(comm, lambda: _stage_files(plan, progress))
-    plan.node.Barrier()  # the node's copies are all in place before their stats are taken
+    copied, inflated, sums = together(comm, lambda: _stage_files(plan, progress))
+    node_sums = {name: s for part in plan.node.allgather(sums) for name, s in part.items()}
     files = {split: list(names) for split, names in plan.manifest.files.items()}
     stats = sample_table.file_stats(plan.dest, files, plan.manifest.volume.format, plan.node)
-    together(comm, lambda: write_metadata(plan.manifest, plan.dest, stats) if leader else None)
+    together(comm, lambda: write_metadata(plan.manifest, plan.dest, stats, node_sums)
+             if leader else None)
     seconds = time.perf_counter() - start
     report = _report(plan, comm, copied, seconds)
     report.inflated = comm.allreduce(inflated)
     return report
 
 
-def _stage_files(plan: StagePlan, progress: Callable[[int], None] | None) -> tuple[int, int]:
-    """Copy (or inflate) and verify this rank's files; ``(bytes written, files inflated)``."""
+def _claim(plan: StagePlan) -> None:
+    """The node's leader: record the source, then take down the manifest of an earlier
+    staging until this one is complete (its files may be replaced meanwhile), so the
+    directory is refused as unfinished (``unfinished.py``) and never read half-staged."""
+    record_source(plan.dest, plan.manifest.root, DEST)
+    try:
+        (plan.dest / MANIFEST_NAME).unlink(missing_ok=True)
+    except OSError as err:
+        raise DataError(plan.dest / MANIFEST_NAME, f"cannot be replaced: {err}",
+                        "check the permissions of the stage directory") from err
+
+
+def _stage_files(plan: StagePlan, progress: Callable[[int], None] | None
+                 ) -> tuple[int, int, file_sums.Sums]:
+    """Copy (or inflate) and verify this rank's files; ``(bytes written, files inflated,
+    {relative path: (size, CRC-32C)} of the copies)``."""
     copied = inflated = 0
+    crcs: dict[Path, int] = {}
     tfrecord = plan.manifest.volume.format == formats.TFRECORD
     npy = plan.manifest.volume.format == formats.NPY
     for done, relpath in enumerate(plan.mine, start=1):
         source, target = plan.manifest.root / relpath, plan.dest / relpath
         if tfrecord and tfrecord_sample.is_gzip(source):
-            copied += inflate_verified(source, target)
+            copied += inflate_verified(source, target, crcs)
             inflated += 1
         else:
-            copied += copy_verified(source, target)
+            copied += copy_verified(source, target, crcs)
         labels = npy_sample.label_path(source)
         if npy and labels.exists():  # NVIDIA's labels travel with their volumes
-            copied += copy_verified(labels, npy_sample.label_path(target))
+            copied += copy_verified(labels, npy_sample.label_path(target), crcs)
         for entry in plan.entries[relpath]:  # every sample of the copy, its CRCs checked
             formats.probe(plan.dest / entry, plan.manifest.volume)
         if progress is not None:
             progress(done)
-    return copied, inflated
+    sums = {str(path.relative_to(plan.dest)): (path.stat().st_size, crc)
+            for path, crc in crcs.items()}
+    return copied, inflated, sums
 
 
-def copy_verified(source: Path, target: Path) -> int:
-    """Copy ``source`` to ``target`` and verify its CRC-32; bytes copied (0 if kept).
+def copy_verified(source: Path, target: Path, crcs: dict[Path, int] | None = None) -> int:
+    """Copy ``source`` to ``target`` and verify its CRC-32C; bytes copied (0 if kept).
+    ``crcs`` receives ``target``'s CRC-32C.
 
     The copy goes through a temporary name of this process's own and is renamed once
     verified (:func:`cosmotrain.atomic.write_atomically`): nodes staging onto one shared
@@ -191,9 +210,11 @@ def copy_verified(source: Path, target: Path) -> int:
     """
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        if target.is_file() and target.stat().st_size == source.stat().st_size \
-                and checksum(target) == checksum(source):
-            return 0
+        if target.is_file() and target.stat().st_size == source.stat().st_size:
+            kept = checksum(target)
+            if kept == checksum(source):
+                _note(crcs, target, kept)
+                return 0
     except OSError as err:
         raise _not_staged(source, target, err) from err
 
@@ -205,16 +226,23 @@ def copy_verified(source: Path, target: Path) -> int:
             raise DataError(target, "the copy does not match the source's checksum",
                             "check the node-local disk and run cosmotrain preload again")
         size.append(tmp.stat().st_size)
+        _note(crcs, target, crc)
     write_atomically(target, copy, where=DEST, unique=True)
     return size[0]
 
 
-def inflate_verified(source: Path, target: Path) -> int:
+def _note(crcs: dict[Path, int] | None, target: Path, crc: int) -> None:
+    if crcs is not None:
+        crcs[target] = crc
+
+
+def inflate_verified(source: Path, target: Path, crcs: dict[Path, int] | None = None) -> int:
     """Stage a gzip file decompressed (as :func:`copy_verified`, which it follows: a
     temporary name, a CRC-32 of what was written, re-read and compared, then renamed);
     bytes written (0 when ``target`` already holds these bytes)."""
     data = tfrecord_sample.inflate(source)  # a damaged stream: DataError naming source
-    crc = zlib.crc32(data)
+    crc = file_sums.crc32c.crc32c(data)
+    _note(crcs, target, crc)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.is_file() and target.stat().st_size == len(data) and checksum(target) == crc:
@@ -232,39 +260,40 @@ def inflate_verified(source: Path, target: Path) -> int:
 
 
 def checksum(path: Path) -> int:
-    """CRC-32 of a file's bytes."""
-    crc = 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
+    """CRC-32C of a file's bytes."""
+    return file_sums.file_crc32c(path)
 
 
-def write_metadata(manifest: Manifest, dest: Path, stats: sample_table.Stats) -> None:
-    """``manifest.json`` and the sample tables of ``manifest``, written into ``dest`` (by
-    every node's leader: through temporary names of its own, as the copies); the tables
-    are keyed on ``stats``, those of the staged copies (:func:`sample_table.file_stats`)."""
+def write_metadata(manifest: Manifest, dest: Path, stats: sample_table.Stats,
+                   sums: file_sums.Sums | None = None) -> None:
+    """The sample tables of ``manifest`` and, last, ``manifest.json`` (with ``sums``, the
+    copies' sizes and CRC-32C), written into ``dest`` (by every node's leader: through
+    temporary names of its own, as the copies); the tables are keyed on ``stats``, those
+    of the staged copies (:func:`sample_table.file_stats`)."""
     try:
         dest.mkdir(parents=True, exist_ok=True)
-        cache.write_json(dest / MANIFEST_NAME, manifest.to_dict(), where=DEST)
         files = {split: list(names) for split, names in manifest.files.items()}
         sample_table.save_table(dest, sample_table.LABELS_NAME, files, manifest.labels, stats)
         if manifest.means is not None:
             sample_table.save_table(dest, sample_table.means_name(manifest.width), files,
                                     manifest.means, stats)
+        description = manifest.to_dict()
+        if sums:
+            description[file_sums.KEY] = file_sums.entry(sums)
+        cache.write_json(dest / MANIFEST_NAME, description, where=DEST)
     except OSError as err:
         raise DataError(dest / MANIFEST_NAME, f"cannot be written: {err}",
                         "check free space and permissions of the stage directory") from err
 
 
 def _copy(source: Path, target: Path) -> int:
-    """Copy ``source`` into ``target``; the CRC-32 of the bytes read.  Reading the source
+    """Copy ``source`` into ``target``; the CRC-32C of the bytes read.  Reading the source
     fails as a :class:`DataError` (not an ``OSError``: the write of ``target`` is not to
     blame)."""
     crc = 0
     with open(target, "wb") as dst:
         for chunk in _chunks(source, target):
-            crc = zlib.crc32(chunk, crc)
+            crc = file_sums.crc32c.crc32c(chunk, crc)
             dst.write(chunk)
     return crc
 
