@@ -12,7 +12,7 @@ per core, about ten times zlib's CRC-32; ``benchmarks/bench_checksum.py`` measur
 against reading the file (docs/PERFORMANCE.md).  xxhash, also fast, is no dependency.
 
 The checksums are what ``data.verify`` checks (``verify.py``), and, with the files' names
-and the volume, what a dataset *is* (:func:`identity`): the same dataset staged to another
+the volume and the labels, what a dataset *is* (:func:`identity`): the same dataset staged to another
 path has the same identity.
 """
 
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import crc32c
+import numpy as np
 
 from cosmotrain.data import formats, npy_sample
 from cosmotrain.errors import DataError
@@ -116,11 +117,17 @@ def check(root: Path, name: str, expected: tuple[int, int]) -> None:
                         "(cosmotrain preload / convert), or restore the file")
 
 
-def identity(volume: formats.VolumeInfo, files: Mapping[str, Iterable[str]]) -> str:
-    """What a dataset is, whatever its path: a digest of its volume (shape, dtype, layout)
-    and its splits' sample entries in order.  A staged copy, or the same files opened
-    under a forced ``data.format`` equal to the detected one, have the same identity; a
-    dataset with other files, another order or other volumes does not."""
-    content = {"volume": [list(volume.shape), volume.dtype, volume.layout],
-               "splits": {split: list(names) for split, names in files.items()}}
-    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+def identity(volume: formats.VolumeInfo, files: Mapping[str, Iterable[str]],
+             labels: Mapping[str, np.ndarray]) -> str:
+    """What a dataset is, whatever its path: a digest of its volume (shape, dtype, layout),
+    its splits' sample entries in order and their labels.  A staged copy (gzip files
+    inflated included), or the same files opened under a forced ``data.format`` equal to
+    the detected one, have the same identity; a dataset with other files, another order,
+    other volumes or other labels (another seed of the generator) does not."""
+    digest = hashlib.sha256(json.dumps(
+        {"volume": [list(volume.shape), volume.dtype, volume.layout],
+         "splits": {split: list(names) for split, names in files.items()}},
+        sort_keys=True).encode())
+    for split in sorted(labels):
+        digest.update(np.ascontiguousarray(labels[split], dtype=np.float32).tobytes())
+    return digest.hexdigest()[:16]

@@ -180,6 +180,14 @@ def open_manifest(root: str | Path, width: int | None, comm: Any = None, *, mean
     return manifest
 
 
+def dataset_identity(root: str | Path, cache_dir: str | None = None,
+                     format: str = scan.AUTO) -> str:
+    """What dataset ``root`` is, whatever its path (``file_sums.identity``: its volume, its
+    splits' entries and their labels); rank-local, cheap once the label table is cached."""
+    manifest = open_manifest(root, None, self_comm(None), cache_dir=cache_dir, format=format)
+    return file_sums.identity(manifest.volume, manifest.files, manifest.labels)
+
+
 def _described(root: Path, cache_dir: str | None, format: str = scan.AUTO
                ) -> tuple[Path, formats.VolumeInfo, dict[str, tuple[str, ...]]]:
     """Rank 0's part of :func:`open_manifest`: the description, read and checked once."""
