@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cosmotrain.comm.collective import agree, together
+from cosmotrain.comm.collective import agree, self_comm, together
 from cosmotrain.data import file_sums
 from cosmotrain.data.unfinished import MANIFEST_NAME
 from cosmotrain.errors import DataError
@@ -54,6 +54,7 @@ def verify_dataset(root: Path, mode: str, comm: Any) -> int:
 
     if mode == NEVER:
         return 0
+    comm = self_comm(comm)
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
         leader = node.Get_rank() == 0
