@@ -26,11 +26,12 @@ import errno
 import io
 import os
 import secrets
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cosmotrain.errors import WriteError
+from cosmotrain.errors import UserError, WriteError
 
 TMP_SUFFIX = ".tmp"
 FILE_MODE = 0o644  # before the umask, as ``open(..., "w")`` would create it
@@ -158,6 +159,20 @@ def check_writable(directory: str | Path, where: str = "output.dir") -> Path:
     except OSError as err:
         raise WriteError(folder, err, where) from None
     return folder
+
+
+def previous_name(path: Path, now: float | None = None) -> Path:
+    """A free name beside ``path`` to keep what is about to replace it (a file or a whole
+    directory): ``<stem>.previous-<YYYYmmdd-HHMMSS><suffix>`` (``-2``, ``-3``... when
+    taken)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if now is None
+                                                          else now))
+    for n in range(1, 1000):
+        kept = path.with_name(f"{path.stem}.previous-{stamp}{f'-{n}' if n > 1 else ''}"
+                              f"{path.suffix}")
+        if not kept.exists():
+            return kept
+    raise UserError(f"'{path}': too many earlier copies beside it; clean them up")
 
 
 def fsync_path(path: Path) -> None:

@@ -107,6 +107,26 @@ def test_an_unfinished_staging_is_refused_until_a_rerun_completes_it(cli, tmp_pa
     one_line(err, f"'{stage}'", "unfinished staging")
 
 
+def test_preload_overwrite_starts_over_and_keeps_what_dest_held(cli, tmp_path) -> None:
+    source, other, stage = tmp_path / "data", tmp_path / "other", tmp_path / "stage"
+    datagen(cli, source)
+    datagen(cli, other, seed=2)
+    code, _, err = cli(*preload_args(other, stage))
+    assert code == 0, err
+    held = contents(stage)
+    code, _, err = cli(*preload_args(source, stage))
+    assert code == 2 and "holds a staging of" in err
+    code, out, err = cli(*preload_args(source, stage, "--overwrite"))
+    assert code == 0 and "staged 8 file(s)" in out, err
+    kept = list(tmp_path.glob("stage.previous-*"))
+    assert len(kept) == 1 and f"moved what {stage} held to {kept[0]}" in out
+    assert contents(kept[0]) == held  # never deleted
+    recorded_sums_match(stage)
+    code, _, err = cli(*preload_args(source, tmp_path, "--overwrite"))
+    assert code == 2 and source.is_dir()
+    one_line(err, f"--dest '{tmp_path}' holds the dataset; --overwrite would move it")
+
+
 def test_a_conversion_stopped_by_a_full_disk_is_refused_until_rerun(
         cli, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     source, out = tmp_path / "data", tmp_path / "npy"

@@ -113,6 +113,9 @@ def preload(
     shuffle: Annotated[Optional[Shuffle], typer.Option(
         help="global: every node copies the whole dataset; local: each node only the "
              "shards of its sample groups (default: data.shuffle).")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        help="Start over: move what --dest holds to <dest>.previous-<time> (never "
+             "deleted), then stage.")] = False,
 ) -> None:
     """Stage the config's dataset onto each node's local storage (copy, verify, manifest)."""
     from cosmotrain.comm import world
@@ -124,7 +127,9 @@ def preload(
     cfg = with_user_defaults(load_user_config(config_file, [*(overrides or []), *extra]))
     comm = world()
     with staging_logged(cfg, comm):  # output.mlperf_log: staging_start/stop in mlperf.log
-        plan = plan_staging(cfg, comm, dest)
+        plan = plan_staging(cfg, comm, dest, overwrite)
+        if plan.moved_aside is not None and comm.Get_rank() == 0:
+            print(f"moved what {plan.dest} held to {plan.moved_aside}")
         with progress(len(plan.mine), f"preload (rank 0 of {comm.Get_size()})",
                       comm.Get_rank()) as update:
             report = run_staging(plan, comm, update)

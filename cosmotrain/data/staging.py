@@ -19,7 +19,7 @@ own sizes and modification times, so a job opens the staged
 directory without touching any file it lacks.  A failure on any rank is one verdict,
 printed once, and leaves no new manifest.  A ``--dest`` holding another dataset's copy
 (or anything but a staging of this dataset) is refused before anything is written
-(``stage_claim.py``).
+(``stage_claim.py``), unless ``--overwrite``, which renames it aside first.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from cosmotrain.data import cache, file_sums, formats, npy_sample, order, sample
 from cosmotrain.data import tfrecord_sample
 from cosmotrain.data.manifest import MANIFEST_NAME, Manifest
 from cosmotrain.data.open import dataset_root, open_dataset
-from cosmotrain.data.stage_claim import record_source, stage_problem
+from cosmotrain.data.stage_claim import move_aside, record_source, stage_problem
 from cosmotrain.errors import DataError
 
 CHUNK = 1 << 23  # 8 MiB copy buffer
@@ -58,6 +58,7 @@ class StagePlan:
     node: Any  # communicator of the ranks sharing this node
     mine: list[str]  # relative paths of the files this rank copies
     entries: dict[str, list[str]]  # the samples in each of them (records' addresses)
+    moved_aside: Path | None = None  # where --overwrite moved what --dest held
 
 
 @dataclass
@@ -110,20 +111,26 @@ def node_files(manifest: Manifest, batch_size: int, groups: int, node_groups: se
     return wanted
 
 
-def plan_staging(cfg: Config, comm: Any, dest: Path | None = None) -> StagePlan:
-    """Open the source dataset and decide this rank's copies (collective)."""
+def plan_staging(cfg: Config, comm: Any, dest: Path | None = None,
+                 overwrite: bool = False) -> StagePlan:
+    """Open the source dataset and decide this rank's copies (collective); ``overwrite``
+    first renames whatever ``dest`` holds aside (``<dest>.previous-<time>``)."""
     from mpi4py import MPI
 
     manifest = open_dataset(cfg, comm)  # also checks every file's header (label table)
     dest = Path(dest) if dest is not None else default_dest(cfg)
     same = dest.resolve() == manifest.root.resolve()
     agree(comm, f"--dest '{dest}' is the dataset itself; choose a node-local directory"
-          if same else None)
+          if same else f"--dest '{dest}' holds the dataset; --overwrite would move it: "
+          f"choose a node-local directory" if overwrite and
+          manifest.root.resolve().is_relative_to(dest.resolve()) else None)
     layout = resolve_parallel(cfg, comm.Get_size())
     grid = ProcessGrid(comm, layout)
     group = grid.coord("sample")
     grid.free()
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    moved = [m for m in comm.allgather(together(comm, lambda: move_aside(dest, DEST)
+             if overwrite and node.Get_rank() == 0 else None)) if m is not None]
     agree(comm, stage_problem(dest, manifest.root, manifest.files, DEST)
           if node.Get_rank() == 0 else None)
     node_groups = set(node.allgather(group))
@@ -133,7 +140,8 @@ def plan_staging(cfg: Config, comm: Any, dest: Path | None = None) -> StagePlan:
         by_file.setdefault(str(formats.sample_file(entry)), []).append(entry)
     mine = list(by_file)[node.Get_rank()::node.Get_size()]
     return StagePlan(manifest, dest, cfg.data.shuffle, node, mine,
-                     {relpath: by_file[relpath] for relpath in mine})
+                     {relpath: by_file[relpath] for relpath in mine},
+                     moved[0] if moved else None)
 
 
 def run_staging(plan: StagePlan, comm: Any,

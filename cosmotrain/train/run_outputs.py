@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cosmotrain.atomic import fsync_path, write_text_atomically
+from cosmotrain.atomic import fsync_path, previous_name, write_text_atomically
 from cosmotrain.train.checkpoint import CHECKPOINT_DIR, list_checkpoints
 from cosmotrain.train.metrics import METRICS_FILE
 from cosmotrain.train.mlperf_file import MLPERF_LOG, staging_tail
@@ -122,19 +122,6 @@ def _move_mlperf_log(out: Path, dest: Path) -> bool:
     if tail:
         write_text_atomically(log, tail)
     return True
-
-
-def previous_name(path: Path, now: float | None = None) -> Path:
-    """A free name beside ``path`` to keep what is about to replace it:
-    ``<stem>.previous-<YYYYmmdd-HHMMSS><suffix>`` (``-2``, ``-3``... when taken)."""
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if now is None
-                                                          else now))
-    for n in range(1, 1000):
-        kept = path.with_name(f"{path.stem}.previous-{stamp}{f'-{n}' if n > 1 else ''}"
-                              f"{path.suffix}")
-        if not kept.exists():
-            return kept
-    raise RunDirError(f"'{path}': too many earlier copies beside it; clean them up")
 
 
 def new_previous_dir(out: Path, now: float, option: str = "output.dir") -> Path:
