@@ -99,7 +99,7 @@ def test_an_unfinished_staging_is_refused_until_a_rerun_completes_it(cli, tmp_pa
     assert contents(source) == before
     code, _, err = cli(*train_args(stage, tmp_path / "run3"))
     assert code == 0, err
-    checkpoint = sorted((tmp_path / "run3/checkpoints").glob("*.h5"))[-1]
+    checkpoint = max((tmp_path / "run3/checkpoints").glob("*.h5"))
     (stage / "manifest.json").unlink()  # stopped again: predict refuses it as well
     code, _, err = cli("predict", "--checkpoint", str(checkpoint), "--data", str(stage),
                        "--out", str(tmp_path / "predicted.h5"))

@@ -31,8 +31,8 @@ import numpy as np
 from cosmotrain.atomic import write_text_atomically
 from cosmotrain.comm.collective import agree, together
 from cosmotrain.data import cache, file_sums, formats, npy_sample, sample_table, scan
-from cosmotrain.data.unfinished import CONVERT_RECORD, recorded
 from cosmotrain.data.manifest import MANIFEST_NAME, Manifest, open_manifest
+from cosmotrain.data.unfinished import CONVERT_RECORD, recorded
 from cosmotrain.errors import DataError, UserError
 
 OUT = "--out"

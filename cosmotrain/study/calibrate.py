@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from cosmotrain.atomic import previous_name
 from cosmotrain.config.schema import Config
 from cosmotrain.errors import WriteError
 from cosmotrain.kernels import _parallel
@@ -50,7 +51,6 @@ from cosmotrain.plan.workload import LayerWork, Workload, build_workload
 from cosmotrain.study.layer_timing import layer_curves, quiet_barrier
 from cosmotrain.tensor.channel_collectives import allgather_channels, reduce_scatter_channels
 from cosmotrain.train.optim import build_optimizer
-from cosmotrain.train.run_outputs import previous_name
 
 MESSAGE_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 23)
 MAX_MESSAGE_BYTES = 1 << 27  # the largest collective timed (larger ones extrapolate)

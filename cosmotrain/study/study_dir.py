@@ -20,11 +20,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cosmotrain.atomic import fsync_path
+from cosmotrain.atomic import fsync_path, previous_name
 from cosmotrain.errors import UserError, WriteError
 from cosmotrain.study.points import Point
 from cosmotrain.study.report import RESULTS_CSV, RESULTS_JSON, RESULTS_MD, load_results
-from cosmotrain.train.run_outputs import new_previous_dir, previous_name
+from cosmotrain.train.run_outputs import new_previous_dir
 
 POINTS_DIR = "points"
 #: what marks a directory as holding a study (the results are written after each point)

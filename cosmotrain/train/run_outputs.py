@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cosmotrain.atomic import fsync_path, previous_name, write_text_atomically
+from cosmotrain.atomic import fsync_path, write_text_atomically
 from cosmotrain.train.checkpoint import CHECKPOINT_DIR, list_checkpoints
 from cosmotrain.train.metrics import METRICS_FILE
 from cosmotrain.train.mlperf_file import MLPERF_LOG, staging_tail
