@@ -166,12 +166,16 @@ def test_a_damaged_copy_is_named_by_its_checksum_and_restaged(cli, tmp_path) -> 
     payload = bytearray(damaged.read_bytes())
     payload[len(payload) // 2] ^= 0x40  # one bit inside the volume: the reader sees nothing
     damaged.write_bytes(bytes(payload))
-    for args in (train_args(stage, tmp_path / "run"), preload_args(stage, tmp_path / "s2")):
-        code, _, err = cli(*args)
-        assert code == 2
-        one_line(err, f"'{damaged}'", "does not match its CRC-32C in manifest.json",
-                 "stage or convert it again from the source")
-    assert not (tmp_path / "run/checkpoints").exists() and not (tmp_path / "s2").exists()
+    code, _, err = cli(*train_args(stage, tmp_path / "run"))
+    assert code == 2 and not (tmp_path / "run/checkpoints").exists()
+    one_line(err, f"'{damaged}'", "does not match its CRC-32C in manifest.json",
+             "stage or convert it again from the source")
+    code, _, err = cli(*preload_args(stage, tmp_path / "s2"))  # checked as it is copied
+    assert code == 2
+    one_line(err, f"'{damaged}'", "does not match its CRC-32C in manifest.json",
+             "restore it before staging it")
+    assert not (tmp_path / "s2/train/sample_000003.hdf5").exists()
+    assert not (tmp_path / "s2/manifest.json").exists()  # refused as unfinished
     code, _, err = cli(*preload_args(source, stage))  # the rerun replaces the damaged copy
     assert code == 0, err
     assert damaged.read_bytes() == (source / "train/sample_000003.hdf5").read_bytes()

@@ -41,15 +41,18 @@ def dataset_root(cfg: Config) -> Path:
     return Path(cfg.data.path)
 
 
-def open_dataset(cfg: Config, comm: Any) -> Manifest:
+def open_dataset(cfg: Config, comm: Any, *, verify: bool = True) -> Manifest:
     """The manifest of the config's dataset at ``model.width``, its files checked against
-    their checksums as ``data.verify`` says (``verify.py``) (collective)."""
+    their checksums as ``data.verify`` says (``verify.py``) unless ``verify`` is False
+    (staging checks each file while it copies it) (collective)."""
     if cfg.model.channels != 4:
         raise ConfigError("model.channels", f"{cfg.model.channels} does not match the 4 "
                           "channels of CosmoFlow data", "set model.channels: 4")
     manifest = open_manifest(dataset_root(cfg), cfg.model.width, comm,
                              means=cfg.data.transform == "mean", cache_dir=cfg.data.cache_dir,
                              format=cfg.data.format)
+    if not verify:
+        return manifest
     checked = verify_dataset(manifest.root, cfg.data.verify, comm)  # data.verify
     LOG.debug("data.verify %s: %d file(s) of '%s' match their checksums", cfg.data.verify,
               checked, manifest.root)

@@ -41,6 +41,7 @@ from cosmotrain.data import tfrecord_sample
 from cosmotrain.data.manifest import MANIFEST_NAME, Manifest
 from cosmotrain.data.open import dataset_root, open_dataset
 from cosmotrain.data.stage_claim import move_aside, record_source, stage_problem
+from cosmotrain.data.verify import sums_to_check
 from cosmotrain.errors import DataError
 
 CHUNK = 1 << 23  # 8 MiB copy buffer
@@ -59,6 +60,7 @@ class StagePlan:
     mine: list[str]  # relative paths of the files this rank copies
     entries: dict[str, list[str]]  # the samples in each of them (records' addresses)
     moved_aside: Path | None = None  # where --overwrite moved what --dest held
+    source_sums: file_sums.Sums | None = None  # data.verify: the source's, checked on copy
 
 
 @dataclass
@@ -117,7 +119,8 @@ def plan_staging(cfg: Config, comm: Any, dest: Path | None = None,
     first renames whatever ``dest`` holds aside (``<dest>.previous-<time>``)."""
     from mpi4py import MPI
 
-    manifest = open_dataset(cfg, comm)  # also checks every file's header (label table)
+    manifest = open_dataset(cfg, comm, verify=False)  # every header checked (label table)
+    source_sums = sums_to_check(manifest.root, cfg.data.verify, comm)  # checked on copy
     dest = Path(dest) if dest is not None else default_dest(cfg)
     same = dest.resolve() == manifest.root.resolve()
     agree(comm, f"--dest '{dest}' is the dataset itself; choose a node-local directory"
@@ -141,7 +144,7 @@ def plan_staging(cfg: Config, comm: Any, dest: Path | None = None,
     mine = list(by_file)[node.Get_rank()::node.Get_size()]
     return StagePlan(manifest, dest, cfg.data.shuffle, node, mine,
                      {relpath: by_file[relpath] for relpath in mine},
-                     moved[0] if moved else None)
+                     moved[0] if moved else None, source_sums)
 
 
 def run_staging(plan: StagePlan, comm: Any,
@@ -193,10 +196,12 @@ def _stage_files(plan: StagePlan, progress: Callable[[int], None] | None
             copied += inflate_verified(source, target, crcs)
             inflated += 1
         else:
-            copied += copy_verified(source, target, crcs)
+            copied += copy_verified(source, target, crcs, _expected(plan, relpath))
         labels = npy_sample.label_path(source)
         if npy and labels.exists():  # NVIDIA's labels travel with their volumes
-            copied += copy_verified(labels, npy_sample.label_path(target), crcs)
+            label_name = str(npy_sample.label_path(Path(relpath)))
+            copied += copy_verified(labels, npy_sample.label_path(target), crcs,
+                                    _expected(plan, label_name))
         for entry in plan.entries[relpath]:  # every sample of the copy, its CRCs checked
             formats.probe(plan.dest / entry, plan.manifest.volume)
         if progress is not None:
@@ -206,9 +211,16 @@ def _stage_files(plan: StagePlan, progress: Callable[[int], None] | None
     return copied, inflated, sums
 
 
-def copy_verified(source: Path, target: Path, crcs: dict[Path, int] | None = None) -> int:
+def _expected(plan: StagePlan, relpath: str) -> tuple[int, int] | None:
+    """The source's recorded size and CRC-32C of ``relpath``, if ``data.verify`` checks it."""
+    return plan.source_sums.get(relpath) if plan.source_sums else None
+
+
+def copy_verified(source: Path, target: Path, crcs: dict[Path, int] | None = None,
+                  expected: tuple[int, int] | None = None) -> int:
     """Copy ``source`` to ``target`` and verify its CRC-32C; bytes copied (0 if kept).
-    ``crcs`` receives ``target``'s CRC-32C.
+    ``crcs`` receives ``target``'s CRC-32C; ``expected`` is the source's recorded size and
+    CRC-32C (``data.verify``), which the bytes read must match before ``target`` exists.
 
     The copy goes through a temporary name of this process's own and is renamed once
     verified (:func:`cosmotrain.atomic.write_atomically`): nodes staging onto one shared
@@ -221,6 +233,7 @@ def copy_verified(source: Path, target: Path, crcs: dict[Path, int] | None = Non
         if target.is_file() and target.stat().st_size == source.stat().st_size:
             kept = checksum(target)
             if kept == checksum(source):
+                _check_source(source, expected, (target.stat().st_size, kept))
                 _note(crcs, target, kept)
                 return 0
     except OSError as err:
@@ -230,6 +243,7 @@ def copy_verified(source: Path, target: Path, crcs: dict[Path, int] | None = Non
 
     def copy(tmp: Path) -> None:
         crc = _copy(source, tmp)
+        _check_source(source, expected, (tmp.stat().st_size, crc))
         if checksum(tmp) != crc:
             raise DataError(target, "the copy does not match the source's checksum",
                             "check the node-local disk and run cosmotrain preload again")
@@ -237,6 +251,14 @@ def copy_verified(source: Path, target: Path, crcs: dict[Path, int] | None = Non
         _note(crcs, target, crc)
     write_atomically(target, copy, where=DEST, unique=True)
     return size[0]
+
+
+def _check_source(source: Path, expected: tuple[int, int] | None,
+                  found: tuple[int, int]) -> None:
+    """Raise a :class:`DataError` naming ``source`` if its bytes differ from its record."""
+    if expected is not None and tuple(expected) != found:
+        raise DataError(source, "does not match its CRC-32C in manifest.json (its bytes "
+                        "are damaged); restore it before staging it")
 
 
 def _note(crcs: dict[Path, int] | None, target: Path, crc: int) -> None:
