@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from test_data_manifest import write_universes
 
-from cosmotrain.data import file_sums, formats
+from cosmotrain.data import file_sums, formats, staging
 from cosmotrain.data.stage_claim import record_source
 from cosmotrain.errors import WriteError
 
@@ -68,7 +68,8 @@ def recorded_sums_match(root: Path) -> None:
     assert recorded == file_sums.sum_files(root, recorded)
 
 
-def test_an_unfinished_staging_is_refused_until_a_rerun_completes_it(cli, tmp_path) -> None:
+def test_an_unfinished_staging_is_refused_until_a_rerun_completes_it(
+        cli, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     source, stage = tmp_path / "data", tmp_path / "stage"
     datagen(cli, source)
     recorded_sums_match(source)  # datagen records its checksums too
@@ -99,6 +100,27 @@ def test_an_unfinished_staging_is_refused_until_a_rerun_completes_it(cli, tmp_pa
     assert contents(source) == before
     code, _, err = cli(*train_args(stage, tmp_path / "run3"))
     assert code == 0, err
+    full = tmp_path / "full"  # a disk that fills at the third copy
+    copy, calls = staging._copy, []
+
+    def filling(source_file: Path, target: Path) -> int:
+        calls.append(target)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return copy(source_file, target)
+
+    monkeypatch.setattr(staging, "_copy", filling)
+    code, _, err = cli(*preload_args(source, full))
+    assert code == 2 and not (full / "manifest.json").exists()
+    one_line(err, "No space left on device", f"'{full}/")
+    assert not [p for p in full.rglob("*") if p.name.endswith(".tmp")]
+    code, _, err = cli(*train_args(full, tmp_path / "run4"))
+    assert code == 2
+    one_line(err, f"'{full}'", "unfinished staging", f"--dest {full} to complete it")
+    monkeypatch.setattr(staging, "_copy", copy)
+    code, _, err = cli(*preload_args(source, full))
+    assert code == 0, err
+    recorded_sums_match(full)
     checkpoint = max((tmp_path / "run3/checkpoints").glob("*.h5"))
     (stage / "manifest.json").unlink()  # stopped again: predict refuses it as well
     code, _, err = cli("predict", "--checkpoint", str(checkpoint), "--data", str(stage),
