@@ -10,14 +10,16 @@ Each node copies the files its ranks will read into the same local path (``--des
 The ranks of a node share its files out; each file is copied to a temporary name with a
 CRC-32C computed on the way, re-read and compared, checked to be a sample of the dataset's
 shape and dtype, then renamed.  A file already staged with the same size and checksum is
-kept.  NVIDIA's ``_label.npy`` files are staged beside their volumes.  Gzip TFRecord
-files (MLPerf v1.0) are staged *inflated*: a plain record can be memory-mapped and
-sliced, so the training loop never decompresses a file.  Once every rank is done, the
-node's leader writes ``manifest.json`` (with every copy's size and CRC-32C:
-``file_sums.py``) and the label (and mean) tables beside the copies, keyed on the copies'
-own sizes and modification times, so a job opens the staged
-directory without touching any file it lacks.  A failure on any rank is one verdict,
-printed once, and leaves no new manifest.  A ``--dest`` holding another dataset's copy
+kept; a source whose manifest records checksums is checked against them as it is read
+(``data.verify``).  NVIDIA's ``_label.npy`` files are staged beside their volumes.  Gzip
+TFRecord files (MLPerf v1.0) are staged *inflated*: a plain record can be memory-mapped
+and sliced, so the training loop never decompresses a file.  The node's leader takes
+down the manifest of an earlier staging first; once every rank is done, it writes the
+label (and mean) tables beside the copies, keyed on the copies' own sizes and
+modification times, so a job opens the staged directory without touching any file it
+lacks, and last ``manifest.json`` with every copy's size and CRC-32C (``file_sums.py``).
+A failure on any rank is one verdict, printed once, and leaves no manifest: the
+directory is refused as unfinished (``unfinished.py``) until a rerun completes it.  A ``--dest`` holding another dataset's copy
 (or anything but a staging of this dataset) is refused before anything is written
 (``stage_claim.py``), unless ``--overwrite``, which renames it aside first.
 """
