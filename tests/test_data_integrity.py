@@ -177,6 +177,13 @@ def test_a_conversion_stopped_by_a_full_disk_is_refused_until_rerun(
     assert code == 0 and "converted 8 file(s)" in stdout, err
     recorded_sums_match(out)
     assert contents(source) == before
+    held = contents(out)
+    code, stdout, err = cli("convert", "--data", str(source), "--out", str(out),
+                            "--format", "hdf5", "--overwrite")  # starts over, keeps npy/
+    kept = list(tmp_path.glob("npy.previous-*"))
+    assert code == 0 and len(kept) == 1 and f"moved what {out} held to {kept[0]}" in stdout
+    assert contents(kept[0]) == held
+    recorded_sums_match(out)
 
 
 def test_a_damaged_copy_is_named_by_its_checksum_and_restaged(cli, tmp_path) -> None:

@@ -85,7 +85,8 @@ def convert(
         help="Format of the source when its directory holds two (default: from the files).")]
     = None,
     overwrite: Annotated[bool, typer.Option(
-        help="Replace converted files in a --out that is not empty.")] = False,
+        help="Start over: move what --out holds to <out>.previous-<time> (never "
+             "deleted), then convert.")] = False,
 ) -> None:
     """Rewrite a dataset in another format (hdf5, tfrecord, npy), each file verified."""
     from cosmotrain.comm import world
@@ -97,6 +98,8 @@ def convert(
     plan = plan_conversion(data, out, format.value, comm, gzip=gzip, overwrite=overwrite,
                            source_format=source_format.value if source_format else "auto",
                            cache_dir=user_cache_dir())
+    if plan.moved_aside is not None and rank == 0:
+        print(f"moved what {plan.out} held to {plan.moved_aside}")
     with progress(len(plan.mine), f"convert (rank 0 of {size})", rank) as update:
         report = run_conversion(plan, comm, update)
     if rank == 0:

@@ -32,6 +32,7 @@ from cosmotrain.atomic import write_text_atomically
 from cosmotrain.comm.collective import agree, together
 from cosmotrain.data import cache, file_sums, formats, npy_sample, sample_table, scan
 from cosmotrain.data.manifest import MANIFEST_NAME, Manifest, open_manifest
+from cosmotrain.data.stage_claim import move_aside
 from cosmotrain.data.unfinished import CONVERT_RECORD, recorded
 from cosmotrain.errors import DataError, UserError
 
@@ -80,6 +81,7 @@ class ConvertPlan:
     gzip: bool
     mine: list[tuple[str, int]]  # (split, file index) this rank converts
     total: int  # files in the dataset
+    moved_aside: Path | None = None  # where --overwrite moved what --out held
 
 
 def plan_conversion(source: Path, out: Path, format: str, comm: Any, *, gzip: bool = False,
@@ -91,10 +93,13 @@ def plan_conversion(source: Path, out: Path, format: str, comm: Any, *, gzip: bo
         raise UserError(f"--gzip compresses TFRecord files only; drop it for --format {format}")
     manifest = open_manifest(source, None, comm, cache_dir=cache_dir, format=source_format)
     target = target_volume(manifest.volume, format)
-    agree(comm, _prepare(Path(source), Path(out), overwrite) if comm.Get_rank() == 0 else None)
+    moved: list[Path] = []
+    agree(comm, _prepare(Path(source), Path(out), overwrite, moved)
+          if comm.Get_rank() == 0 else None)
     jobs = [(split, i) for split, names in manifest.files.items() for i in range(len(names))]
     return ConvertPlan(manifest, Path(out), target, gzip,
-                       jobs[comm.Get_rank()::comm.Get_size()], len(jobs))
+                       jobs[comm.Get_rank()::comm.Get_size()], len(jobs),
+                       comm.bcast(moved[0] if moved else None, root=0))
 
 
 def run_conversion(plan: ConvertPlan, comm: Any,
@@ -148,19 +153,23 @@ def _written(target: Path, format: str) -> list[Path]:
     return [target, label] if format == formats.NPY and label.exists() else [target]
 
 
-def _prepare(source: Path, out: Path, overwrite: bool) -> str | None:
+def _prepare(source: Path, out: Path, overwrite: bool, moved: list[Path]) -> str | None:
     """Rank 0: refuse converting into the source or into a used directory (unless
-    ``overwrite``, which replaces converted files and never touches anything else, or
-    an unfinished conversion of the same source, which this one completes); record the
-    source in ``--out`` and take down its manifest until the conversion is done."""
+    ``overwrite``, which renames what ``--out`` holds to ``<out>.previous-<time>`` and
+    appends that to ``moved``, or an unfinished conversion of the same source, which this
+    one completes); record the source in ``--out`` and take down its manifest until the
+    conversion is done."""
     if out.resolve() == source.resolve():
         return f"{OUT} '{out}' is the source dataset itself; choose another directory"
+    if overwrite and source.resolve().is_relative_to(out.resolve()):
+        return f"{OUT} '{out}' holds the source; --overwrite would move it: choose another"
     resuming = recorded(out, CONVERT_RECORD) == str(source.resolve()) and \
         not (out / MANIFEST_NAME).exists()
     if out.is_dir() and any(out.iterdir()) and not overwrite and not resuming:
         return (f"{OUT} '{out}' is not empty: choose a new directory, or pass --overwrite "
-                f"to replace the converted files in it")
+                f"to move what it holds aside and start over")
     try:
+        moved.extend([kept] if overwrite and (kept := move_aside(out, OUT)) else [])
         out.mkdir(parents=True, exist_ok=True)
         cache.write_json(out / CONVERT_RECORD, {"source": str(source.resolve())}, where=OUT)
         (out / MANIFEST_NAME).unlink(missing_ok=True)  # no manifest that lies, midway

@@ -99,7 +99,7 @@ def _lists(dest: Path, files: Mapping[str, Sequence[str]]) -> bool:
 
 def move_aside(dest: Path, option: str = "--dest") -> Path | None:
     """Rename a non-empty ``dest`` to ``<dest>.previous-<time>`` beside it, so a staging
-    starts over without deleting anything; where it went (None: nothing to move, or the
+    (or a conversion: ``option`` ``--out``) starts over without deleting anything; where it went (None: nothing to move, or the
     leader of another node sharing the directory moved it first)."""
     try:
         if not dest.is_dir() or not any(dest.iterdir()):
