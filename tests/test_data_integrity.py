@@ -16,9 +16,14 @@ import errno
 import json
 import os
 import shutil
+import signal as signal_module
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+from conftest import mpiexec, stderr_of, subprocess_env
 from test_data_manifest import write_universes
 
 from cosmotrain.data import file_sums, formats, staging
@@ -127,6 +132,53 @@ def test_an_unfinished_staging_is_refused_until_a_rerun_completes_it(
                        "--out", str(tmp_path / "predicted.h5"))
     assert code == 2 and not (tmp_path / "predicted.h5").exists()
     one_line(err, f"'{stage}'", "unfinished staging")
+
+
+BLOCKED_PRELOAD = """
+import os, sys, time
+from pathlib import Path
+from mpi4py import MPI
+from cosmotrain.data import staging
+copy, signal, calls = staging._copy, Path(sys.argv[1]), []
+def blocking(source, target):
+    calls.append(target)
+    if len(calls) == 3 and MPI.COMM_WORLD.rank == MPI.COMM_WORLD.size - 1:
+        signal.write_text(str(os.getpid()))  # two files staged here: wait for the kill
+        time.sleep(600)
+    return copy(source, target)
+staging._copy = blocking
+sys.argv = ["cosmotrain", *sys.argv[2:]]
+from cosmotrain.cli import main
+main()
+"""
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_kill_9_of_preload_midway_leaves_a_directory_train_refuses(
+        cli, tmp_path, ranks: int) -> None:
+    """A real ``kill -9`` of the preload process (of its last rank under mpiexec, which
+    then ends the job) while it copies its third file."""
+    source, stage, signal = tmp_path / "data", tmp_path / "stage", tmp_path / "copying"
+    datagen(cli, source)
+    launcher = [mpiexec(), "-n", str(ranks)] if ranks > 1 else []
+    job = subprocess.Popen([*launcher, sys.executable, "-c", BLOCKED_PRELOAD, str(signal),
+                            *preload_args(source, stage)], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    deadline = time.monotonic() + 60
+    while not signal.exists() or not signal.read_text():
+        assert job.poll() is None, job.communicate()
+        assert time.monotonic() < deadline, "preload never reached its third copy"
+        time.sleep(0.05)
+    os.kill(int(signal.read_text()), signal_module.SIGKILL)
+    stderr_of(job, "preload after kill -9", 60)
+    assert job.returncode != 0
+    assert len(list(stage.rglob("*.hdf5"))) < 8 and not (stage / "manifest.json").exists()
+    code, _, err = cli(*train_args(stage, tmp_path / "run"))
+    assert code == 2
+    one_line(err, f"'{stage}'", "unfinished staging", f"--dest {stage} to complete it")
+    code, out, err = cli(*preload_args(source, stage))
+    assert code == 0 and "staged 8 file(s)" in out, err
+    recorded_sums_match(stage)
 
 
 def test_preload_overwrite_starts_over_and_keeps_what_dest_held(cli, tmp_path) -> None:
