@@ -268,17 +268,24 @@ def test_bad_files_print_once_under_two_ranks(template: dict[str, Path],
     root, bad = copy_of(template["int16"], tmp_path, "shape")
     root = unseen(root, bad, lambda: rewrite(bad, "full", np.zeros((8, 8, 8), np.int16)))
     cases.append(("3-D volume, preload read by both ranks", root,
-                  ["parallel.depth=2"], f"data file '{bad}': 'full' has shape (8, 8, 8)"))
+                  ["parallel.depth=2", "data.verify=never"],  # the reader meets it
+                  f"data file '{bad}': 'full' has shape (8, 8, 8)"))
     root, bad = copy_of(template["float32"], tmp_path, "nan")
     root = unseen(root, bad, lambda: set_values(
         bad, "full", lambda v: v.__setitem__(slice(None), np.nan)))
     cases.append(("NaN volume, direct read by both ranks", root,
-                  ["parallel.depth=2", "data.reader=direct"],
+                  ["parallel.depth=2", "data.reader=direct", "data.verify=never"],
                   f"data file '{bad}': 'full' holds"))
+    root, bad = copy_of(template["int16"], tmp_path, "rot")
+    root = unseen(root, bad, lambda: set_values(
+        bad, "full", lambda v: v.__setitem__((0, 0, 0, 1), 5)))
+    cases.append(("bit rot, data.verify: auto on both ranks", root, ["parallel.depth=2"],
+                  f"data file '{bad}': does not match its CRC-32C in manifest.json"))
     root, bad = copy_of(template["int16"], tmp_path, "unlabelled")
     with h5py.File(bad, "r+") as handle:
         del handle["unitPar"]
-    cases.append(("missing labels", root, [], f"data file '{bad}': has no 'unitPar' labels"))
+    cases.append(("missing labels", root, ["data.verify=never"],  # checked after the sums
+                  f"data file '{bad}': has no 'unitPar' labels"))
 
     jobs = []
     for i, (name, root, overrides, _) in enumerate(cases):

@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 
-from cosmotrain.data import datagen, formats, synthetic
+from cosmotrain.data import datagen, file_sums, formats, synthetic
 from cosmotrain.errors import DataError, UserError
 
 
@@ -140,8 +140,13 @@ def test_round_robin_over_fake_ranks_gives_same_files(tmp_path: Path) -> None:
     for name, (volume, labels) in serial.items():
         assert volume.tobytes() == ranks[name][0].tobytes()
         assert labels.tobytes() == ranks[name][1].tobytes()
-    manifest_text = (tmp_path / "serial" / "manifest.json").read_text()
-    assert manifest_text == (tmp_path / "ranks" / "manifest.json").read_text()
+    serial_manifest = json.loads((tmp_path / "serial" / "manifest.json").read_text())
+    ranks_manifest = json.loads((tmp_path / "ranks" / "manifest.json").read_text())
+    sums = serial_manifest.pop("checksums")  # fake ranks gather no one else's checksums
+    assert ranks_manifest.pop("checksums")["algorithm"] == sums["algorithm"] == "crc32c"
+    assert serial_manifest == ranks_manifest
+    assert sums["files"] == {name: list(s) for name, s in file_sums.sum_files(
+        tmp_path / "ranks", [name for name in sums["files"]]).items()}  # the same bytes
 
 
 def test_an_error_on_another_rank_is_raised_here(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ files and bad copies are named."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tempfile
@@ -15,7 +16,7 @@ from conftest import mpiexec, subprocess_env
 from test_data_manifest import write_universes
 
 from cosmotrain.config.load import load_config
-from cosmotrain.data import staging
+from cosmotrain.data import file_sums, staging
 from cosmotrain.data.manifest import open_manifest
 from cosmotrain.data.open import make_reader, open_dataset
 from cosmotrain.data.placement import BlockPlacement
@@ -179,6 +180,11 @@ def test_two_ranks_stage_with_local_shuffle(tmp_path: Path) -> None:
     assert "staged 5 file(s)" in out.stdout and "on 1 node(s) (local shuffle)" in out.stdout
     assert sorted(p.name for p in (tmp_path / "stage/train").iterdir()) == [
         f"universe_{i:03d}.hdf5" for i in range(4)]
+    recorded = json.loads((tmp_path / "stage/manifest.json").read_text())["checksums"]
+    assert recorded["algorithm"] == "crc32c"  # both ranks' copies, gathered by the leader
+    assert {name: tuple(s) for name, s in recorded["files"].items()} == file_sums.sum_files(
+        tmp_path / "stage", [f"{split}/universe_{i:03d}.hdf5" for split, n in
+                             (("train", 4), ("validation", 1)) for i in range(n)])
 
 
 

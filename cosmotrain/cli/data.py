@@ -85,7 +85,8 @@ def convert(
         help="Format of the source when its directory holds two (default: from the files).")]
     = None,
     overwrite: Annotated[bool, typer.Option(
-        help="Replace converted files in a --out that is not empty.")] = False,
+        help="Start over: move what --out holds to <out>.previous-<time> (never "
+             "deleted), then convert.")] = False,
 ) -> None:
     """Rewrite a dataset in another format (hdf5, tfrecord, npy), each file verified."""
     from cosmotrain.comm import world
@@ -97,6 +98,8 @@ def convert(
     plan = plan_conversion(data, out, format.value, comm, gzip=gzip, overwrite=overwrite,
                            source_format=source_format.value if source_format else "auto",
                            cache_dir=user_cache_dir())
+    if plan.moved_aside is not None and rank == 0:
+        print(f"moved what {plan.out} held to {plan.moved_aside}")
     with progress(len(plan.mine), f"convert (rank 0 of {size})", rank) as update:
         report = run_conversion(plan, comm, update)
     if rank == 0:
@@ -113,6 +116,9 @@ def preload(
     shuffle: Annotated[Optional[Shuffle], typer.Option(
         help="global: every node copies the whole dataset; local: each node only the "
              "shards of its sample groups (default: data.shuffle).")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        help="Start over: move what --dest holds to <dest>.previous-<time> (never "
+             "deleted), then stage.")] = False,
 ) -> None:
     """Stage the config's dataset onto each node's local storage (copy, verify, manifest)."""
     from cosmotrain.comm import world
@@ -124,7 +130,9 @@ def preload(
     cfg = with_user_defaults(load_user_config(config_file, [*(overrides or []), *extra]))
     comm = world()
     with staging_logged(cfg, comm):  # output.mlperf_log: staging_start/stop in mlperf.log
-        plan = plan_staging(cfg, comm, dest)
+        plan = plan_staging(cfg, comm, dest, overwrite)
+        if plan.moved_aside is not None and comm.Get_rank() == 0:
+            print(f"moved what {plan.dest} held to {plan.moved_aside}")
         with progress(len(plan.mine), f"preload (rank 0 of {comm.Get_size()})",
                       comm.Get_rank()) as update:
             report = run_staging(plan, comm, update)

@@ -93,6 +93,10 @@ class DataConfig:
     cache_dir: str | None = spec(None, "manifest and label caches of read-only datasets; "
                                  "null = $COSMOTRAIN_CACHE_DIR or ~/.cache/cosmotrain",
                                  nullable=True)
+    verify: str = spec("auto", "check each file against the CRC-32C its manifest records "
+                       "when a job opens the dataset: auto (when recorded: staged, converted "
+                       "or generated data), always (refuse a dataset without checksums) or "
+                       "never", choices=("auto", "always", "never"))
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
 

@@ -6,7 +6,10 @@ keep their dtype (TFRecord holds int16 only) and, but for TFRecord (channels-las
 their layout.  The ranks share the files out round-robin; each output is written
 atomically, then read back and compared with the source (volume and labels), so a
 converted dataset is proven equal to the source before its ``manifest.json``, written last
-by rank 0 with the label table beside it, makes it usable.
+by rank 0 with the label table beside it and every file's size and CRC-32C in it
+(``file_sums.py``), makes it usable.  ``--out`` records its source in
+``.cosmotrain-convert.json`` first: until the manifest is there, the directory is refused
+as unfinished (``unfinished.py``), and a rerun of the same conversion completes it.
 
 When converting pays: gzip TFRecord files (MLPerf v1.0) are inflated on every read, so a
 job that reads them more than once gains from plain TFRecord, .npy or HDF5 (``preload``
@@ -26,8 +29,10 @@ from typing import Any
 import numpy as np
 
 from cosmotrain.comm.collective import agree, together
-from cosmotrain.data import cache, formats, npy_sample, sample_table, scan
+from cosmotrain.data import cache, file_sums, formats, npy_sample, sample_table, scan
 from cosmotrain.data.manifest import MANIFEST_NAME, Manifest, open_manifest
+from cosmotrain.data.stage_claim import move_aside
+from cosmotrain.data.unfinished import CONVERT_RECORD, recorded
 from cosmotrain.errors import DataError, UserError
 
 OUT = "--out"
@@ -75,6 +80,7 @@ class ConvertPlan:
     gzip: bool
     mine: list[tuple[str, int]]  # (split, file index) this rank converts
     total: int  # files in the dataset
+    moved_aside: Path | None = None  # where --overwrite moved what --out held
 
 
 def plan_conversion(source: Path, out: Path, format: str, comm: Any, *, gzip: bool = False,
@@ -86,34 +92,44 @@ def plan_conversion(source: Path, out: Path, format: str, comm: Any, *, gzip: bo
         raise UserError(f"--gzip compresses TFRecord files only; drop it for --format {format}")
     manifest = open_manifest(source, None, comm, cache_dir=cache_dir, format=source_format)
     target = target_volume(manifest.volume, format)
-    agree(comm, _prepare(Path(source), Path(out), overwrite) if comm.Get_rank() == 0 else None)
+    moved: list[Path] = []
+    agree(comm, _prepare(Path(source), Path(out), overwrite, moved)
+          if comm.Get_rank() == 0 else None)
     jobs = [(split, i) for split, names in manifest.files.items() for i in range(len(names))]
     return ConvertPlan(manifest, Path(out), target, gzip,
-                       jobs[comm.Get_rank()::comm.Get_size()], len(jobs))
+                       jobs[comm.Get_rank()::comm.Get_size()], len(jobs),
+                       comm.bcast(moved[0] if moved else None, root=0))
 
 
 def run_conversion(plan: ConvertPlan, comm: Any,
                    progress: Callable[[int], None] | None = None) -> ConvertReport:
     """Convert and verify this rank's files; rank 0 then writes the manifest (collective)."""
     start = time.perf_counter()
-    written = together(comm, lambda: _convert_files(plan, progress))
+    written, sums = together(comm, lambda: _convert_files(plan, progress))
     seconds = comm.allreduce(time.perf_counter() - start, op=_max())
-    agree(comm, _finish(plan.manifest, plan.out, plan.target) if comm.Get_rank() == 0
-          else None)
+    parts = comm.gather(sums, root=0)
+    agree(comm, _finish(plan.manifest, plan.out, plan.target,
+                        {name: s for part in parts for name, s in part.items()})
+          if comm.Get_rank() == 0 else None)
     return ConvertReport(plan.out, plan.target.format + (" (gzip)" if plan.gzip else ""),
                          plan.total, comm.allreduce(written), seconds)
 
 
-def _convert_files(plan: ConvertPlan, progress: Callable[[int], None] | None) -> int:
-    manifest, written = plan.manifest, 0
+def _convert_files(plan: ConvertPlan, progress: Callable[[int], None] | None
+                   ) -> tuple[int, file_sums.Sums]:
+    """Convert this rank's files; ``(bytes written, their sizes and CRC-32C)``."""
+    manifest, written, sums = plan.manifest, 0, {}
     for done, (split, index) in enumerate(plan.mine, start=1):
         relpath = manifest.files[split][index]
-        target = plan.out / formats.renamed(relpath, manifest.volume.format, plan.target.format)
+        name = formats.renamed(relpath, manifest.volume.format, plan.target.format)
         written += convert_file(manifest.root / relpath, manifest.volume,
-                                manifest.labels[split][index], target, plan.target, plan.gzip)
+                                manifest.labels[split][index], plan.out / name, plan.target,
+                                plan.gzip)
+        sums.update(file_sums.sum_files(plan.out, file_sums.disk_files(name,
+                                                                       plan.target.format)))
         if progress is not None:
             progress(done)
-    return written
+    return written, sums
 
 
 def convert_file(source: Path, volume: formats.VolumeInfo, labels: np.ndarray, target: Path,
@@ -136,25 +152,35 @@ def _written(target: Path, format: str) -> list[Path]:
     return [target, label] if format == formats.NPY and label.exists() else [target]
 
 
-def _prepare(source: Path, out: Path, overwrite: bool) -> str | None:
+def _prepare(source: Path, out: Path, overwrite: bool, moved: list[Path]) -> str | None:
     """Rank 0: refuse converting into the source or into a used directory (unless
-    ``overwrite``, which replaces converted files and never touches anything else)."""
+    ``overwrite``, which renames what ``--out`` holds to ``<out>.previous-<time>`` and
+    appends that to ``moved``, or an unfinished conversion of the same source, which this
+    one completes); record the source in ``--out`` and take down its manifest until the
+    conversion is done."""
     if out.resolve() == source.resolve():
         return f"{OUT} '{out}' is the source dataset itself; choose another directory"
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
+    if overwrite and source.resolve().is_relative_to(out.resolve()):
+        return f"{OUT} '{out}' holds the source; --overwrite would move it: choose another"
+    resuming = recorded(out, CONVERT_RECORD) == str(source.resolve()) and \
+        not (out / MANIFEST_NAME).exists()
+    if out.is_dir() and any(out.iterdir()) and not overwrite and not resuming:
         return (f"{OUT} '{out}' is not empty: choose a new directory, or pass --overwrite "
-                f"to replace the converted files in it")
+                f"to move what it holds aside and start over")
     try:
+        moved.extend([kept] if overwrite and (kept := move_aside(out, OUT)) else [])
         out.mkdir(parents=True, exist_ok=True)
+        cache.write_json(out / CONVERT_RECORD, {"source": str(source.resolve())}, where=OUT)
         (out / MANIFEST_NAME).unlink(missing_ok=True)  # no manifest that lies, midway
-    except OSError as err:
+    except (OSError, UserError) as err:
         return f"cannot prepare {OUT} '{out}': {err}; choose a writable directory"
     return None
 
 
-def _finish(manifest: Manifest, out: Path, target: formats.VolumeInfo) -> str | None:
+def _finish(manifest: Manifest, out: Path, target: formats.VolumeInfo,
+            sums: file_sums.Sums) -> str | None:
     """Rank 0, once every file is converted: NVIDIA's lists (npy), the label table and,
-    last, ``manifest.json``."""
+    last, ``manifest.json`` with every file's size and CRC-32C (``sums``)."""
     files = {split: [formats.renamed(name, manifest.volume.format, target.format)
                      for name in names] for split, names in manifest.files.items()}
     try:
@@ -164,6 +190,7 @@ def _finish(manifest: Manifest, out: Path, target: formats.VolumeInfo) -> str | 
         sample_table.save_table(out, sample_table.LABELS_NAME, files, manifest.labels, stats)
         description = scan.manifest_dict(target, files, generator="cosmotrain.convert",
                                          source=str(manifest.root))
+        description[file_sums.KEY] = file_sums.entry(sums)
         cache.write_json(out / MANIFEST_NAME, description, where=OUT)
     except (OSError, UserError) as err:
         return str(err)

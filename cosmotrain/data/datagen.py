@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from cosmotrain.files.atomic import write_text_atomically
-from cosmotrain.data import formats, npy_sample, synthetic
+from cosmotrain.data import file_sums, formats, npy_sample, synthetic
 from cosmotrain.errors import UserError, WriteError
 
 MANIFEST_NAME = "manifest.json"
@@ -147,8 +147,10 @@ def _write_samples(
     out_dir: Path, indices: range, samples: int, width: int, seed: int,
     layout: str, dtype: str, val_fraction: float, progress: Callable[[int], None] | None,
     format: str = formats.HDF5, gzip: bool = False,
-) -> None:
-    """Generate and write this rank's samples, calling ``progress(n)`` after each one."""
+) -> file_sums.Sums:
+    """Generate and write this rank's samples, calling ``progress(n)`` after each one; the
+    size and CRC-32C of every file written."""
+    sums: file_sums.Sums = {}
     for split in SPLITS:
         (out_dir / split).mkdir(parents=True, exist_ok=True)  # node-local directories too
     for written, index in enumerate(indices, start=1):
@@ -159,8 +161,11 @@ def _write_samples(
                  "generator_version": synthetic.GENERATOR_VERSION, "seed": seed, "index": index}
         formats.write_sample(path, volume, params, format=format, layout=layout, dtype=dtype,
                              attrs=attrs, gzip=gzip)
+        relpath = sample_relpath(split_of(index, samples, val_fraction), index, format)
+        sums.update(file_sums.sum_files(out_dir, file_sums.disk_files(relpath, format)))
         if progress is not None:
             progress(written)
+    return sums
 
 
 def build_manifest(
@@ -219,16 +224,19 @@ def generate_dataset(
     out_dir = Path(out_dir)
     rank, size = _rank_size(comm)
     _agree(comm, _prepare_directory(out_dir, overwrite) if rank == 0 else None)
-    error = None
+    error, sums = None, {}
     try:
-        _write_samples(out_dir, range(rank, samples, size), samples, width, seed,
-                       layout, dtype, val_fraction, progress, format, gzip)
-    except WriteError as err:
-        error = str(err)  # names the sample file and the cause
+        sums = _write_samples(out_dir, range(rank, samples, size), samples, width, seed,
+                              layout, dtype, val_fraction, progress, format, gzip)
+    except UserError as err:  # a WriteError or DataError: names the file and the cause
+        error = str(err)
     except OSError as err:
         error = f"cannot write samples under '{out_dir}': {err}; check free space and permissions"
     _agree(comm, error)  # every sample is on disk past this point
     manifest = build_manifest(samples, width, seed, layout, dtype, val_fraction, format)
+    parts = [sums] if comm is None else comm.allgather(sums)
+    manifest[file_sums.KEY] = file_sums.entry({k: v for part in parts if part
+                                                for k, v in part.items()})
     error = None
     if rank == 0:
         try:

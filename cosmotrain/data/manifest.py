@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from cosmotrain.comm.collective import everyone, on_root, self_comm
-from cosmotrain.data import cache, formats, sample_table, scan
+from cosmotrain.data import cache, file_sums, formats, sample_table, scan, unfinished
 from cosmotrain.errors import ConfigError, DataError, UserError, WriteError
 
 MANIFEST_NAME = "manifest.json"
@@ -180,6 +180,14 @@ def open_manifest(root: str | Path, width: int | None, comm: Any = None, *, mean
     return manifest
 
 
+def dataset_identity(root: str | Path, cache_dir: str | None = None,
+                     format: str = scan.AUTO) -> str:
+    """What dataset ``root`` is, whatever its path (``file_sums.identity``: its volume, its
+    splits' entries and their labels); rank-local, cheap once the label table is cached."""
+    manifest = open_manifest(root, None, self_comm(None), cache_dir=cache_dir, format=format)
+    return file_sums.identity(manifest.volume, manifest.files, manifest.labels)
+
+
 def _described(root: Path, cache_dir: str | None, format: str = scan.AUTO
                ) -> tuple[Path, formats.VolumeInfo, dict[str, tuple[str, ...]]]:
     """Rank 0's part of :func:`open_manifest`: the description, read and checked once."""
@@ -197,6 +205,7 @@ def read_description(root: Path, cache_dir: str | None = None, format: str = sca
     """``(file, description)``: ``manifest.json``, a still-valid scan cache, or a new scan."""
     if (root / MANIFEST_NAME).is_file():
         return root / MANIFEST_NAME, _read_json(root / MANIFEST_NAME)
+    unfinished.check_finished(root)  # a stage or conversion under way: never scanned
     _, listing = scan.discover(root, format)
     cached = cache.find(root, SCAN_CACHE_NAME, cache_dir)
     if cached is not None:

@@ -24,6 +24,7 @@ from cosmotrain.data.placement import BlockPlacement
 from cosmotrain.data.preload import PreloadReader
 from cosmotrain.data.preload_memory import check_preload_memory
 from cosmotrain.data.reader import Reader
+from cosmotrain.data.verify import verify_dataset
 from cosmotrain.errors import ConfigError
 
 SYNTHETIC_SUBDIR = "data"
@@ -40,14 +41,22 @@ def dataset_root(cfg: Config) -> Path:
     return Path(cfg.data.path)
 
 
-def open_dataset(cfg: Config, comm: Any) -> Manifest:
-    """The manifest of the config's dataset at ``model.width`` (collective)."""
+def open_dataset(cfg: Config, comm: Any, *, verify: bool = True) -> Manifest:
+    """The manifest of the config's dataset at ``model.width``, its files checked against
+    their checksums as ``data.verify`` says (``verify.py``) unless ``verify`` is False
+    (staging checks each file while it copies it) (collective)."""
     if cfg.model.channels != 4:
         raise ConfigError("model.channels", f"{cfg.model.channels} does not match the 4 "
                           "channels of CosmoFlow data", "set model.channels: 4")
-    return open_manifest(dataset_root(cfg), cfg.model.width, comm,
-                         means=cfg.data.transform == "mean", cache_dir=cfg.data.cache_dir,
-                         format=cfg.data.format)
+    manifest = open_manifest(dataset_root(cfg), cfg.model.width, comm,
+                             means=cfg.data.transform == "mean", cache_dir=cfg.data.cache_dir,
+                             format=cfg.data.format)
+    if not verify:
+        return manifest
+    checked = verify_dataset(manifest.root, cfg.data.verify, comm)  # data.verify
+    LOG.debug("data.verify %s: %d file(s) of '%s' match their checksums", cfg.data.verify,
+              checked, manifest.root)
+    return manifest
 
 
 def note_compression(manifest: Manifest, comm: Any) -> None:

@@ -23,6 +23,7 @@ The result is a dictionary in the format of ``cosmotrain datagen``'s manifest
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -163,10 +164,36 @@ def _sample_files(root: Path, directory: Path, format: str) -> list[str]:
     ``files_data.lst`` when there is one, else the names a format claims, sorted."""
     if format in (AUTO, formats.NPY) and (directory / npy_sample.DATA_LIST).is_file():
         return [_relative(root, directory / name) for name in _nvidia_lists(directory)]
-    names = sorted(path.name for path in directory.iterdir() if path.is_file())
-    claimed = [name for name in names if formats.format_of(name) is not None and
-               (format == AUTO or formats.format_of(name) == format)]
-    return [_relative(root, directory / name) for name in claimed]
+    claimed = sorted(path for path in directory.iterdir()
+                     if formats.format_of(path.name) is not None and
+                     (format == AUTO or formats.format_of(path.name) == format))
+    _refuse_irregular(directory, claimed)
+    return [_relative(root, path) for path in claimed]
+
+
+def _refuse_irregular(directory: Path, claimed: list[Path]) -> None:
+    """Name the first entry named like a sample that is not a readable regular file (a
+    dangling symlink, a directory, a FIFO): dropping it would train on fewer samples
+    without a word, as a symlink farm with one purged target would."""
+    bad = [(path, kind) for path in claimed if (kind := _irregular(path)) is not None]
+    if bad:
+        path, kind = bad[0]
+        raise DataError(path, f"is {kind}, not a readable sample file ({len(bad)} such "
+                        f"entr{'y' if len(bad) == 1 else 'ies'} in '{directory}')",
+                        "restore it or move it out of the dataset directory")
+
+
+def _irregular(path: Path) -> str | None:
+    """What ``path`` is when it is not a readable regular file; None when it is one."""
+    if path.is_symlink() and not path.exists():
+        return f"a dangling symbolic link (to '{os.readlink(path)}')"
+    if path.is_dir():
+        return "a directory"
+    if not path.is_file():
+        return "not a regular file (a FIFO, socket or device)"
+    if not os.access(path, os.R_OK):
+        return "not readable (permission denied)"
+    return None
 
 
 def _nvidia_lists(directory: Path) -> list[str]:

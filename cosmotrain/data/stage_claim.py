@@ -9,7 +9,8 @@ node's leader records the source in ``<dest>/.cosmotrain-stage.json`` before the
 copy (the first record wins: two jobs staging two datasets at once cannot both pass),
 and staging goes ahead only into a directory that is missing or empty, records the same
 source, or (written before the record existed) holds a ``manifest.json`` listing the
-same files.
+same files.  ``preload --overwrite`` starts over instead: whatever ``--dest`` holds is
+renamed aside whole (:func:`move_aside`), never deleted.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from cosmotrain.files.previous import previous_name
 from cosmotrain.data import cache
 from cosmotrain.data.manifest import MANIFEST_NAME
-from cosmotrain.errors import UserError
-
-STAGE_RECORD = ".cosmotrain-stage.json"
+from cosmotrain.data.unfinished import STAGE_RECORD
+from cosmotrain.errors import UserError, WriteError
 
 
 def stage_problem(dest: Path, source: Path, files: Mapping[str, Sequence[str]],
@@ -94,3 +95,19 @@ def _lists(dest: Path, files: Mapping[str, Sequence[str]]) -> bool:
             {s: list(names) for s, names in files.items()}
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def move_aside(dest: Path, option: str = "--dest") -> Path | None:
+    """Rename a non-empty ``dest`` to ``<dest>.previous-<time>`` beside it, so a staging
+    (or a conversion: ``option`` ``--out``) starts over without deleting anything; where it went (None: nothing to move, or the
+    leader of another node sharing the directory moved it first)."""
+    try:
+        if not dest.is_dir() or not any(dest.iterdir()):
+            return None
+        kept = previous_name(dest)
+        os.rename(dest, kept)
+        return kept
+    except FileNotFoundError:
+        return None  # moved by another node's leader a moment ago
+    except OSError as err:
+        raise WriteError(dest, err, option) from err

@@ -8,24 +8,26 @@ Each node copies the files its ranks will read into the same local path (``--des
   (``order.shard_ranges``), as in MLPerf HPC, where each worker keeps a fixed shard.
 
 The ranks of a node share its files out; each file is copied to a temporary name with a
-CRC-32 computed on the way, re-read and compared, checked to be a sample of the dataset's
+CRC-32C computed on the way, re-read and compared, checked to be a sample of the dataset's
 shape and dtype, then renamed.  A file already staged with the same size and checksum is
-kept.  NVIDIA's ``_label.npy`` files are staged beside their volumes.  Gzip TFRecord
-files (MLPerf v1.0) are staged *inflated*: a plain record can be memory-mapped and
-sliced, so the training loop never decompresses a file.  Once every rank is done, the
-node's leader writes ``manifest.json`` and the label (and mean) tables beside the copies,
-keyed on the copies' own sizes and modification times, so a job opens the staged
-directory without touching any file it lacks.  A failure on any rank is one verdict,
-printed once, and leaves no new manifest.  A ``--dest`` holding another dataset's copy
+kept; a source whose manifest records checksums is checked against them as it is read
+(``data.verify``).  NVIDIA's ``_label.npy`` files are staged beside their volumes.  Gzip
+TFRecord files (MLPerf v1.0) are staged *inflated*: a plain record can be memory-mapped
+and sliced, so the training loop never decompresses a file.  The node's leader takes
+down the manifest of an earlier staging first; once every rank is done, it writes the
+label (and mean) tables beside the copies, keyed on the copies' own sizes and
+modification times, so a job opens the staged directory without touching any file it
+lacks, and last ``manifest.json`` with every copy's size and CRC-32C (``file_sums.py``).
+A failure on any rank is one verdict, printed once, and leaves no manifest: the
+directory is refused as unfinished (``unfinished.py``) until a rerun completes it.  A ``--dest`` holding another dataset's copy
 (or anything but a staging of this dataset) is refused before anything is written
-(``stage_claim.py``).
+(``stage_claim.py``), unless ``--overwrite``, which renames it aside first.
 """
 
 from __future__ import annotations
 
 import tempfile
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,10 +38,12 @@ from cosmotrain.comm.collective import agree, together
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.config.schema import Config
-from cosmotrain.data import cache, formats, npy_sample, order, sample_table, tfrecord_sample
+from cosmotrain.data import cache, file_sums, formats, npy_sample, order, sample_table
+from cosmotrain.data import tfrecord_sample
 from cosmotrain.data.manifest import MANIFEST_NAME, Manifest
 from cosmotrain.data.open import dataset_root, open_dataset
-from cosmotrain.data.stage_claim import record_source, stage_problem
+from cosmotrain.data.stage_claim import move_aside, record_source, stage_problem
+from cosmotrain.data.verify import sums_to_check
 from cosmotrain.errors import DataError
 
 CHUNK = 1 << 23  # 8 MiB copy buffer
@@ -57,6 +61,8 @@ class StagePlan:
     node: Any  # communicator of the ranks sharing this node
     mine: list[str]  # relative paths of the files this rank copies
     entries: dict[str, list[str]]  # the samples in each of them (records' addresses)
+    moved_aside: Path | None = None  # where --overwrite moved what --dest held
+    source_sums: file_sums.Sums | None = None  # data.verify: the source's, checked on copy
 
 
 @dataclass
@@ -109,20 +115,27 @@ def node_files(manifest: Manifest, batch_size: int, groups: int, node_groups: se
     return wanted
 
 
-def plan_staging(cfg: Config, comm: Any, dest: Path | None = None) -> StagePlan:
-    """Open the source dataset and decide this rank's copies (collective)."""
+def plan_staging(cfg: Config, comm: Any, dest: Path | None = None,
+                 overwrite: bool = False) -> StagePlan:
+    """Open the source dataset and decide this rank's copies (collective); ``overwrite``
+    first renames whatever ``dest`` holds aside (``<dest>.previous-<time>``)."""
     from mpi4py import MPI
 
-    manifest = open_dataset(cfg, comm)  # also checks every file's header (label table)
+    manifest = open_dataset(cfg, comm, verify=False)  # every header checked (label table)
+    source_sums = sums_to_check(manifest.root, cfg.data.verify, comm)  # checked on copy
     dest = Path(dest) if dest is not None else default_dest(cfg)
     same = dest.resolve() == manifest.root.resolve()
     agree(comm, f"--dest '{dest}' is the dataset itself; choose a node-local directory"
-          if same else None)
+          if same else f"--dest '{dest}' holds the dataset; --overwrite would move it: "
+          f"choose a node-local directory" if overwrite and
+          manifest.root.resolve().is_relative_to(dest.resolve()) else None)
     layout = resolve_parallel(cfg, comm.Get_size())
     grid = ProcessGrid(comm, layout)
     group = grid.coord("sample")
     grid.free()
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    moved = [m for m in comm.allgather(together(comm, lambda: move_aside(dest, DEST)
+             if overwrite and node.Get_rank() == 0 else None)) if m is not None]
     agree(comm, stage_problem(dest, manifest.root, manifest.files, DEST)
           if node.Get_rank() == 0 else None)
     node_groups = set(node.allgather(group))
@@ -132,7 +145,8 @@ def plan_staging(cfg: Config, comm: Any, dest: Path | None = None) -> StagePlan:
         by_file.setdefault(str(formats.sample_file(entry)), []).append(entry)
     mine = list(by_file)[node.Get_rank()::node.Get_size()]
     return StagePlan(manifest, dest, cfg.data.shuffle, node, mine,
-                     {relpath: by_file[relpath] for relpath in mine})
+                     {relpath: by_file[relpath] for relpath in mine},
+                     moved[0] if moved else None, source_sums)
 
 
 def run_staging(plan: StagePlan, comm: Any,
@@ -143,45 +157,72 @@ def run_staging(plan: StagePlan, comm: Any,
     rank, the lowest failing rank's, printed once; no manifest is written then, so a
     half-staged directory is never taken for a dataset."""
     leader = plan.node.Get_rank() == 0
-    together(comm, lambda: record_source(plan.dest, plan.manifest.root, DEST)
-             if leader else None)
+    together(comm, lambda: _claim(plan) if leader else None)
     plan.node.Barrier()
     start = time.perf_counter()
-    copied, inflated = together(comm, lambda: _stage_files(plan, progress))
-    plan.node.Barrier()  # the node's copies are all in place before their stats are taken
+    copied, inflated, sums = together(comm, lambda: _stage_files(plan, progress))
+    node_sums = {name: s for part in plan.node.allgather(sums) for name, s in part.items()}
     files = {split: list(names) for split, names in plan.manifest.files.items()}
     stats = sample_table.file_stats(plan.dest, files, plan.manifest.volume.format, plan.node)
-    together(comm, lambda: write_metadata(plan.manifest, plan.dest, stats) if leader else None)
+    together(comm, lambda: write_metadata(plan.manifest, plan.dest, stats, node_sums)
+             if leader else None)
     seconds = time.perf_counter() - start
     report = _report(plan, comm, copied, seconds)
     report.inflated = comm.allreduce(inflated)
     return report
 
 
-def _stage_files(plan: StagePlan, progress: Callable[[int], None] | None) -> tuple[int, int]:
-    """Copy (or inflate) and verify this rank's files; ``(bytes written, files inflated)``."""
+def _claim(plan: StagePlan) -> None:
+    """The node's leader: record the source, then take down the manifest of an earlier
+    staging until this one is complete (its files may be replaced meanwhile), so the
+    directory is refused as unfinished (``unfinished.py``) and never read half-staged."""
+    record_source(plan.dest, plan.manifest.root, DEST)
+    try:
+        (plan.dest / MANIFEST_NAME).unlink(missing_ok=True)
+    except OSError as err:
+        raise DataError(plan.dest / MANIFEST_NAME, f"cannot be replaced: {err}",
+                        "check the permissions of the stage directory") from err
+
+
+def _stage_files(plan: StagePlan, progress: Callable[[int], None] | None
+                 ) -> tuple[int, int, file_sums.Sums]:
+    """Copy (or inflate) and verify this rank's files; ``(bytes written, files inflated,
+    {relative path: (size, CRC-32C)} of the copies)``."""
     copied = inflated = 0
+    crcs: dict[Path, int] = {}
     tfrecord = plan.manifest.volume.format == formats.TFRECORD
     npy = plan.manifest.volume.format == formats.NPY
     for done, relpath in enumerate(plan.mine, start=1):
         source, target = plan.manifest.root / relpath, plan.dest / relpath
         if tfrecord and tfrecord_sample.is_gzip(source):
-            copied += inflate_verified(source, target)
+            copied += inflate_verified(source, target, crcs)
             inflated += 1
         else:
-            copied += copy_verified(source, target)
+            copied += copy_verified(source, target, crcs, _expected(plan, relpath))
         labels = npy_sample.label_path(source)
         if npy and labels.exists():  # NVIDIA's labels travel with their volumes
-            copied += copy_verified(labels, npy_sample.label_path(target))
+            label_name = str(npy_sample.label_path(Path(relpath)))
+            copied += copy_verified(labels, npy_sample.label_path(target), crcs,
+                                    _expected(plan, label_name))
         for entry in plan.entries[relpath]:  # every sample of the copy, its CRCs checked
             formats.probe(plan.dest / entry, plan.manifest.volume)
         if progress is not None:
             progress(done)
-    return copied, inflated
+    sums = {str(path.relative_to(plan.dest)): (path.stat().st_size, crc)
+            for path, crc in crcs.items()}
+    return copied, inflated, sums
 
 
-def copy_verified(source: Path, target: Path) -> int:
-    """Copy ``source`` to ``target`` and verify its CRC-32; bytes copied (0 if kept).
+def _expected(plan: StagePlan, relpath: str) -> tuple[int, int] | None:
+    """The source's recorded size and CRC-32C of ``relpath``, if ``data.verify`` checks it."""
+    return plan.source_sums.get(relpath) if plan.source_sums else None
+
+
+def copy_verified(source: Path, target: Path, crcs: dict[Path, int] | None = None,
+                  expected: tuple[int, int] | None = None) -> int:
+    """Copy ``source`` to ``target`` and verify its CRC-32C; bytes copied (0 if kept).
+    ``crcs`` receives ``target``'s CRC-32C; ``expected`` is the source's recorded size and
+    CRC-32C (``data.verify``), which the bytes read must match before ``target`` exists.
 
     The copy goes through a temporary name of this process's own and is renamed once
     verified (:func:`cosmotrain.files.atomic.write_atomically`): nodes staging onto one shared
@@ -191,9 +232,12 @@ def copy_verified(source: Path, target: Path) -> int:
     """
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        if target.is_file() and target.stat().st_size == source.stat().st_size \
-                and checksum(target) == checksum(source):
-            return 0
+        if target.is_file() and target.stat().st_size == source.stat().st_size:
+            kept = checksum(target)
+            if kept == checksum(source):
+                _check_source(source, expected, (target.stat().st_size, kept))
+                _note(crcs, target, kept)
+                return 0
     except OSError as err:
         raise _not_staged(source, target, err) from err
 
@@ -201,20 +245,36 @@ def copy_verified(source: Path, target: Path) -> int:
 
     def copy(tmp: Path) -> None:
         crc = _copy(source, tmp)
+        _check_source(source, expected, (tmp.stat().st_size, crc))
         if checksum(tmp) != crc:
             raise DataError(target, "the copy does not match the source's checksum",
                             "check the node-local disk and run cosmotrain preload again")
         size.append(tmp.stat().st_size)
+        _note(crcs, target, crc)
     write_atomically(target, copy, where=DEST, unique=True)
     return size[0]
 
 
-def inflate_verified(source: Path, target: Path) -> int:
+def _check_source(source: Path, expected: tuple[int, int] | None,
+                  found: tuple[int, int]) -> None:
+    """Raise a :class:`DataError` naming ``source`` if its bytes differ from its record."""
+    if expected is not None and tuple(expected) != found:
+        raise DataError(source, "does not match its CRC-32C in manifest.json (its bytes "
+                        "are damaged); restore it before staging it")
+
+
+def _note(crcs: dict[Path, int] | None, target: Path, crc: int) -> None:
+    if crcs is not None:
+        crcs[target] = crc
+
+
+def inflate_verified(source: Path, target: Path, crcs: dict[Path, int] | None = None) -> int:
     """Stage a gzip file decompressed (as :func:`copy_verified`, which it follows: a
     temporary name, a CRC-32 of what was written, re-read and compared, then renamed);
     bytes written (0 when ``target`` already holds these bytes)."""
     data = tfrecord_sample.inflate(source)  # a damaged stream: DataError naming source
-    crc = zlib.crc32(data)
+    crc = file_sums.crc32c.crc32c(data)
+    _note(crcs, target, crc)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.is_file() and target.stat().st_size == len(data) and checksum(target) == crc:
@@ -232,39 +292,40 @@ def inflate_verified(source: Path, target: Path) -> int:
 
 
 def checksum(path: Path) -> int:
-    """CRC-32 of a file's bytes."""
-    crc = 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
+    """CRC-32C of a file's bytes."""
+    return file_sums.file_crc32c(path)
 
 
-def write_metadata(manifest: Manifest, dest: Path, stats: sample_table.Stats) -> None:
-    """``manifest.json`` and the sample tables of ``manifest``, written into ``dest`` (by
-    every node's leader: through temporary names of its own, as the copies); the tables
-    are keyed on ``stats``, those of the staged copies (:func:`sample_table.file_stats`)."""
+def write_metadata(manifest: Manifest, dest: Path, stats: sample_table.Stats,
+                   sums: file_sums.Sums | None = None) -> None:
+    """The sample tables of ``manifest`` and, last, ``manifest.json`` (with ``sums``, the
+    copies' sizes and CRC-32C), written into ``dest`` (by every node's leader: through
+    temporary names of its own, as the copies); the tables are keyed on ``stats``, those
+    of the staged copies (:func:`sample_table.file_stats`)."""
     try:
         dest.mkdir(parents=True, exist_ok=True)
-        cache.write_json(dest / MANIFEST_NAME, manifest.to_dict(), where=DEST)
         files = {split: list(names) for split, names in manifest.files.items()}
         sample_table.save_table(dest, sample_table.LABELS_NAME, files, manifest.labels, stats)
         if manifest.means is not None:
             sample_table.save_table(dest, sample_table.means_name(manifest.width), files,
                                     manifest.means, stats)
+        description = manifest.to_dict()
+        if sums:
+            description[file_sums.KEY] = file_sums.entry(sums)
+        cache.write_json(dest / MANIFEST_NAME, description, where=DEST)
     except OSError as err:
         raise DataError(dest / MANIFEST_NAME, f"cannot be written: {err}",
                         "check free space and permissions of the stage directory") from err
 
 
 def _copy(source: Path, target: Path) -> int:
-    """Copy ``source`` into ``target``; the CRC-32 of the bytes read.  Reading the source
+    """Copy ``source`` into ``target``; the CRC-32C of the bytes read.  Reading the source
     fails as a :class:`DataError` (not an ``OSError``: the write of ``target`` is not to
     blame)."""
     crc = 0
     with open(target, "wb") as dst:
         for chunk in _chunks(source, target):
-            crc = zlib.crc32(chunk, crc)
+            crc = file_sums.crc32c.crc32c(chunk, crc)
             dst.write(chunk)
     return crc
 

@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 
 from cosmotrain.errors import UserError
-from cosmotrain.files.run_lock import RunDirError
 
 
 def previous_name(path: Path, now: float | None = None) -> Path:
-    """A free name beside ``path`` to keep what is about to replace it:
-    ``<stem>.previous-<YYYYmmdd-HHMMSS><suffix>`` (``-2``, ``-3``... when taken)."""
+    """A free name beside ``path`` to keep what is about to replace it (a file or a whole
+    directory): ``<stem>.previous-<YYYYmmdd-HHMMSS><suffix>`` (``-2``, ``-3``... when
+    taken)."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if now is None
                                                           else now))
     for n in range(1, 1000):
@@ -26,7 +26,7 @@ def previous_name(path: Path, now: float | None = None) -> Path:
                               f"{path.suffix}")
         if not kept.exists():
             return kept
-    raise RunDirError(f"'{path}': too many earlier copies beside it; clean them up")
+    raise UserError(f"'{path}': too many earlier copies beside it; clean them up")
 
 
 def new_previous_dir(out: Path, now: float, option: str = "output.dir") -> Path:
@@ -40,7 +40,7 @@ def new_previous_dir(out: Path, now: float, option: str = "output.dir") -> Path:
             return dest
         except FileExistsError:
             continue
-    raise RunDirError(f"{option} '{out}': too many previous-{stamp}* directories; "
+    raise UserError(f"{option} '{out}': too many previous-{stamp}* directories; "
                       f"clean up or choose another {option}")
 
 

@@ -3,8 +3,10 @@
 Rank 0 looks for the newest checkpoint that loads and verifies its checksums; damaged
 newer ones are renamed ``*.damaged`` (kept for inspection, out of the way of retention and
 of later resumes) and reported.  Every rank then loads the chosen file and compares the
-config stored in it with the current one (:mod:`cosmotrain.train.checkpoints.resume_check`): a change
-to the model, the data or the global batch is refused in one line, a change of layout,
+config stored in it with the current one (:mod:`cosmotrain.train.checkpoints.resume_check`):
+a change to the model, the data or the global batch is refused in one line (the same
+dataset at another path is the same data: :mod:`cosmotrain.train.checkpoints.resume_data`),
+a change of layout,
 length or schedule is allowed and printed.  Every rank reaches the same verdict from the
 same file, so errors are collective and printed once.
 """
@@ -25,6 +27,7 @@ from cosmotrain.errors import WriteError
 from cosmotrain.train.checkpoints.checkpoint import (CheckpointState, checkpoint_dir,
                                                       load_checkpoint, newest_intact_checkpoint)
 from cosmotrain.train.checkpoints.resume_check import compare_for_resume
+from cosmotrain.train.checkpoints.resume_data import accept_same_dataset
 
 DAMAGED_SUFFIX = ".damaged"
 
@@ -48,7 +51,9 @@ def find_resume_point(out_dir: str | Path, cfg: Config, comm: Any) -> ResumePoin
         return ResumePoint(None, None, notes)
     path = Path(found)
     state = loaded[0] if loaded else load_checkpoint(path)
-    diff = compare_for_resume(yaml.safe_load(state.config_yaml) or {}, config_to_dict(cfg))
+    saved = yaml.safe_load(state.config_yaml) or {}
+    diff = compare_for_resume(saved, config_to_dict(cfg))
+    accept_same_dataset(diff, saved, cfg, comm)  # data.path: another copy of the same data
     diff.raise_if_refused(path)
     notes += diff.allowed_lines()
     notes.append(f"cosmotrain: resuming from {path} at step {state.step} ({state.epoch} "

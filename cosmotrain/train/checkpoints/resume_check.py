@@ -131,6 +131,7 @@ RULES: dict[str, Rule] = {
     "data.memory_fraction": _allow(_IO),
     "data.stage_dir": _allow(_IO),
     "data.cache_dir": _allow(_IO),
+    "data.verify": _allow("checks the files against their checksums, reads the same samples"),
     "data.synthetic.samples": _refuse(_SAMPLES, _SYNTHETIC, "data.source is files"),
     "data.synthetic.seed": _refuse(_SAMPLES, _SYNTHETIC, "data.source is files"),
     "data.synthetic.val_fraction": _refuse(_SAMPLES, _SYNTHETIC, "data.source is files"),
