@@ -44,9 +44,9 @@ from cosmotrain.plan.cost import predict
 from cosmotrain.plan.flops import training_flops
 from cosmotrain.plan.machine import Fit, LinkModel, MachineModel
 from cosmotrain.plan.memory import workload_memory
-from cosmotrain.plan.planner import (REFUSED, Planned, candidates, default_memory_per_rank,
-                                     load_machine)
+from cosmotrain.plan.planner import REFUSED, Planned, candidates, default_memory_per_rank
 from cosmotrain.plan.workload import build_workload
+from cosmotrain.train.auto_layout import load_machine
 
 GiB = 2.0 ** 30
 GPUS_PER_NODE = 4
