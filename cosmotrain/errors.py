@@ -37,16 +37,19 @@ class ConfigError(UserError):
 
 
 class DataError(UserError):
-    """A missing, unreadable or malformed data file; the message names the file.
+    """A missing, unreadable or malformed input file; the message names the file.
 
-    Usually found by one rank only, so it is rank-local: the job is aborted with code 2.
+    ``kind`` says what the file is (``data file``, ``checkpoint``, ``machine file``,
+    ``metrics file``...), so a damaged checkpoint is not called a data file.  Usually found
+    by one rank only, so it is rank-local: the job is aborted with code 2.
     """
 
     collective = False
 
-    def __init__(self, path: object, problem: str, fix: str = "") -> None:
+    def __init__(self, path: object, problem: str, fix: str = "", *,
+                 kind: str = "data file") -> None:
         self.path = str(path)
-        message = f"data file '{path}': {problem}"
+        message = f"{kind} '{path}': {problem}"
         if fix:
             message += f"; {fix}"
         super().__init__(message)
@@ -91,4 +94,8 @@ def _write_fix(code: int | None, where: str) -> str:
         return f"the filesystem is read-only: choose another {where}"
     if code in (errno.EACCES, errno.EPERM):
         return f"check its permissions or choose another {where}"
+    if code == errno.ENOTDIR:
+        return f"a part of the path is a file, not a directory: choose another {where}"
+    if code == errno.ENAMETOOLONG:
+        return f"a name in it is too long for the filesystem: choose a shorter {where}"
     return f"check the disk or choose another {where}"
