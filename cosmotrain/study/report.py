@@ -30,8 +30,8 @@ COMM_KEYS = ("halo", "channel", "redistribution", "allreduce")
 STUDY_KEYS = ("config", "model", "width", "base_batch", "steps", "warmup", "launcher")
 POINT_KEYS = ("name", "ranks", "strategy", "batch", "status")
 PREDICTED_KEYS = ("compute", "halo", "channel", "redistribution", "allreduce", "other")
-PLOTS_HINT = ("plots skipped: matplotlib is not installed; "
-              "pip install -e \".[plots]\" and rerun with --report DIR")
+PLOTS_HINT = ("plots skipped: matplotlib, a dependency of cosmotrain, cannot be imported; "
+              "reinstall cosmotrain (pip install -e .) and rerun with --report DIR")
 
 
 def measure(metrics_file: Path, batch: int, warmup: int) -> dict[str, Any]:
