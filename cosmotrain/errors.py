@@ -12,6 +12,26 @@ EXIT_USER_ERROR = 2
 #: A rank made no progress for the watchdog's timeout: the job was ended (MPI_Abort with this
 #: code; MPICH's mpiexec then exits 4 too), see :mod:`cosmotrain.comm.watchdog`.
 EXIT_WATCHDOG = 4
+#: 128 + SIGINT, as a shell reports a process ended by Ctrl-C: a second Ctrl-C's exit.
+EXIT_KEYBOARD = 130
+
+
+class JobStopped(BaseException):
+    """A stop signal that ends the command at once, on every rank: one met during start-up,
+    before the training loop can take it at a step boundary (exit 75, requeued), or a
+    second Ctrl-C (exit 130).  ``str(err)`` is the one line to print.
+
+    A ``BaseException``, like ``KeyboardInterrupt``, so that no ``except Exception`` on its
+    way keeps it from the CLI (nor Typer, which turns a ``KeyboardInterrupt`` into a plain
+    exit and left rank 0 in ``MPI_Finalize`` while the others waited in a collective): the
+    CLI prints the line and aborts the whole MPI job.  Raised from a signal handler, it
+    unwinds like any exception, so an atomic write in flight removes its temporary file
+    and leaves the file as before.
+    """
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class UserError(Exception):
