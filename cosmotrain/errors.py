@@ -12,6 +12,26 @@ EXIT_USER_ERROR = 2
 #: A rank made no progress for the watchdog's timeout: the job was ended (MPI_Abort with this
 #: code; MPICH's mpiexec then exits 4 too), see :mod:`cosmotrain.comm.watchdog`.
 EXIT_WATCHDOG = 4
+#: 128 + SIGINT, as a shell reports a process ended by Ctrl-C: a second Ctrl-C's exit.
+EXIT_KEYBOARD = 130
+
+
+class JobStopped(BaseException):
+    """A stop signal that ends the command at once, on every rank: one met during start-up,
+    before the training loop can take it at a step boundary (exit 75, requeued), or a
+    second Ctrl-C (exit 130).  ``str(err)`` is the one line to print.
+
+    A ``BaseException``, like ``KeyboardInterrupt``, so that no ``except Exception`` on its
+    way keeps it from the CLI (nor Typer, which turns a ``KeyboardInterrupt`` into a plain
+    exit and left rank 0 in ``MPI_Finalize`` while the others waited in a collective): the
+    CLI prints the line and aborts the whole MPI job.  Raised from a signal handler, it
+    unwinds like any exception, so an atomic write in flight removes its temporary file
+    and leaves the file as before.
+    """
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class UserError(Exception):
@@ -37,16 +57,19 @@ class ConfigError(UserError):
 
 
 class DataError(UserError):
-    """A missing, unreadable or malformed data file; the message names the file.
+    """A missing, unreadable or malformed input file; the message names the file.
 
-    Usually found by one rank only, so it is rank-local: the job is aborted with code 2.
+    ``kind`` says what the file is (``data file``, ``checkpoint``, ``machine file``,
+    ``metrics file``...), so a damaged checkpoint is not called a data file.  Usually found
+    by one rank only, so it is rank-local: the job is aborted with code 2.
     """
 
     collective = False
 
-    def __init__(self, path: object, problem: str, fix: str = "") -> None:
+    def __init__(self, path: object, problem: str, fix: str = "", *,
+                 kind: str = "data file") -> None:
         self.path = str(path)
-        message = f"data file '{path}': {problem}"
+        message = f"{kind} '{path}': {problem}"
         if fix:
             message += f"; {fix}"
         super().__init__(message)
@@ -91,4 +114,8 @@ def _write_fix(code: int | None, where: str) -> str:
         return f"the filesystem is read-only: choose another {where}"
     if code in (errno.EACCES, errno.EPERM):
         return f"check its permissions or choose another {where}"
+    if code == errno.ENOTDIR:
+        return f"a part of the path is a file, not a directory: choose another {where}"
+    if code == errno.ENAMETOOLONG:
+        return f"a name in it is too long for the filesystem: choose a shorter {where}"
     return f"check the disk or choose another {where}"

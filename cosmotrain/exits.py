@@ -13,9 +13,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from cosmotrain.errors import EXIT_USER_ERROR, UserError
+from cosmotrain.errors import EXIT_KEYBOARD, EXIT_USER_ERROR, JobStopped, UserError
 
-EXIT_KEYBOARD = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
+__all__ = ["EXIT_KEYBOARD", "exit_code", "fault_hook", "report_stop", "report_user_error"]
+OTHER_RANKS_WAIT_S = 3.0  # report_stop: how long ranks > 0 leave rank 0 to end the job
 FAULT_ENV = "COSMOTRAIN_FAULT"  # "RANK:STEP": raise on that rank before that step (tests)
 
 
@@ -43,6 +44,27 @@ def report_user_error(err: UserError) -> None:
         settle_exit()
     else:
         abort_job(exit_code(err))
+
+
+def report_stop(err: JobStopped) -> None:
+    """Print the stop's one line and end every rank of the job with its exit code.
+
+    Further stop signals are ignored from here (a third Ctrl-C must not turn the exit into
+    a traceback).  A rank other than 0 waits a few seconds first: when rank 0 stopped too
+    (a launcher forwards the signal to every rank), its abort ends this rank before it
+    prints, so the line appears once (half a second was not always enough on a loaded
+    2-core machine); when only this rank stopped, it still prints and ends the job."""
+    import signal
+    import time
+
+    from cosmotrain.comm import abort_job
+
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(number, signal.SIG_IGN)
+    if _rank_if_initialised() != 0:
+        time.sleep(OTHER_RANKS_WAIT_S)
+    print(f"cosmotrain: {err}", file=sys.stderr, flush=True)
+    abort_job(err.exit_code)
 
 
 def exit_code(err: UserError) -> int:

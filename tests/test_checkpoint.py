@@ -193,7 +193,7 @@ def test_damaged_checkpoint_is_a_data_error_naming_the_file(tmp_path: Path,
     with pytest.raises(DamagedCheckpoint) as info:
         load_checkpoint(path)
     message = str(info.value)
-    assert message.startswith(f"data file '{path}'") and "; " in message
+    assert message.startswith(f"checkpoint '{path}'") and "; " in message
     assert "\n" not in message
 
 
@@ -376,7 +376,7 @@ def test_flipped_bytes_inside_an_array_name_the_file_and_the_array(
     with pytest.raises(DamagedCheckpoint) as info:
         load_checkpoint(path)
     message = str(info.value)
-    assert message.startswith(f"data file '{path}': array '{dataset}' fails its checksum")
+    assert message.startswith(f"checkpoint '{path}': array '{dataset}' fails its checksum")
     assert "\n" not in message and isinstance(info.value, DataError)
     assert info.value.problem.startswith(f"array '{dataset}'")
 
@@ -402,7 +402,7 @@ def test_a_truncated_checkpoint_is_damaged(tmp_path: Path) -> None:
         handle.truncate(cut)
     with pytest.raises(DamagedCheckpoint, match=r"unreadable checkpoint .*truncated") as info:
         load_checkpoint(path)
-    assert str(info.value).startswith(f"data file '{path}'")
+    assert str(info.value).startswith(f"checkpoint '{path}'")
 
 
 def test_newest_intact_checkpoint_skips_the_damaged_ones(tmp_path: Path) -> None:

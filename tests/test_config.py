@@ -24,8 +24,8 @@ def test_schema_has_the_keys_scripts_rely_on() -> None:
     assert set(REQUIRED_KEYS) <= set(known_keys())
 
 
-@pytest.mark.parametrize("name", ["quickstart", "cosmoflow-128", "cosmoflow-512-hybrid",
-                                  "resnet3d", "tiny"])
+@pytest.mark.parametrize("name", ["quickstart", "cosmoflow-128", "cosmoflow-mlperf",
+                                  "cosmoflow-512-hybrid", "resnet3d", "tiny"])
 def test_shipped_configs_are_valid(name: str) -> None:
     cfg = load_config(REPO / "configs" / f"{name}.yaml")
     assert resolve_parallel(cfg, 1 if name != "cosmoflow-512-hybrid" else 512).size >= 1

@@ -213,7 +213,7 @@ def damaged_copy(checkpoint: Path, tmp_path: Path) -> Path:
 def test_bad_inputs_are_one_line_errors(runs: dict[str, Path], tmp_path: Path, cli,
                                         case: str) -> None:
     checkpoint, out = checkpoint_of(runs["tiny"]), tmp_path / "model.safetensors"
-    expected = {"missing": "checkpoint not found", "damaged": "fails its checksum",
+    expected = {"missing": "': not found", "damaged": "fails its checksum",
                 "suffix": "unknown suffix", "directory": "is a directory"}[case]
     if case == "missing":
         checkpoint = tmp_path / "nope.h5"
@@ -227,6 +227,8 @@ def test_bad_inputs_are_one_line_errors(runs: dict[str, Path], tmp_path: Path, c
     assert expected in one_line_error(code, err)
     if case == "suffix":
         assert ".safetensors" in err and ".pt" in err
+    if case == "missing":  # named as what it is, not as a data file
+        assert f"checkpoint '{checkpoint}': not found" in err
     left = {"damaged": [checkpoint.name], "directory": [out.name]}.get(case, [])
     assert sorted(p.name for p in tmp_path.iterdir()) == left  # nothing written
 

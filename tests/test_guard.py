@@ -16,6 +16,7 @@ from equivalence import batch_data, make_config
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.layout import resolve_parallel
+from cosmotrain.errors import JobStopped
 from cosmotrain.device.xp import all_finite as gradients_finite
 from cosmotrain.engine.step import hybrid_step_from_config
 from cosmotrain.engine.votes import Votes
@@ -36,12 +37,33 @@ def test_the_first_stop_signal_is_recorded_and_handlers_come_back() -> None:
     assert signal.getsignal(signal.SIGUSR1) is before
 
 
-def test_a_second_ctrl_c_interrupts_at_once() -> None:
+def test_a_second_ctrl_c_stops_at_once_past_any_except_exception() -> None:
+    """JobStopped is no Exception (nor a KeyboardInterrupt, which Typer would turn into a
+    plain exit before the CLI could abort the other ranks)."""
     with StopSignals() as signals:
         os.kill(os.getpid(), signal.SIGINT)
         assert signals.name == "SIGINT"
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(JobStopped) as info:
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+            except Exception:  # noqa: BLE001 - what library code on the way might do
+                pytest.fail("a second Ctrl-C was caught as an Exception")
+    assert info.value.exit_code == 130 and not isinstance(info.value, KeyboardInterrupt)
+    assert "interrupted again" in str(info.value)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
+def test_during_start_up_a_signal_stops_at_once_and_after_defer_it_is_recorded(
+        signum: int) -> None:
+    with StopSignals(at_once=True) as signals:
+        with pytest.raises(JobStopped) as info:
+            os.kill(os.getpid(), signum)
+        assert info.value.exit_code == 75 and signals.received == signum
+        assert f"{signal.Signals(signum).name} received during start-up" in str(info.value)
+    with StopSignals(at_once=True) as signals:
+        signals.defer()
+        os.kill(os.getpid(), signum)
+        assert signals.received == signum  # recorded: the loop stops at a step boundary
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])

@@ -119,10 +119,12 @@ def test_plan_ranks_applies_and_auto_uses_it(machine_file: Path, tmp_path: Path)
 def test_plan_errors_exit_2(tmp_path: Path) -> None:
     missing = run("plan", *sets(*TINY), "--ranks", "2", "--machine",
                   str(tmp_path / "none.json"))  # asked for by name: no estimate instead
-    assert missing.returncode == 2 and "machine file not found" in missing.stderr
+    assert missing.returncode == 2
+    assert f"machine file '{tmp_path / 'none.json'}': not found" in missing.stderr
     (tmp_path / "bad.json").write_text("{}")
     bad = run("plan", *sets(*TINY), "--ranks", "2", "--machine", str(tmp_path / "bad.json"))
-    assert bad.returncode == 2 and "unreadable machine file" in bad.stderr
+    assert bad.returncode == 2
+    assert f"machine file '{tmp_path / 'bad.json'}': unreadable" in bad.stderr
     none = run("plan", *sets(*TINY), "--ranks", "3", "--machine", "h100",
                "--memory-per-rank", "0.000001")
     assert none.returncode == 2 and "no strategy for 3 rank(s) fits" in none.stderr

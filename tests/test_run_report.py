@@ -5,23 +5,22 @@ resumed run, and one-line errors for what is missing."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO
+from matplotlib.figure import Figure  # a dependency: the README's install has it, no skip
 from mpi4py import MPI
 
-pytest.importorskip("matplotlib")
-
-from matplotlib.figure import Figure  # noqa: E402
-
-from cosmotrain.config.load import load_config  # noqa: E402
-from cosmotrain.errors import UserError  # noqa: E402
-from cosmotrain.study import run_plots  # noqa: E402
-from cosmotrain.study.run_plots import joined, load_curves, write_run_plots  # noqa: E402
-from cosmotrain.train import runner  # noqa: E402
-from cosmotrain.train.checkpoints.checkpoint import checkpoint_dir, list_checkpoints  # noqa: E402
-from cosmotrain.train.outputs.metrics import TIME_KEYS, metrics_path, read_metrics  # noqa: E402
+from cosmotrain.config.load import load_config
+from cosmotrain.errors import UserError
+from cosmotrain.study import run_plots
+from cosmotrain.study.run_plots import joined, load_curves, write_run_plots
+from cosmotrain.train import runner
+from cosmotrain.train.checkpoints.checkpoint import checkpoint_dir, list_checkpoints
+from cosmotrain.train.outputs.metrics import TIME_KEYS, metrics_path, read_metrics
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 ALL_PLOTS = ["loss.png", "validation_mae.png", "throughput.png", "breakdown.png"]
@@ -127,5 +126,20 @@ def test_missing_inputs_are_one_line_errors(tmp_path: Path, cli,
         monkeypatch.setitem(sys.modules, name, None)
     code, _, err = cli("report", str(run))
     assert code == 2 and len(err.strip().splitlines()) == 1
-    assert "matplotlib" in err and 'pip install -e ".[plots]"' in err
+    assert "matplotlib" in err and "reinstall cosmotrain (pip install -e .)" in err
     assert not (run / "plots").exists()
+
+
+def test_the_readmes_install_brings_what_the_plots_need() -> None:
+    """Every `pip install -e ".[...]"` line of the README installs matplotlib: the plots of
+    report and scale-study (tested above and in test_scale_study.py) work on it."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    readme = (REPO / "README.md").read_text()
+    installs = re.findall(r'pip install -e "\.(?:\[([\w,-]+)\])?"', readme)
+    assert installs and "mpich" in installs
+    for extras in installs:
+        wanted = list(project["dependencies"])
+        for extra in filter(None, extras.split(",")):
+            wanted += project["optional-dependencies"][extra]
+        assert any(re.match(r"matplotlib\b", item) for item in wanted), extras

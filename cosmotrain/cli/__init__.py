@@ -13,8 +13,8 @@ import traceback
 
 from cosmotrain.cli import run, data, outputs, export, study  # the order in --help
 from cosmotrain.cli.app import app
-from cosmotrain.errors import UserError
-from cosmotrain.exits import EXIT_KEYBOARD, exit_code, report_user_error
+from cosmotrain.errors import JobStopped, UserError
+from cosmotrain.exits import EXIT_KEYBOARD, exit_code, report_stop, report_user_error
 
 __all__ = ["app", "main", "report_user_error"]
 
@@ -31,6 +31,9 @@ def main() -> None:
     except UserError as err:
         report_user_error(err)
         sys.exit(exit_code(err))
+    except JobStopped as err:  # a stop signal during start-up, or a second Ctrl-C
+        report_stop(err)
+        sys.exit(err.exit_code)
     except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint, but no rank left behind
         print("cosmotrain: interrupted again: stopping at once (no checkpoint)",
               file=sys.stderr, flush=True)

@@ -75,6 +75,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
     The file must be UTF-8 (a byte-order mark is allowed) and may not give a key twice in
     one mapping: PyYAML would silently keep the last value.
     """
+    if path.is_dir():
+        raise UserError(f"config file '{path}' is a directory; pass a YAML file to --config "
+                        f"(e.g. {path / 'cosmoflow-128.yaml'})")
     if not path.is_file():
         raise UserError(f"config file '{path}' not found; pass an existing YAML file to --config")
     text = _read_text(path)

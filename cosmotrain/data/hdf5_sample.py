@@ -19,6 +19,7 @@ import h5py
 import numpy as np
 
 from cosmotrain.files.atomic import write_hdf5_atomically
+from cosmotrain.data.read_errors import HDF5_ERRORS, named_on_failure
 from cosmotrain.data.volume import (CHANNELS_LAST, DEFAULT_DTYPE, DEFAULT_LAYOUT, DTYPES,
                                     NUM_CHANNELS, NUM_LABELS, Box, SampleNames, VolumeInfo,
                                     check_expected, check_finite, check_layout,
@@ -75,14 +76,11 @@ def probe(path: Path, expect: VolumeInfo | None = None) -> tuple[VolumeInfo, np.
     With ``expect`` the file must match it (shape and dtype).  Every problem raises
     :class:`DataError` naming the file.
     """
-    try:
-        with h5py.File(path, "r") as handle:
-            volume, labels = _datasets(path, handle)
-            info = _volume_info(path, handle, volume)
-            label_values = checked_labels(
-                path, None if labels is None else labels[()], f"'{LABELS_DATASET}'")
-    except (OSError, ValueError, KeyError) as err:
-        raise DataError(path, str(err), FORMAT_HINT) from err
+    with named_on_failure(path, HDF5_ERRORS, FORMAT_HINT), h5py.File(path, "r") as handle:
+        volume, labels = _datasets(path, handle)
+        info = _volume_info(path, handle, volume)
+        label_values = checked_labels(
+            path, None if labels is None else labels[()], f"'{LABELS_DATASET}'")
     if expect is not None:
         check_expected(path, info, expect)
     return info, label_values
@@ -94,15 +92,12 @@ def read_sample(path: Path, layout: str | None = None, box: Box | None = None,
 
     ``layout`` overrides the recorded or shape-inferred layout (see ``formats.read_sample``).
     """
-    try:
-        with h5py.File(path, "r") as handle:
-            volume, labels = _datasets(path, handle)
-            info = _volume_info(path, handle, volume, layout)
-            block = _hyperslab(path, volume, info, box, origin, slice(0, NUM_CHANNELS))
-            label_values = checked_labels(
-                path, None if labels is None else labels[()], f"'{LABELS_DATASET}'")
-    except (OSError, ValueError, KeyError) as err:
-        raise DataError(path, str(err), FORMAT_HINT) from err
+    with named_on_failure(path, HDF5_ERRORS, FORMAT_HINT), h5py.File(path, "r") as handle:
+        volume, labels = _datasets(path, handle)
+        info = _volume_info(path, handle, volume, layout)
+        block = _hyperslab(path, volume, info, box, origin, slice(0, NUM_CHANNELS))
+        label_values = checked_labels(
+            path, None if labels is None else labels[()], f"'{LABELS_DATASET}'")
     check_finite(path, block)
     return np.ascontiguousarray(block, dtype=np.float32), label_values
 
@@ -116,13 +111,10 @@ def read_block(path: Path, expect: VolumeInfo, box: Box | None = None,
     ``out`` receives the block without an extra copy for channels-first files and with
     one transposing copy for channels-last ones.
     """
-    try:
-        with h5py.File(path, "r") as handle:
-            volume = _datasets(path, handle)[0]
-            check_expected(path, _volume_info(path, handle, volume), expect)
-            block = _hyperslab(path, volume, expect, box, origin, channels, out)
-    except (OSError, ValueError, KeyError) as err:
-        raise DataError(path, str(err), FORMAT_HINT) from err
+    with named_on_failure(path, HDF5_ERRORS, FORMAT_HINT), h5py.File(path, "r") as handle:
+        volume = _datasets(path, handle)[0]
+        check_expected(path, _volume_info(path, handle, volume), expect)
+        block = _hyperslab(path, volume, expect, box, origin, channels, out)
     check_finite(path, block)
     return np.ascontiguousarray(block)
 
@@ -144,6 +136,10 @@ def _datasets(path: Path, handle: h5py.File) -> tuple[h5py.Dataset, h5py.Dataset
         raise DataError(path, f"no dataset '{VOLUME_DATASET}'", FORMAT_HINT)
     volume = handle[VOLUME_DATASET]
     labels = handle[LABELS_DATASET] if LABELS_DATASET in handle else None
+    for name, found in ((VOLUME_DATASET, volume), (LABELS_DATASET, labels)):
+        if found is not None and not isinstance(found, h5py.Dataset):
+            raise DataError(path, f"'{name}' is a {type(found).__name__}, not a dataset",
+                            FORMAT_HINT)
     if volume.dtype.name not in DTYPES:
         raise DataError(path, f"'{VOLUME_DATASET}' is {volume.dtype.name}", FORMAT_HINT)
     if labels is not None and labels.shape != (NUM_LABELS,):

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from cosmotrain.files.atomic import write_bytes_atomically, write_text_atomically
+from cosmotrain.data.read_errors import NPY_ERRORS, named_on_failure
 from cosmotrain.data.volume import (DEFAULT_DTYPE, DEFAULT_LAYOUT, DTYPES, LABEL_NAMES, NPY,
                                     NUM_CHANNELS, VOLUME_NAMES, Box, SampleNames, VolumeInfo,
                                     check_expected, check_finite, checked_labels, copy_block,
@@ -86,16 +87,14 @@ def read_block(path: Path, expect: VolumeInfo, box: Box | None = None,
 def _header(path: Path) -> tuple[VolumeInfo, int]:
     """``(info, offset of the array's bytes)`` from the ``.npy`` header, checked to be a
     whole C-order 4-channel cube of a supported dtype."""
-    try:
-        with open(path, "rb") as handle:
-            version = np.lib.format.read_magic(handle)
-            if version not in _HEADER_READERS:
-                raise ValueError(f".npy format version {version} (expected 1.0 or 2.0)")
-            shape, fortran, dtype = _HEADER_READERS[version](handle)
-            offset = handle.tell()
-            size = handle.seek(0, io.SEEK_END)
-    except (OSError, ValueError) as err:
-        raise DataError(path, f"is not a readable .npy file: {err}", FORMAT_HINT) from err
+    with named_on_failure(path, NPY_ERRORS, FORMAT_HINT, "is not a readable .npy file"), \
+            open(path, "rb") as handle:
+        version = np.lib.format.read_magic(handle)
+        if version not in _HEADER_READERS:
+            raise ValueError(f".npy format version {version} (expected 1.0 or 2.0)")
+        shape, fortran, dtype = _HEADER_READERS[version](handle)
+        offset = handle.tell()
+        size = handle.seek(0, io.SEEK_END)
     if fortran:
         raise DataError(path, "holds a Fortran-order array", "save it in C order "
                         "(numpy.save of a C-contiguous array), or convert the dataset")
@@ -121,11 +120,9 @@ def _labels(path: Path) -> np.ndarray:
     labels = label_path(path)
     if not labels.exists():
         return checked_labels(labels, None, LABELS)
-    try:
+    with named_on_failure(labels, NPY_ERRORS, "expected 4 float32 labels",
+                          "is not a readable .npy file"):
         values = np.load(labels, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as err:
-        raise DataError(labels, f"is not a readable .npy file: {err}",
-                        "expected 4 float32 labels") from err
     return checked_labels(labels, np.ravel(values) if values.size == 4 else values, LABELS)
 
 

@@ -61,24 +61,26 @@ def discover(root: Path, format: str = AUTO) -> tuple[str, dict[str, list[str]]]
     raise DataError(root, f"holds no manifest.json and no {wanted}", LAYOUT_HINT)
 
 
-def dataset_format(splits: dict[str, list[str]], format: str = AUTO) -> str:
-    """The format of the discovered files: ``format`` when forced, else the one their names
-    say (HDF5 for names no format claims, as LBANN lists may hold)."""
+def dataset_format(splits: dict[str, list[str]], format: str = AUTO,
+                   root: Path = Path(".")) -> str:
+    """The format of the discovered files (named relative to ``root``): ``format`` when
+    forced, else the one their names say (HDF5 for names no format claims, as LBANN lists
+    may hold)."""
     if format != AUTO:
         return format
     found = {formats.format_of(name) or formats.HDF5 for names in splits.values()
              for name in names}
     if len(found) > 1:
-        raise DataError(Path(next(iter(splits.values()))[0]).parent,
-                        f"mixes sample files of formats {', '.join(sorted(found))}",
-                        "keep one format per dataset, or set data.format to choose one")
+        raise DataError(root, f"mixes sample files of formats {', '.join(sorted(found))}",
+                        "keep one format per dataset, or set data.format to choose one",
+                        kind="dataset")
     return found.pop()
 
 
 def describe(root: Path, format: str = AUTO) -> dict[str, Any]:
     """A manifest dictionary for ``root``: the discovered files and the first file's header."""
     how, splits = discover(root, format)
-    chosen = dataset_format(splits, format)
+    chosen = dataset_format(splits, format, root)
     if chosen == formats.TFRECORD:
         splits = records_listed(root, splits)
     first = next(iter(splits.values()))[0]

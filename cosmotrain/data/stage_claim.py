@@ -21,6 +21,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from cosmotrain.files.atomic import check_writable
 from cosmotrain.files.previous import previous_name
 from cosmotrain.data import cache
 from cosmotrain.data.manifest import MANIFEST_NAME
@@ -58,7 +59,7 @@ def record_source(dest: Path, source: Path, option: str = "--dest") -> None:
     the first record wins (it is linked into place whole, never replaced), so a
     concurrent staging of another dataset that passed :func:`stage_problem` too is
     refused here (:class:`UserError`).  A write the disk refuses is a WriteError."""
-    dest.mkdir(parents=True, exist_ok=True)
+    check_writable(dest, option)  # a file in the way, read-only: one WriteError line
     wanted = str(source.resolve())
     tmp = cache.write_json(dest / f"{STAGE_RECORD}.{os.getpid()}.{secrets.token_hex(4)}",
                            {"source": wanted}, where=option)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cosmotrain.files.atomic import write_atomically
+from cosmotrain.files.atomic import remove_leftovers, write_atomically
 from cosmotrain.comm.collective import agree, together
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.layout import resolve_parallel
@@ -49,6 +49,9 @@ from cosmotrain.errors import DataError
 CHUNK = 1 << 23  # 8 MiB copy buffer
 DEST = "--dest"  # the option that chooses where staged files go (WriteError's fix)
 GIB = float(1 << 30)
+#: A hidden temporary untouched this long before a staging began is a killed copy's
+#: leftover (a live copy keeps writing to its own); the successful staging removes it.
+LEFTOVER_AGE_S = 60.0
 
 
 @dataclass
@@ -157,6 +160,7 @@ def run_staging(plan: StagePlan, comm: Any,
     rank, the lowest failing rank's, printed once; no manifest is written then, so a
     half-staged directory is never taken for a dataset."""
     leader = plan.node.Get_rank() == 0
+    started = time.time()
     together(comm, lambda: _claim(plan) if leader else None)
     plan.node.Barrier()
     start = time.perf_counter()
@@ -166,6 +170,8 @@ def run_staging(plan: StagePlan, comm: Any,
     stats = sample_table.file_stats(plan.dest, files, plan.manifest.volume.format, plan.node)
     together(comm, lambda: write_metadata(plan.manifest, plan.dest, stats, node_sums)
              if leader else None)
+    if leader:  # a killed staging's hidden temporaries go, once every copy is in place
+        remove_leftovers(plan.dest, min(started, time.time() - LEFTOVER_AGE_S))
     seconds = time.perf_counter() - start
     report = _report(plan, comm, copied, seconds)
     report.inflated = comm.allreduce(inflated)

@@ -35,8 +35,11 @@ def ensure_synthetic_data(cfg: Config, comm: Any) -> str | None:
         return None
     syn = cfg.data.synthetic
     started = time.perf_counter()
+    # No manifest: sample files there are this run's own generation, stopped midway (a
+    # signal during start-up); the generator is deterministic, so generate them all again.
     manifest = datagen.generate_dataset(root, syn.samples, cfg.model.width, syn.seed,
-                                        val_fraction=syn.val_fraction, comm=comm)
+                                        val_fraction=syn.val_fraction, comm=comm,
+                                        overwrite=True)
     counts = ", ".join(f"{split['count']} {name}" for name, split in
                        manifest["splits"].items())
     return (f"cosmotrain: generated {syn.samples} synthetic samples ({counts}, "

@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import gzip
 import mmap
-import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,6 +33,7 @@ from cosmotrain.data import cache
 from cosmotrain.data.tfrecord_codec import (FeatureValue, Record, TFRecordError, bytes_value,
                                             encode_example, float_values, frame_record,
                                             parse_record)
+from cosmotrain.data.read_errors import GZIP_ERRORS, named_on_failure
 from cosmotrain.data.volume import (CHANNELS_LAST, NUM_CHANNELS, TFRECORD, Box, SampleNames,
                                     VolumeInfo, check_expected, check_finite, checked_labels,
                                     copy_block, encode_counts, to_layout)
@@ -157,11 +157,9 @@ def read_block(path: Path, expect: VolumeInfo, box: Box | None = None,
 def inflate(path: Path) -> bytes:
     """The decompressed bytes of a gzip file; a truncated or damaged stream is a
     :class:`DataError` naming the file."""
-    try:
+    with named_on_failure(path, GZIP_ERRORS, "download or copy the file again",
+                          "is a damaged or truncated gzip stream"):
         return gzip.decompress(Path(path).read_bytes())
-    except (OSError, EOFError, zlib.error) as err:
-        raise DataError(path, f"is a damaged or truncated gzip stream ({err})",
-                        "download or copy the file again") from err
 
 
 @contextmanager

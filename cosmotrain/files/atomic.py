@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import re
 import secrets
 from collections.abc import Callable
 from pathlib import Path
@@ -76,6 +77,28 @@ def temporary_path(final: Path, unique: bool = False) -> Path:
         return final.with_name(f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}"
                                f"{TMP_SUFFIX}")
     return final.with_name(final.name + TMP_SUFFIX)
+
+
+_UNIQUE_TMP = re.compile(r"^\..+\.\d+\.[0-9a-f]{8}" + re.escape(TMP_SUFFIX) + "$")
+
+
+def remove_leftovers(folder: Path, before: float) -> int:
+    """Remove the hidden temporaries of :func:`temporary_path` (``unique``) under
+    ``folder`` last modified before ``before`` (a time): what a killed writer left.  A
+    writer still filling its temporary keeps touching it, so a caller passes a time
+    before its own start and some margin.  Returns how many went; one listing per
+    directory, however many files it holds."""
+    removed = 0
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            path = Path(parent) / name
+            try:
+                if _UNIQUE_TMP.match(name) and path.lstat().st_mtime < before:
+                    path.unlink()
+                    removed += 1
+            except OSError:
+                continue  # gone already (another node's sweep), or not ours to remove
+    return removed
 
 
 def write_bytes_atomically(final: Path, data: bytes | bytearray | memoryview,
@@ -143,10 +166,10 @@ def check_writable(directory: str | Path, where: str = "output.dir") -> Path:
     read-only filesystem, no space, no permission, a file in the way).
     """
     folder = Path(directory)
-    if folder.exists() and not folder.is_dir():
-        raise WriteError(folder, "it is a file, not a directory", where)
     probe = folder / f"{PROBE_NAME}-{os.getpid()}{TMP_SUFFIX}"
     try:
+        if folder.exists() and not folder.is_dir():  # exists() raises ENAMETOOLONG
+            raise WriteError(folder, "it is a file, not a directory", where)
         folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:

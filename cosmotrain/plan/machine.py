@@ -217,11 +217,11 @@ class MachineModel:
                 raise ValueError("not a cosmotrain machine file")
             return cls.from_json(data)
         except FileNotFoundError:
-            raise DataError(path, "machine file not found",
-                            "run cosmotrain calibrate (or pass --machine with a preset name)")
+            raise DataError(path, "not found", "run cosmotrain calibrate (or pass --machine "
+                            "with a preset name)", kind="machine file")
         except (OSError, ValueError, KeyError, TypeError) as err:
-            raise DataError(path, f"unreadable machine file ({err})",
-                            "re-run cosmotrain calibrate to rewrite it") from None
+            raise DataError(path, f"unreadable ({err})", "re-run cosmotrain calibrate to "
+                            "rewrite it", kind="machine file") from None
 
 
 def _link(data: dict[str, Any]) -> LinkModel:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from cosmotrain.config.layout import Layout, layers_of
+from cosmotrain.config.layout import MIN_BLOCK_PLANES, Layout, layers_of
 from cosmotrain.config.schema import Config
 from cosmotrain.errors import ConfigError, UserError
 from cosmotrain.models import build_model
@@ -20,7 +20,7 @@ from cosmotrain.nn.containers import Sequential
 from cosmotrain.plan.cost import Prediction, predict
 from cosmotrain.plan.machine import MachineModel
 from cosmotrain.plan.memory import workload_memory
-from cosmotrain.plan.strategy import distinct, enumerate_strategies
+from cosmotrain.plan.strategy import distinct, enumerate_strategies, most_ranks
 from cosmotrain.plan.workload import build_workload
 
 @dataclass
@@ -56,6 +56,13 @@ def candidates(cfg: Config, ranks: int, algorithms: tuple[str, ...] = ("x", "y",
     model = build_model(cfg.model, cfg.train.seed)
     narrowest = min(layer.out_channels for _, layer in model.named_layers()
                     if hasattr(layer, "out_channels"))
+    limit = most_ranks(cfg.train.batch_size, cfg.model.width, narrowest)
+    if ranks > limit:
+        raise UserError(f"no strategy for {ranks} rank(s): at most {limit} can share a batch "
+                        f"of {cfg.train.batch_size} cubes of width {cfg.model.width} (a "
+                        f"sample group per cube, {narrowest} channel/filter ranks, spatial "
+                        f"blocks of {MIN_BLOCK_PLANES} planes or more); use fewer ranks or "
+                        f"a larger train.batch_size")
     return model, distinct(list(enumerate_strategies(
         ranks, cfg.train.batch_size, cfg.model.width, narrowest, algorithms)))
 

@@ -8,20 +8,44 @@ winner back as a ``parallel`` section.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 from cosmotrain.config.layout import MIN_BLOCK_PLANES, Layout, thin_splits
 
 
 def factorisations(ranks: int, parts: int) -> Iterator[tuple[int, ...]]:
-    """Every ordered ``parts``-tuple of positive integers whose product is ``ranks``."""
+    """Every ordered ``parts``-tuple of positive integers whose product is ``ranks``
+    (over the divisors of ``ranks``, found once: not a loop over every integer up to it)."""
+    yield from _factorisations(ranks, parts, divisors(ranks))
+
+
+def _factorisations(ranks: int, parts: int, candidates: list[int]
+                    ) -> Iterator[tuple[int, ...]]:
     if parts == 1:
         yield (ranks,)
         return
-    for first in range(1, ranks + 1):
+    for first in candidates:
+        if first > ranks:
+            break
         if ranks % first == 0:
-            for rest in factorisations(ranks // first, parts - 1):
+            for rest in _factorisations(ranks // first, parts - 1, candidates):
                 yield (first, *rest)
+
+
+def divisors(number: int) -> list[int]:
+    """The divisors of ``number``, ascending (trial division up to its square root)."""
+    low = [d for d in range(1, math.isqrt(number) + 1) if number % d == 0]
+    return low + [number // d for d in reversed(low) if d * d != number]
+
+
+def most_ranks(batch: int, width: int, channels_limit: int,
+               min_block: int = MIN_BLOCK_PLANES) -> int:
+    """The largest rank count any strategy of :func:`enumerate_strategies` can have: one
+    sample group per cube of the batch, ``channels_limit`` channel/filter ranks and, per
+    spatial dimension, one block per ``min_block`` planes.  A larger count has no strategy,
+    so the planner refuses it before enumerating anything."""
+    return batch * channels_limit * max(1, width // min_block) ** 3
 
 
 def enumerate_strategies(ranks: int, batch: int, width: int, channels_limit: int,

@@ -1,6 +1,6 @@
-"""PNG plots of a scale study (matplotlib, the ``plots`` extra; Agg, no display needed).
+"""PNG plots of a scale study (matplotlib, a dependency; Agg, no display needed).
 
-Importing this module raises ImportError without matplotlib, which
+Importing this module raises ImportError in an installation that lacks matplotlib, which
 :func:`cosmotrain.study.report.render` turns into a one-line hint.  Figures are built
 with ``matplotlib.figure.Figure`` on an Agg canvas, never pyplot, so no global backend
 state is touched.

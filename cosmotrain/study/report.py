@@ -30,8 +30,8 @@ COMM_KEYS = ("halo", "channel", "redistribution", "allreduce")
 STUDY_KEYS = ("config", "model", "width", "base_batch", "steps", "warmup", "launcher")
 POINT_KEYS = ("name", "ranks", "strategy", "batch", "status")
 PREDICTED_KEYS = ("compute", "halo", "channel", "redistribution", "allreduce", "other")
-PLOTS_HINT = ("plots skipped: matplotlib is not installed; "
-              "pip install -e \".[plots]\" and rerun with --report DIR")
+PLOTS_HINT = ("plots skipped: matplotlib, a dependency of cosmotrain, cannot be imported; "
+              "reinstall cosmotrain (pip install -e .) and rerun with --report DIR")
 
 
 def measure(metrics_file: Path, batch: int, warmup: int) -> dict[str, Any]:
@@ -107,7 +107,8 @@ def load_results(out: Path) -> dict[str, Any]:
     """A study's results.json, for ``scale-study --report``."""
     path = out / RESULTS_JSON
     if not path.is_file():
-        raise DataError(path, "not found", "pass the --out directory of a scale study")
+        raise DataError(path, "not found", "pass the --out directory of a scale study",
+                        kind="results file")
     try:
         doc = json.loads(path.read_text())
         if not isinstance(doc, dict) or not isinstance(doc.get("points"), list) \
@@ -123,7 +124,7 @@ def load_results(out: Path) -> dict[str, Any]:
                                  f"{', '.join(missing) or 'measured'}")
     except ValueError as err:
         raise DataError(path, f"not a scale-study results file ({err})",
-                        "rerun the study or restore the file") from None
+                        "rerun the study or restore the file", kind="results file") from None
     return doc
 
 

@@ -2,8 +2,8 @@
 
 Four figures over the training step: the training loss (with the learning rate), the
 validation MAE per target (and their mean), the throughput (samples/s) and the time
-breakdown per step by phase (stacked).  matplotlib is the ``plots`` extra: it is imported
-only when drawing, so a missing package is a one-line error, as are a missing run
+breakdown per step by phase (stacked).  matplotlib (a dependency) is imported only when
+drawing, so a broken installation without it is a one-line error, as are a missing run
 directory and a run without ``metrics.jsonl``.  Figures are built on an Agg canvas, never
 pyplot (no display, no global backend state), like :mod:`cosmotrain.study.plots`.
 
@@ -29,7 +29,7 @@ from cosmotrain.train.outputs.metrics import METRICS_FILE, TIME_KEYS, read_metri
 PLOTS_DIR = "plots"
 LOSS_PNG, MAE_PNG = "loss.png", "validation_mae.png"
 THROUGHPUT_PNG, BREAKDOWN_PNG = "throughput.png", "breakdown.png"
-INSTALL_HINT = 'pip install -e ".[plots]"'
+INSTALL_HINT = "it is a dependency of cosmotrain: reinstall cosmotrain (pip install -e .)"
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def _matplotlib() -> tuple[Any, Any]:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise UserError(f"report: the plots need matplotlib, which is not installed; "
+        raise UserError(f"report: the plots need matplotlib, which cannot be imported; "
                         f"{INSTALL_HINT}") from None
     return Figure, FigureCanvasAgg
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from cosmotrain import __version__
+from cosmotrain.files.atomic import check_writable
 from cosmotrain.config import Layout, dump_yaml, load_config, resolve_parallel
 from cosmotrain.config.schema import Config
 from cosmotrain.errors import ConfigError, UserError
@@ -144,6 +145,7 @@ def run_study(spec: StudySpec, echo: Callable[[str], None] = print) -> dict[str,
     runnable = [p for p in points if p.status == "pending"]
     for point in runnable:
         launcher.words(point.ranks)  # no launcher for P > 1: one error, before any run
+    check_writable(spec.out, "--out")  # a file in the way, read-only: one WriteError line
     # only now, once the spec has passed every check: a bad one moves nothing
     moved = claim_study_dir(spec.out, spec.overwrite, resume=spec.resume)
     echo(f"scale-study: {spec.mode} scaling of {spec.config.name} over ranks "
@@ -152,7 +154,6 @@ def run_study(spec: StudySpec, echo: Callable[[str], None] = print) -> dict[str,
          f"{f', {kept} measured before (--resume)' if kept else ''}; {machine_note}")
     if moved:
         echo(moved)
-    spec.out.mkdir(parents=True, exist_ok=True)
     if runnable and spec.data is None:
         _ensure_dataset(spec, base, launcher, runnable, echo)
     for number, point in enumerate(runnable, start=1):

@@ -158,7 +158,7 @@ def exported_weights(state: CheckpointState, source: Path | str = "checkpoint"
     raw = yaml.safe_load(state.config_yaml) or {}
     if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict):
         raise DataError(source, "its config has no model section",
-                        "export a checkpoint written by cosmotrain train")
+                        "export a checkpoint written by cosmotrain train", kind="checkpoint")
     model_cfg = build(ModelConfig, raw["model"], prefix="model.")
     # np.asarray, not np.ascontiguousarray: that one makes num_batches_tracked 1-d
     tensors = {name: np.asarray(value, order="C")

@@ -12,8 +12,12 @@ same sums (``StepOutput.votes``) and takes the same decision at the same step.
 - :class:`StopSignals` turns SIGTERM (Slurm's time limit and preemption), SIGINT (Ctrl-C,
   forwarded by mpiexec) and SIGUSR1 (``sbatch --signal=USR1@T``, ahead of the limit) into a
   request: the step in flight finishes, every rank agrees, a checkpoint is written at that
-  step boundary and the run ends with ``stop_reason: interrupted``.  A second SIGINT is
-  the impatient user's: it interrupts at once (KeyboardInterrupt, the job is aborted).
+  step boundary and the run ends with ``stop_reason: interrupted``.  Installed before the
+  job is built (``at_once``), a signal met during start-up or the preload pass ends the
+  command at once instead, with exit 75 (:class:`~cosmotrain.errors.JobStopped`), until
+  :meth:`StopSignals.defer` hands the signals to the loop.  A second SIGINT is the
+  impatient user's: it ends every rank at once with exit 130, whatever is in flight (a
+  checkpoint write is left as before: atomic writes remove their temporary file).
 - ``device.xp.all_finite`` is the per-step check of this rank's gradients; the step
   carries its verdict to the next loss allreduce, and :class:`NonFiniteError` ends the run
   before a non-finite value can be stored.
@@ -27,7 +31,7 @@ from collections.abc import Iterable
 from types import FrameType
 from typing import Any
 
-from cosmotrain.errors import UserError
+from cosmotrain.errors import EXIT_KEYBOARD, JobStopped, UserError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped cleanly at a checkpoint; resume to continue
@@ -47,14 +51,25 @@ class NonFiniteError(UserError):
 class StopSignals:
     """Records the first stop signal; use as a context manager around the training loop.
 
-    Only the main thread may install signal handlers; the previous handlers come back on
-    exit, so library callers (tests, benchmarks) are left as they were.
+    With ``at_once`` (start-up: nothing is there for a step boundary to save yet) a stop
+    signal raises :class:`JobStopped` (exit 75) where the main thread is, until
+    :meth:`defer`.  Installing the handlers also replaces MPICH's own SIGUSR1 handler,
+    which MPI_Init sets in every rank and which drops the signal (the ``--signal=USR1@T``
+    of a batch script) without a word.  Only the main thread may install signal
+    handlers; the previous handlers come back on exit, so library callers (tests,
+    benchmarks) are left as they were.
     """
 
-    def __init__(self, signals: Iterable[int] = STOP_SIGNALS) -> None:
+    def __init__(self, signals: Iterable[int] = STOP_SIGNALS, *, at_once: bool = False
+                 ) -> None:
         self.signals = tuple(signals)
         self.received: int | None = None
+        self.at_once = at_once
         self._previous: dict[int, Any] = {}
+
+    def defer(self) -> None:
+        """From now on only record a signal: the training loop takes it at a step boundary."""
+        self.at_once = False
 
     @property
     def requested(self) -> bool:
@@ -76,9 +91,18 @@ class StopSignals:
 
     def _handle(self, number: int, frame: FrameType | None) -> None:
         if self.received == signal.SIGINT and number == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now, no checkpoint
+            raise JobStopped("interrupted again (a second SIGINT): every rank stops now, "
+                             "without a checkpoint; a checkpoint being written is left as "
+                             "before; continue from the last one with --resume",
+                             EXIT_KEYBOARD)
         if self.received is None:
             self.received = number
+        if self.at_once:
+            raise JobStopped(f"stopped: {signal.Signals(number).name} received during "
+                             f"start-up, before the first step; nothing was saved or "
+                             f"half-written: run the same command again (exit "
+                             f"{EXIT_INTERRUPTED}: train.sbatch requeues it)",
+                             EXIT_INTERRUPTED)
 
 
 def non_finite_message(step: int, loss: float, bad_gradients: int) -> str:

@@ -44,17 +44,20 @@ def run_training(cfg: Config, comm: Any, resume: bool = False, overwrite: bool =
     and a resumed checkpoint has been checked against the config.
     """
     started = time.time()  # the job's start, for the MLPerf log's init_start
-    cfg, chosen = choose_parallel(cfg, comm, machine_path)
-    mode = "resume" if resume else "overwrite" if overwrite else "fresh"
-    claim = claim_output_dir(cfg.output.dir, comm, mode, job_id)
-    try:
-        return _train_claimed(cfg, comm, mode, claim, chosen, before_step, started)
-    finally:
-        claim.release()
+    with StopSignals(at_once=True) as signals:  # start-up and the preload pass: exit 75
+        cfg, chosen = choose_parallel(cfg, comm, machine_path)
+        mode = "resume" if resume else "overwrite" if overwrite else "fresh"
+        claim = claim_output_dir(cfg.output.dir, comm, mode, job_id)
+        try:
+            return _train_claimed(cfg, comm, mode, claim, chosen, before_step, started,
+                                  signals)
+        finally:
+            claim.release()
 
 
 def _train_claimed(cfg: Config, comm: Any, mode: str, claim: Claim, chosen: str | None,
-                   before_step: StepHook | None, started: float) -> dict[str, Any] | None:
+                   before_step: StepHook | None, started: float, signals: StopSignals
+                   ) -> dict[str, Any] | None:
     rank0 = comm.Get_rank() == 0
     _say(rank0, [*claim.notes, *([chosen] if chosen else []), outputs_line(claim.out_dir)])
     point = find_resume_point(claim.out_dir, cfg, comm) if mode == "resume" else None
@@ -73,7 +76,7 @@ def _train_claimed(cfg: Config, comm: Any, mode: str, claim: Claim, chosen: str 
     if job.step.device.is_gpu:
         _say(rank0, [f"device (rank 0): {job.step.device.describe()}"])
     bus = run_bus(cfg, job.out_dir, comm.Get_rank(), started)
-    with StopSignals() as signals, _watchdog(cfg, comm) as watchdog, \
+    with _watchdog(cfg, comm) as watchdog, \
             contextlib.closing(bus):  # closed also when the run fails: files, live bar
         trainer = Trainer(job, signals, watchdog, before_step, bus)
         if rank0:  # the config has passed every check: the job is built, the resume fits
@@ -84,6 +87,7 @@ def _train_claimed(cfg: Config, comm: Any, mode: str, claim: Claim, chosen: str 
                 _say(rank0, [finished_line(point.state.step, point.state.epoch)])
                 job.grid.free()
                 return None
+        signals.defer()  # from the first step on, a signal stops at a step boundary
         summary = trainer.run(resumed)
     if rank0:
         print(baseline_line(trainer.outcome.best_mae, trainer.outcome.baseline_mae,

@@ -75,7 +75,7 @@ class DamagedCheckpoint(DataError):
 
     def __init__(self, path: object, problem: str, fix: str = DAMAGED_FIX) -> None:
         self.problem = problem
-        super().__init__(path, problem, fix)
+        super().__init__(path, problem, fix, kind="checkpoint")
 
 
 @dataclass
@@ -255,8 +255,8 @@ def load_checkpoint(path: str | Path) -> CheckpointState:
     """
     file = Path(path)
     if not file.is_file():
-        raise DataError(file, "checkpoint not found",
-                        "pass the path of an existing ckpt_step*.h5 file")
+        raise DataError(file, "not found", "pass the path of an existing ckpt_step*.h5 file",
+                        kind="checkpoint")
     try:
         with h5py.File(file, "r") as f:
             verify = _check_format(file, f) >= CHECKSUMS_SINCE
@@ -275,8 +275,8 @@ def _check_format(file: Path, f: h5py.File) -> int:
         raise DamagedCheckpoint(file, "not a cosmotrain checkpoint (no format attribute)")
     version = int(f.attrs["format_version"])
     if version > FORMAT_VERSION:
-        raise DataError(file, f"checkpoint format version {version} is newer than this "
-                        f"cosmotrain reads ({FORMAT_VERSION})", "upgrade cosmotrain")
+        raise DataError(file, f"format version {version} is newer than this cosmotrain "
+                        f"reads ({FORMAT_VERSION})", "upgrade cosmotrain", kind="checkpoint")
     return version
 
 

@@ -94,7 +94,8 @@ def restore(step: HybridStep, params: dict, buffers: dict, optimizer: dict,
 def _need(arrays: dict, name: str, source: str) -> Any:
     if name not in arrays:
         raise DataError(source, f"has no entry {name!r}",
-                        "resume with the config (model) the checkpoint was written with")
+                        "resume with the config (model) the checkpoint was written with",
+                        kind="checkpoint")
     return arrays[name]
 
 
@@ -104,5 +105,6 @@ def _block(full: Any, shard: Shard | None, expected: tuple[int, ...], name: str,
     full = np.asarray(to_host(full))
     if tuple(full.shape) != tuple(expected):
         raise DataError(source, f"entry {name!r} has shape {tuple(full.shape)}, the model "
-                        f"needs {tuple(expected)}", "resume with the same model settings")
+                        f"needs {tuple(expected)}", "resume with the same model settings",
+                        kind="checkpoint")
     return shard.take(full) if shard is not None else full.copy()

@@ -336,8 +336,9 @@ def _keep_until(path: Path, step: int) -> None:
     except FileNotFoundError:
         return
     except OSError as err:
-        raise DataError(path, f"cannot read the metrics file ({err.strerror or err})",
-                        "check the disk or start afresh without --resume") from None
+        raise DataError(path, f"cannot be read ({err.strerror or err})",
+                        "check the disk or start afresh without --resume",
+                        kind="metrics file") from None
     lines = text.split("\n")[:-1]  # the piece after the last newline is torn, or empty
     kept = [line for line in lines
             if (record := _parse(line)) is not None and record["step"] <= step
@@ -360,13 +361,23 @@ def read_metrics(path: str | Path, kind: str | None = None) -> list[dict[str, An
     """Every record of a metrics file (of one ``kind`` if given); a bad line is a DataError."""
     file = Path(path)
     if not file.is_file():
-        raise DataError(file, "metrics file not found", "pass <output.dir>/metrics.jsonl")
+        raise DataError(file, "not found", "pass <output.dir>/metrics.jsonl",
+                        kind="metrics file")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(file, f"is not UTF-8 text (byte {err.start} is "
+                        f"0x{err.object[err.start]:02x})", "pass the metrics.jsonl a "
+                        "cosmotrain run wrote", kind="metrics file") from None
+    except OSError as err:
+        raise DataError(file, f"cannot be read ({err.strerror or err})", "check the disk",
+                        kind="metrics file") from None
     records = []
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         record = _parse(line)
         if record is None:
             raise DataError(file, f"line {number} is not a valid metrics record",
-                            "remove the line or rerun the training")
+                            "remove the line or rerun the training", kind="metrics file")
         if kind is None or record["kind"] == kind:
             records.append(record)
     return records
