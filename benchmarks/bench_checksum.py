@@ -9,7 +9,7 @@ times, in milliseconds, of
 * ``read``: reading the file's bytes (warm page cache: the cheapest read a job makes);
 * ``crc32c``: CRC-32C of the bytes in memory (``crc32c`` package, hardware instruction);
 * ``zlib_crc32``: zlib's CRC-32 of the same bytes (what staging used before);
-* ``verify_file``: ``cosmotrain.data.file_sums.file_crc32c`` of the file (read + CRC-32C),
+* ``verify_file``: ``cosmotrain.data.dataset.file_sums.file_crc32c`` of the file (read + CRC-32C),
 
 and each rate in GiB/s.  docs/PERFORMANCE.md records the figures and the decision that
 follows from them (data.verify: auto).
@@ -29,7 +29,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from cosmotrain.data.file_sums import file_crc32c
+from cosmotrain.data.dataset.file_sums import file_crc32c
 
 
 def best_ms(fn: Callable[[], Any], repeat: int) -> float:

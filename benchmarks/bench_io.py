@@ -43,9 +43,9 @@ import numpy as np
 from mpi4py import MPI
 
 from cosmotrain.config.load import load_config
-from cosmotrain.data.direct import DirectReader
-from cosmotrain.data.open import make_reader, open_dataset
-from cosmotrain.data.placement import BlockPlacement
+from cosmotrain.data.readers.direct import DirectReader
+from cosmotrain.data.readers.job_readers import make_reader, open_dataset
+from cosmotrain.data.readers.placement import BlockPlacement
 
 MIB = float(1 << 20)
 

@@ -27,7 +27,7 @@ from typing import Any, Callable
 __import__("cosmotrain")  # before numpy: sets OpenBLAS's idle spin (cosmotrain/__init__.py)
 import numpy as np
 
-from cosmotrain.data.transform import int16_log1p_table
+from cosmotrain.data.readers.transform import int16_log1p_table
 from cosmotrain.kernels import pool3d
 from cosmotrain.kernels.cuda import raw_ops
 from cosmotrain.precision import bfloat16

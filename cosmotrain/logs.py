@@ -1,7 +1,7 @@
 """Log lines of a job: stdlib ``logging``, tagged with the rank and host, quiet by default.
 
 Under ``mpiexec`` every rank writes to the same stderr, so a debug line is useless unless
-it says where it came from: each line reads ``[rank 3 nid0042] cosmotrain.data.open: ...``.
+it says where it came from: each line reads ``[rank 3 nid0042] cosmotrain.data.readers.job_readers: ...``.
 The console (progress, results) stays rank 0's on stdout; log lines go to stderr.
 
 By default only warnings and errors are shown.  ``--log-level LEVEL`` lowers rank 0's

@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 
 from cosmotrain.comm.collective import together
-from cosmotrain.data import formats
-from cosmotrain.data.datagen import generate_dataset
-from cosmotrain.data.manifest import open_manifest
-from cosmotrain.data.transform import check_domain
+from cosmotrain.data.formats import interface as formats
+from cosmotrain.data.synthetic.datagen import generate_dataset
+from cosmotrain.data.dataset.manifest import open_manifest
+from cosmotrain.data.readers.transform import check_domain
 from cosmotrain.errors import DataError, UserError
 
 TIMEOUT = 120
@@ -169,8 +169,8 @@ def test_the_readers_refuse_bad_volumes(template: dict[str, Path], tmp_path: Pat
                                         reader: str) -> None:
     """End to end in one process: the readers' own reads meet the damage."""
     from cosmotrain.config.load import load_config
-    from cosmotrain.data.placement import BlockPlacement
-    from cosmotrain.data.open import make_readers, open_dataset
+    from cosmotrain.data.readers.placement import BlockPlacement
+    from cosmotrain.data.readers.job_readers import make_readers, open_dataset
 
     for dtype, change, fragment in [
             ("float32", lambda v: v.__setitem__((0, 0, 0, 1), np.nan), "non-finite"),
@@ -228,7 +228,7 @@ def test_together_raises_the_lowest_failing_ranks_error_on_every_rank() -> None:
 
 
 def test_the_label_pass_reports_the_first_bad_file_in_dataset_order() -> None:
-    from cosmotrain.data.sample_table import _collective_pass
+    from cosmotrain.data.dataset.sample_table import _collective_pass
 
     def work(split: str, i: int) -> int:
         if i in (3, 4):

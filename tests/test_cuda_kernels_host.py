@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from cuda_host import HostLauncher, need_compiler
 
-from cosmotrain.data.transform import apply_transform, int16_log1p_table
+from cosmotrain.data.readers.transform import apply_transform, int16_log1p_table
 from cosmotrain.kernels import activation, dropout, loss, pool3d
 from cosmotrain.kernels.cuda import pool as pool3d_xp
 from cosmotrain.kernels.pool_activation import avg_pool_leaky_backward

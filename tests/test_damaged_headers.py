@@ -2,7 +2,7 @@
 
 h5py raises ``RuntimeError`` on a metadata checksum failure and numpy's ``.npy`` header
 parser ``tokenize.TokenError`` or ``SyntaxError``; each format module turns whatever its
-library raises into the one data error (``data/read_errors.py``).  The first test damages
+library raises into the one data error (``data/formats/read_errors.py``).  The first test damages
 each format's header at every offset of its first bytes; the others put such a file under
 every command that reads samples (``train`` with the preload and the direct reader,
 ``predict``, ``preload``, ``convert``), on 1 rank in-process and on 2 under mpiexec.
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from conftest import REPO, mpiexec, stderr_of, subprocess_env
 
-from cosmotrain.data import formats, npy_sample
+from cosmotrain.data.formats import interface as formats, npy as npy_sample
 from cosmotrain.errors import DataError
 
 TIMEOUT = 120

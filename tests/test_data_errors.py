@@ -33,8 +33,8 @@ def run_job(root: str, reader: str, prefetch: str) -> None:
 
     from cosmotrain.cli import report_user_error
     from cosmotrain.config.load import load_config
-    from cosmotrain.data.placement import BlockPlacement
-    from cosmotrain.data.open import make_readers, open_dataset
+    from cosmotrain.data.readers.placement import BlockPlacement
+    from cosmotrain.data.readers.job_readers import make_readers, open_dataset
     from cosmotrain.errors import EXIT_USER_ERROR, UserError
 
     comm = MPI.COMM_WORLD
@@ -53,8 +53,8 @@ def run_job(root: str, reader: str, prefetch: str) -> None:
 
 
 def make_dataset(root: Path) -> Path:
-    from cosmotrain.data.datagen import generate_dataset
-    from cosmotrain.data.manifest import open_manifest
+    from cosmotrain.data.synthetic.datagen import generate_dataset
+    from cosmotrain.data.dataset.manifest import open_manifest
 
     generate_dataset(root, 8, 8, 3, val_fraction=0.125)  # 7 training samples, int16
     open_manifest(root, 8)  # the label cache exists: the readers meet the damage
@@ -80,7 +80,7 @@ def damage(path: Path, how: str) -> None:
 
 def second_batch_sample() -> int:
     """A sample rank 0 reads in batch 1 of epoch 0 (the prefetch thread's first read)."""
-    from cosmotrain.data import order
+    from cosmotrain.data.readers import order
 
     return int(order.epoch_batches(1, 0, 7, 4)[1][0])
 
@@ -120,7 +120,7 @@ def test_bad_files_end_the_job_with_exit_2_naming_the_file(tmp_path: Path) -> No
 
 
 def test_prefetch_errors_surface_in_the_caller_and_the_thread_stops() -> None:
-    from cosmotrain.data.prefetch import Prefetcher
+    from cosmotrain.data.readers.prefetch import Prefetcher
     from cosmotrain.errors import DataError
 
     def fail() -> int:

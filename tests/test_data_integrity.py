@@ -26,8 +26,10 @@ import pytest
 from conftest import mpiexec, stderr_of, subprocess_env
 from test_data_manifest import write_universes
 
-from cosmotrain.data import file_sums, formats, staging
-from cosmotrain.data.stage_claim import record_source
+from cosmotrain.data.dataset import file_sums
+from cosmotrain.data.formats import interface as formats
+from cosmotrain.data.copies import stage as staging
+from cosmotrain.data.copies.stage_claim import record_source
 from cosmotrain.errors import WriteError
 
 REPO = Path(__file__).resolve().parents[1]

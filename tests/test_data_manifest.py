@@ -14,11 +14,12 @@ import h5py
 import numpy as np
 import pytest
 
-from cosmotrain.data import cache, formats
-from cosmotrain.data.datagen import generate_dataset
-from cosmotrain.data.manifest import SCAN_CACHE_NAME, open_manifest
-from cosmotrain.data.sample_table import LABELS_NAME, means_name
-from cosmotrain.data.transform import apply_transform
+from cosmotrain.data.dataset import cache
+from cosmotrain.data.formats import interface as formats
+from cosmotrain.data.synthetic.datagen import generate_dataset
+from cosmotrain.data.dataset.manifest import SCAN_CACHE_NAME, open_manifest
+from cosmotrain.data.dataset.sample_table import LABELS_NAME, means_name
+from cosmotrain.data.readers.transform import apply_transform
 from cosmotrain.errors import ConfigError, DataError
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cosmotrain.data import order
+from cosmotrain.data.readers import order
 from cosmotrain.tensor.distribution import block_range
 
 

@@ -26,11 +26,11 @@ from equivalence import join_case, waves
 from test_data_manifest import expected_sample, write_universes
 
 from cosmotrain.config.load import load_config
-from cosmotrain.data import order
-from cosmotrain.data.datagen import generate_dataset
-from cosmotrain.data.manifest import open_manifest
-from cosmotrain.data.open import make_readers, open_dataset
-from cosmotrain.data.placement import BlockPlacement
+from cosmotrain.data.readers import order
+from cosmotrain.data.synthetic.datagen import generate_dataset
+from cosmotrain.data.dataset.manifest import open_manifest
+from cosmotrain.data.readers.job_readers import make_readers, open_dataset
+from cosmotrain.data.readers.placement import BlockPlacement
 from cosmotrain.errors import ConfigError
 
 DATASETS = {  # name -> config overrides

@@ -21,9 +21,9 @@ from conftest import abort_on_error
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.load import load_config
 from cosmotrain.config.layout import resolve_parallel
-from cosmotrain.data.datagen import generate_dataset
-from cosmotrain.data.open import make_reader, open_dataset
-from cosmotrain.data.placement import BlockPlacement
+from cosmotrain.data.synthetic.datagen import generate_dataset
+from cosmotrain.data.readers.job_readers import make_reader, open_dataset
+from cosmotrain.data.readers.placement import BlockPlacement
 from cosmotrain.kernels.cpu import workers as _parallel
 from cosmotrain.nn.module import Context
 from cosmotrain.engine.step import hybrid_step_from_config

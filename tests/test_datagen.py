@@ -12,7 +12,9 @@ import h5py
 import numpy as np
 import pytest
 
-from cosmotrain.data import datagen, file_sums, formats, synthetic
+from cosmotrain.data.synthetic import datagen, universes as synthetic
+from cosmotrain.data.dataset import file_sums
+from cosmotrain.data.formats import interface as formats
 from cosmotrain.errors import DataError, UserError
 
 

@@ -10,7 +10,7 @@ import pytest
 from mpi4py import MPI
 
 from cosmotrain.config.load import load_config
-from cosmotrain.data.scan import discover
+from cosmotrain.data.dataset.scan import discover
 from cosmotrain.device.select import INSTALL_GPU
 from cosmotrain.errors import DataError
 from cosmotrain.train.runner import run_training

@@ -22,8 +22,8 @@ from mpi4py import MPI
 from conftest import latest_checkpoint
 from cosmotrain.config.load import config_from_mapping, load_config
 from cosmotrain.config.schema import ModelConfig
-from cosmotrain.data import formats
-from cosmotrain.data.transform import apply_transform
+from cosmotrain.data.formats import interface as formats
+from cosmotrain.data.readers.transform import apply_transform
 from cosmotrain.errors import DataError, UserError
 from cosmotrain.models import build_model
 from cosmotrain.nn.module import Context

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from cosmotrain.config.load import load_config
-from cosmotrain.data import formats, tfrecord_sample
-from cosmotrain.data.datagen import generate_dataset
-from cosmotrain.data.manifest import MANIFEST_NAME, open_manifest
+from cosmotrain.data.formats import interface as formats, tfrecord as tfrecord_sample
+from cosmotrain.data.synthetic.datagen import generate_dataset
+from cosmotrain.data.dataset.manifest import MANIFEST_NAME, open_manifest
 from cosmotrain.errors import ConfigError, DataError, UserError
 
 SAMPLES, WIDTH, SEED = 5, 16, 3
@@ -219,7 +219,7 @@ def test_a_truncated_gzip_stream_is_named(datasets: dict[str, Path], tmp_path: P
 
 
 def test_tfrecord_features_of_the_wrong_kind_are_named(tmp_path: Path) -> None:
-    from cosmotrain.data.tfrecord_codec import encode_example, frame_record
+    from cosmotrain.data.formats.tfrecord_codec import encode_example, frame_record
 
     cube = np.zeros((8, 8, 8, 4), np.int16).tobytes()
     cases = {"no x": ({"y": np.zeros(4, np.float32)}, "has no feature 'x'"),

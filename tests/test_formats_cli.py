@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from conftest import REPO, mpiexec, stderr_of, subprocess_env
 
-from cosmotrain.data import formats, scan
-from cosmotrain.data.manifest import open_manifest
+from cosmotrain.data.formats import interface as formats
+from cosmotrain.data.dataset import scan
+from cosmotrain.data.dataset.manifest import open_manifest
 
 TIMEOUT = 120
 

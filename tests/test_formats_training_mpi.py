@@ -18,10 +18,10 @@ import pytest
 from conftest import abort_on_error
 from test_data_training_mpi import train
 
-from cosmotrain.data import formats
-from cosmotrain.data.convert import plan_conversion, run_conversion
-from cosmotrain.data.datagen import generate_dataset
-from cosmotrain.data.manifest import open_manifest
+from cosmotrain.data.formats import interface as formats
+from cosmotrain.data.copies.convert import plan_conversion, run_conversion
+from cosmotrain.data.synthetic.datagen import generate_dataset
+from cosmotrain.data.dataset.manifest import open_manifest
 from cosmotrain.kernels.cpu import workers as _parallel
 
 FORMATS = ("tfrecord-gzip", "tfrecord", "npy", "tfrecord-package")

@@ -13,7 +13,7 @@ from conftest import cuda_devices
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.skipif(cuda_devices() == 0, reason="no CUDA device visible")
 
-from cosmotrain.data.transform import apply_transform, int16_log1p_table  # noqa: E402
+from cosmotrain.data.readers.transform import apply_transform, int16_log1p_table  # noqa: E402
 from cosmotrain.kernels import activation, dropout, loss, pool3d  # noqa: E402
 from cosmotrain.kernels.cuda import raw_ops  # noqa: E402
 from cosmotrain.precision import bfloat16, narrow, widen  # noqa: E402

@@ -37,7 +37,7 @@ def test_verbose_emits_rank_tagged_debug_lines(cli, tmp_path: Path) -> None:
     tag = f"[rank 0 {HOST}] "
     assert any(line.startswith(tag + "cosmotrain.train.job: layout N1 on 1 rank(s)")
                for line in lines), err
-    assert any(line.startswith(tag + "cosmotrain.data.open: split train: 8 sample(s), "
+    assert any(line.startswith(tag + "cosmotrain.data.readers.job_readers: split train: 8 sample(s), "
                                "preload reader") and "MiB stored" in line for line in lines)
     assert any(line.startswith(tag + "cosmotrain.train.checkpoints.checkpoint: checkpoint ") and
                "ckpt_step0000002.h5 written" in line for line in lines)

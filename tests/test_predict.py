@@ -19,8 +19,8 @@ import pytest
 from conftest import REPO, mpiexec, subprocess_env
 
 from cosmotrain.config.load import config_from_mapping
-from cosmotrain.data import formats
-from cosmotrain.data.transform import apply_transform
+from cosmotrain.data.formats import interface as formats
+from cosmotrain.data.readers.transform import apply_transform
 from cosmotrain.models import build_model
 from cosmotrain.nn.module import Context
 from cosmotrain.train.checkpoints.checkpoint import load_checkpoint

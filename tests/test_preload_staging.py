@@ -16,10 +16,11 @@ from conftest import mpiexec, subprocess_env
 from test_data_manifest import write_universes
 
 from cosmotrain.config.load import load_config
-from cosmotrain.data import file_sums, staging
-from cosmotrain.data.manifest import open_manifest
-from cosmotrain.data.open import make_reader, open_dataset
-from cosmotrain.data.placement import BlockPlacement
+from cosmotrain.data.dataset import file_sums
+from cosmotrain.data.copies import stage as staging
+from cosmotrain.data.dataset.manifest import open_manifest
+from cosmotrain.data.readers.job_readers import make_reader, open_dataset
+from cosmotrain.data.readers.placement import BlockPlacement
 from cosmotrain.errors import DataError
 
 ARGS = ["--set", "model.width=4", "--set", "train.batch_size=6"]
@@ -102,7 +103,7 @@ def test_the_first_record_wins_over_a_concurrent_staging(tmp_path: Path) -> None
     this staging is refused before its first copy, and the record stays the other's."""
     from mpi4py import MPI
 
-    from cosmotrain.data.stage_claim import record_source, recorded_source
+    from cosmotrain.data.copies.stage_claim import record_source, recorded_source
     from cosmotrain.errors import UserError
 
     write_universes(tmp_path / "data", 4, 2, "channels-last", "int16", val_files=0)
@@ -122,7 +123,7 @@ def test_without_hard_links_a_record_is_still_never_replaced(
     import errno
     import os
 
-    from cosmotrain.data.stage_claim import record_source, recorded_source
+    from cosmotrain.data.copies.stage_claim import record_source, recorded_source
     from cosmotrain.errors import UserError
 
     def no_links(src: object, dst: object) -> None:

@@ -8,7 +8,7 @@ import h5py
 import numpy as np
 import pytest
 
-from cosmotrain.data.formats import LAYOUTS, read_sample, write_sample
+from cosmotrain.data.formats.interface import LAYOUTS, read_sample, write_sample
 from cosmotrain.errors import DataError
 from cosmotrain.tensor.distribution import Distribution
 

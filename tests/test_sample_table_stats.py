@@ -15,9 +15,10 @@ import pytest
 from conftest import abort_on_error, mpiexec, subprocess_env
 from test_data_manifest import write_universes
 
-from cosmotrain.data import cache, formats, npy_sample, sample_table
-from cosmotrain.data.manifest import MANIFEST_NAME, open_manifest
-from cosmotrain.data.stage_claim import record_source
+from cosmotrain.data.dataset import cache, sample_table
+from cosmotrain.data.formats import interface as formats, npy as npy_sample
+from cosmotrain.data.dataset.manifest import MANIFEST_NAME, open_manifest
+from cosmotrain.data.copies.stage_claim import record_source
 from cosmotrain.errors import DataError
 
 ARGS = ["--set", "model.width=4", "--set", "train.batch_size=2"]

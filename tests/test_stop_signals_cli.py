@@ -20,7 +20,7 @@ import pytest
 from conftest import REPO, subprocess_env
 from test_faults_cli import EXIT_INTERRUPTED, command, rank_pids, records, train
 
-from cosmotrain.data import formats
+from cosmotrain.data.formats import interface as formats
 from cosmotrain.train.checkpoints.checkpoint import list_checkpoints, load_checkpoint
 
 SLOW_START = "data.synthetic.samples=400"  # about 2 s of data generation at start-up

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from cosmotrain.data import synthetic
+from cosmotrain.data.synthetic import universes as synthetic
 
 PHYSICS_SEED, PHYSICS_SAMPLES, PHYSICS_WIDTH = 0, 48, 32
 

@@ -16,10 +16,11 @@ import crc32c
 import numpy as np
 import pytest
 
-from cosmotrain.data.tfrecord_codec import (
-    FOOTER_BYTES, HEADER_BYTES, Feature, TFRecordError, bytes_value, encode_example,
-    float_values, frame_record, int64_values, masked_crc32c, parse_example, parse_record,
-    record_size)
+from cosmotrain.data.formats.tfrecord_codec import (FOOTER_BYTES, HEADER_BYTES, Feature,
+                                                     TFRecordError, bytes_value, encode_example,
+                                                     float_values, frame_record, int64_values,
+                                                     masked_crc32c, parse_example, parse_record,
+                                                     record_size)
 
 LABELS = np.array([0.25, -0.5, 0.75, -1.0], dtype=np.float32)
 COSMOFLOW_CUBE_BYTES = 128**3 * 4 * 2

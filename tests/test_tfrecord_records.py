@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from test_preload_staging import first_batch
 
-from cosmotrain.data import formats, tfrecord_sample
-from cosmotrain.data.manifest import open_manifest
-from cosmotrain.data.tfrecord_codec import encode_example, frame_record
+from cosmotrain.data.formats import interface as formats, tfrecord as tfrecord_sample
+from cosmotrain.data.dataset.manifest import open_manifest
+from cosmotrain.data.formats.tfrecord_codec import encode_example, frame_record
 from cosmotrain.errors import DataError
 
 W = 8

@@ -200,7 +200,8 @@ def test_datagen_and_staging_onto_a_full_filesystem(small_fs: Callable[..., Path
     """Samples, copies and caches go through the atomic writer: a small sample meeting
     ENOSPC in h5py's flush used to segfault; now each is one line naming the file, with
     no temporary file left."""
-    from cosmotrain.data import datagen, staging
+    from cosmotrain.data.synthetic import datagen
+    from cosmotrain.data.copies import stage as staging
 
     folder = small_fs("512k")
     for leave in (0, 4096, 8192, 12288):

@@ -57,7 +57,7 @@ def datagen(
     """Write a synthetic CosmoFlow dataset (one file per sample) with learnable labels."""
     from cosmotrain.comm import world
     from cosmotrain.console import progress
-    from cosmotrain.data.datagen import generate_dataset
+    from cosmotrain.data.synthetic.datagen import generate_dataset
 
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -91,7 +91,7 @@ def convert(
     """Rewrite a dataset in another format (hdf5, tfrecord, npy), each file verified."""
     from cosmotrain.comm import world
     from cosmotrain.console import progress
-    from cosmotrain.data.convert import plan_conversion, run_conversion
+    from cosmotrain.data.copies.convert import plan_conversion, run_conversion
 
     comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -123,7 +123,7 @@ def preload(
     """Stage the config's dataset onto each node's local storage (copy, verify, manifest)."""
     from cosmotrain.comm import world
     from cosmotrain.console import progress
-    from cosmotrain.data.staging import plan_staging, run_staging
+    from cosmotrain.data.copies.stage import plan_staging, run_staging
     from cosmotrain.train.outputs.mlperf_writer import staging_logged
 
     extra = [f"data.shuffle={shuffle.value}"] if shuffle is not None else []

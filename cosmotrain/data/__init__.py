@@ -1,11 +1,9 @@
-"""CosmoFlow data: formats, the synthetic generator, the manifest, the order and the readers.
+"""CosmoFlow data, in five rooms.
 
-``formats`` (HDF5 samples, hyperslab reads), ``synthetic`` and ``datagen`` (generated
-datasets), ``scan`` / ``manifest`` / ``sample_table`` / ``cache`` (describing a dataset
-once), ``order`` (the epoch's batches, pure), ``placement`` (a rank's block of a batch),
-``reader`` / ``preload`` / ``direct`` / ``prefetch`` / ``transform`` (the two readers),
-``preload_memory`` (the host memory the preload reader may fill), ``open`` (opening a
-job's dataset and building its readers from a config) and ``staging`` (``cosmotrain
-preload``).  The collective error helpers it uses are in :mod:`cosmotrain.comm.collective`.
-See docs/DATA.md.
+``formats/`` (what a sample is, and the HDF5, MLPerf TFRecord and NVIDIA numpy files that
+hold one), ``dataset/`` (a dataset described once: scan, manifest, label and mean tables,
+checksums, completeness), ``readers/`` (the preload-and-shuffle and direct readers: each
+rank receives its own block of every batch), ``synthetic/`` (generated data) and
+``copies/`` (``cosmotrain preload`` and ``cosmotrain convert``).  The collective error
+helpers it uses are in :mod:`cosmotrain.comm.collective`.  See docs/DATA.md.
 """

@@ -20,7 +20,7 @@ from typing import Any
 
 from cosmotrain.config.layout import Layout, resolve_parallel
 from cosmotrain.config.schema import Config
-from cosmotrain.data.preload_memory import mem_available
+from cosmotrain.data.readers.preload_memory import mem_available
 from cosmotrain.device.select import Device
 from cosmotrain.errors import UserError
 from cosmotrain.plan.memory import RankMemory, rank_memory

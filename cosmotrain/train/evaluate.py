@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cosmotrain.data.reader import Reader
+from cosmotrain.data.readers.base import Reader
 from cosmotrain.device import step_memory
 from cosmotrain.device.xp import to_host
 from cosmotrain.nn.module import Context

@@ -5,7 +5,7 @@ From a validated config and the job's communicator: BLAS threads per rank, the d
 process grid and the distributed model with its optimizer (:func:`build_step`, which
 ``train --dry-run`` shares), then the dataset and one reader per split placed on this
 rank's input block.  Collective: every rank builds the same.  The built-in synthetic
-dataset is made by its own step before this (:mod:`cosmotrain.data.synthetic_dataset`).
+dataset is made by its own step before this (:mod:`cosmotrain.data.synthetic.builtin`).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from cosmotrain.kernels.cpu.workers import KernelThreads
 from cosmotrain.runtime.threads import job_threads
 from cosmotrain.config.layout import AXES, resolve_parallel
 from cosmotrain.config.schema import Config
-from cosmotrain.data.manifest import Manifest
-from cosmotrain.data.open import make_readers, open_dataset
-from cosmotrain.data.placement import BlockPlacement
-from cosmotrain.data.reader import Reader
+from cosmotrain.data.dataset.manifest import Manifest
+from cosmotrain.data.readers.job_readers import make_readers, open_dataset
+from cosmotrain.data.readers.placement import BlockPlacement
+from cosmotrain.data.readers.base import Reader
 from cosmotrain.device.select import Device, select_device
 from cosmotrain.errors import UserError
 from cosmotrain.engine.step import HybridStep, hybrid_step_from_config, job_runtime

@@ -38,8 +38,8 @@ from cosmotrain.files.atomic import check_writable, write_hdf5_atomically, write
 from cosmotrain.config.load import config_from_mapping, parse_assignment
 from cosmotrain.config.layout import sample_groups
 from cosmotrain.config.schema import AUTO, Config
-from cosmotrain.data.manifest import Manifest, MissingSplit
-from cosmotrain.data.reader import Reader
+from cosmotrain.data.dataset.manifest import Manifest, MissingSplit
+from cosmotrain.data.readers.base import Reader
 from cosmotrain.errors import UserError, WriteError
 from cosmotrain.train.checkpoints.checkpoint import (CheckpointState, DamagedCheckpoint,
                                                       load_checkpoint)

@@ -18,7 +18,7 @@ from typing import Any
 
 from cosmotrain.comm.collective import on_root
 from cosmotrain.config.schema import Config
-from cosmotrain.data.manifest import dataset_identity
+from cosmotrain.data.dataset.manifest import dataset_identity
 from cosmotrain.errors import UserError
 from cosmotrain.train.checkpoints.resume_check import MISSING, ResumeDiff, Tree
 

@@ -38,12 +38,14 @@ from cosmotrain.comm.collective import agree, together
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.config.schema import Config
-from cosmotrain.data import cache, file_sums, formats, npy_sample, order, sample_table
-from cosmotrain.data import tfrecord_sample
-from cosmotrain.data.manifest import MANIFEST_NAME, Manifest
-from cosmotrain.data.open import dataset_root, open_dataset
-from cosmotrain.data.stage_claim import move_aside, record_source, stage_problem
-from cosmotrain.data.verify import sums_to_check
+from cosmotrain.data.dataset import cache, file_sums, sample_table
+from cosmotrain.data.formats import interface as formats, npy as npy_sample
+from cosmotrain.data.readers import order
+from cosmotrain.data.formats import tfrecord as tfrecord_sample
+from cosmotrain.data.dataset.manifest import MANIFEST_NAME, Manifest
+from cosmotrain.data.readers.job_readers import dataset_root, open_dataset
+from cosmotrain.data.copies.stage_claim import move_aside, record_source, stage_problem
+from cosmotrain.data.dataset.verify import sums_to_check
 from cosmotrain.errors import DataError
 
 CHUNK = 1 << 23  # 8 MiB copy buffer

@@ -27,7 +27,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from cosmotrain.data import cache, formats, npy_sample, tfrecord_sample
+from cosmotrain.data.dataset import cache
+from cosmotrain.data.formats import (interface as formats, npy as npy_sample,
+                                      tfrecord as tfrecord_sample)
 from cosmotrain.errors import DataError
 
 SCAN_GENERATOR = "cosmotrain.scan"

@@ -21,12 +21,12 @@ import numpy as np
 
 from cosmotrain.comm.collective import together
 from cosmotrain.config.schema import Config
-from cosmotrain.data import formats
-from cosmotrain.data.manifest import Manifest
-from cosmotrain.data.placement import BlockPlacement, RankTable
-from cosmotrain.data.prefetch import Prefetcher
-from cosmotrain.data.reader import Delivery, Reader
-from cosmotrain.data.transform import check_domain
+from cosmotrain.data.formats import interface as formats
+from cosmotrain.data.dataset.manifest import Manifest
+from cosmotrain.data.readers.placement import BlockPlacement, RankTable
+from cosmotrain.data.readers.prefetch import Prefetcher
+from cosmotrain.data.readers.base import Delivery, Reader
+from cosmotrain.data.readers.transform import check_domain
 
 
 class DirectReader(Reader):

@@ -18,11 +18,12 @@ from pathlib import Path
 import numpy as np
 
 from cosmotrain.files.atomic import write_bytes_atomically, write_text_atomically
-from cosmotrain.data.read_errors import NPY_ERRORS, named_on_failure
-from cosmotrain.data.volume import (DEFAULT_DTYPE, DEFAULT_LAYOUT, DTYPES, LABEL_NAMES, NPY,
-                                    NUM_CHANNELS, VOLUME_NAMES, Box, SampleNames, VolumeInfo,
-                                    check_expected, check_finite, checked_labels, copy_block,
-                                    detect_layout, encode_counts, to_layout, volume_problem)
+from cosmotrain.data.formats.read_errors import NPY_ERRORS, named_on_failure
+from cosmotrain.data.formats.sample import (DEFAULT_DTYPE, DEFAULT_LAYOUT, DTYPES, LABEL_NAMES,
+                                             NPY, NUM_CHANNELS, VOLUME_NAMES, Box, SampleNames,
+                                             VolumeInfo, check_expected, check_finite,
+                                             checked_labels, copy_block, detect_layout,
+                                             encode_counts, to_layout, volume_problem)
 from cosmotrain.errors import DataError
 
 DATA_SUFFIX = "_data.npy"

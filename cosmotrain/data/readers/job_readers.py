@@ -17,14 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from cosmotrain.config.schema import Config
-from cosmotrain.data import formats, tfrecord_sample
-from cosmotrain.data.direct import DirectReader
-from cosmotrain.data.manifest import Manifest, open_manifest
-from cosmotrain.data.placement import BlockPlacement
-from cosmotrain.data.preload import PreloadReader
-from cosmotrain.data.preload_memory import check_preload_memory
-from cosmotrain.data.reader import Reader
-from cosmotrain.data.verify import verify_dataset
+from cosmotrain.data.formats import interface as formats, tfrecord as tfrecord_sample
+from cosmotrain.data.readers.direct import DirectReader
+from cosmotrain.data.dataset.manifest import Manifest, open_manifest
+from cosmotrain.data.readers.placement import BlockPlacement
+from cosmotrain.data.readers.preload import PreloadReader
+from cosmotrain.data.readers.preload_memory import check_preload_memory
+from cosmotrain.data.readers.base import Reader
+from cosmotrain.data.dataset.verify import verify_dataset
 from cosmotrain.errors import ConfigError
 
 SYNTHETIC_SUBDIR = "data"

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from cosmotrain.config.schema import Config
-from cosmotrain.data import datagen, synthetic
-from cosmotrain.data.open import dataset_root
+from cosmotrain.data.synthetic import datagen, universes as synthetic
+from cosmotrain.data.readers.job_readers import dataset_root
 from cosmotrain.errors import ConfigError
 
 LOG = logging.getLogger(__name__)

@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 
 from cosmotrain.comm.collective import collective_error, on_root, self_comm
-from cosmotrain.data import cache, formats, npy_sample
+from cosmotrain.data.dataset import cache
+from cosmotrain.data.formats import interface as formats, npy as npy_sample
 from cosmotrain.errors import UserError, WriteError
 
 LABELS_NAME = "cosmotrain-labels.npz"

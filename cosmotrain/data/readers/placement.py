@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from cosmotrain.data.formats import Box
+from cosmotrain.data.formats.interface import Box
 from cosmotrain.tensor.distribution import Distribution, block_owner, block_range
 
 INPUT_DIMS = 5  # (sample, channel, depth, height, width)

@@ -29,12 +29,13 @@ import numpy as np
 
 from cosmotrain.comm.collective import together
 from cosmotrain.config.schema import Config
-from cosmotrain.data import formats, order
-from cosmotrain.data.manifest import Manifest
-from cosmotrain.data.placement import BlockPlacement, RankTable
-from cosmotrain.data.preload_memory import check_preload_memory
-from cosmotrain.data.reader import Delivery, Reader
-from cosmotrain.data.transform import check_domain
+from cosmotrain.data.formats import interface as formats
+from cosmotrain.data.readers import order
+from cosmotrain.data.dataset.manifest import Manifest
+from cosmotrain.data.readers.placement import BlockPlacement, RankTable
+from cosmotrain.data.readers.preload_memory import check_preload_memory
+from cosmotrain.data.readers.base import Delivery, Reader
+from cosmotrain.data.readers.transform import check_domain
 
 
 class PreloadReader(Reader):

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from cosmotrain.comm.collective import agree, on_root, self_comm, together
-from cosmotrain.data import file_sums
-from cosmotrain.data.unfinished import MANIFEST_NAME
+from cosmotrain.data.dataset import file_sums
+from cosmotrain.data.dataset.unfinished import MANIFEST_NAME
 from cosmotrain.errors import DataError
 
 AUTO, ALWAYS, NEVER = "auto", "always", "never"

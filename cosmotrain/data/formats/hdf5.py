@@ -19,12 +19,13 @@ import h5py
 import numpy as np
 
 from cosmotrain.files.atomic import write_hdf5_atomically
-from cosmotrain.data.read_errors import HDF5_ERRORS, named_on_failure
-from cosmotrain.data.volume import (CHANNELS_LAST, DEFAULT_DTYPE, DEFAULT_LAYOUT, DTYPES,
-                                    NUM_CHANNELS, NUM_LABELS, Box, SampleNames, VolumeInfo,
-                                    check_expected, check_finite, check_layout,
-                                    checked_labels, copy_block, detect_layout, encode_counts,
-                                    region, spatial_extent, to_layout, volume_problem)
+from cosmotrain.data.formats.read_errors import HDF5_ERRORS, named_on_failure
+from cosmotrain.data.formats.sample import (CHANNELS_LAST, DEFAULT_DTYPE, DEFAULT_LAYOUT, DTYPES,
+                                             NUM_CHANNELS, NUM_LABELS, Box, SampleNames,
+                                             VolumeInfo, check_expected, check_finite,
+                                             check_layout, checked_labels, copy_block,
+                                             detect_layout, encode_counts, region, spatial_extent,
+                                             to_layout, volume_problem)
 from cosmotrain.errors import DataError
 
 VOLUME_DATASET = "full"

@@ -30,15 +30,16 @@ from types import ModuleType
 
 import numpy as np
 
-from cosmotrain.data import hdf5_sample, npy_sample, tfrecord_sample
-from cosmotrain.data.hdf5_sample import FORMAT_HINT, LABELS_DATASET, LAYOUT_ATTR, VOLUME_DATASET
-from cosmotrain.data.volume import (CHANNELS_FIRST, CHANNELS_LAST, DEFAULT_DTYPE,
-                                    DEFAULT_LAYOUT, DTYPES, FORMATS, HDF5, INT16_MAX,
-                                    LABEL_HINT, LABEL_RANGE, LAYOUTS, NPY, NUM_CHANNELS,
-                                    NUM_LABELS, REPLACE_HINT, TFRECORD, Box, VolumeInfo,
-                                    check_finite, check_layout, detect_layout, encode_counts,
-                                    from_layout, label_problem, to_layout, volume_problem,
-                                    volume_shape)
+from cosmotrain.data.formats import (hdf5 as hdf5_sample, npy as npy_sample,
+                                      tfrecord as tfrecord_sample)
+from cosmotrain.data.formats.hdf5 import FORMAT_HINT, LABELS_DATASET, LAYOUT_ATTR, VOLUME_DATASET
+from cosmotrain.data.formats.sample import (CHANNELS_FIRST, CHANNELS_LAST, DEFAULT_DTYPE,
+                                             DEFAULT_LAYOUT, DTYPES, FORMATS, HDF5, INT16_MAX,
+                                             LABEL_HINT, LABEL_RANGE, LAYOUTS, NPY, NUM_CHANNELS,
+                                             NUM_LABELS, REPLACE_HINT, TFRECORD, Box, VolumeInfo,
+                                             check_finite, check_layout, detect_layout,
+                                             encode_counts, from_layout, label_problem, to_layout,
+                                             volume_problem, volume_shape)
 from cosmotrain.errors import UserError
 
 __all__ = [

@@ -23,9 +23,9 @@ from pathlib import Path
 
 from cosmotrain.files.atomic import check_writable
 from cosmotrain.files.previous import previous_name
-from cosmotrain.data import cache
-from cosmotrain.data.manifest import MANIFEST_NAME
-from cosmotrain.data.unfinished import STAGE_RECORD
+from cosmotrain.data.dataset import cache
+from cosmotrain.data.dataset.manifest import MANIFEST_NAME
+from cosmotrain.data.dataset.unfinished import STAGE_RECORD
 from cosmotrain.errors import UserError, WriteError
 
 

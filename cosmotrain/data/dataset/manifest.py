@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 
 from cosmotrain.comm.collective import everyone, on_root, self_comm
-from cosmotrain.data import cache, file_sums, formats, sample_table, scan, unfinished
+from cosmotrain.data.dataset import cache, file_sums, sample_table, scan, unfinished
+from cosmotrain.data.formats import interface as formats
 from cosmotrain.errors import ConfigError, DataError, UserError, WriteError
 
 MANIFEST_NAME = "manifest.json"

@@ -29,14 +29,14 @@ from pathlib import Path
 import numpy as np
 
 from cosmotrain.files.atomic import write_bytes_atomically
-from cosmotrain.data import cache
-from cosmotrain.data.tfrecord_codec import (FeatureValue, Record, TFRecordError, bytes_value,
-                                            encode_example, float_values, frame_record,
-                                            parse_record)
-from cosmotrain.data.read_errors import GZIP_ERRORS, named_on_failure
-from cosmotrain.data.volume import (CHANNELS_LAST, NUM_CHANNELS, TFRECORD, Box, SampleNames,
-                                    VolumeInfo, check_expected, check_finite, checked_labels,
-                                    copy_block, encode_counts, to_layout)
+from cosmotrain.data.dataset import cache
+from cosmotrain.data.formats.tfrecord_codec import (FeatureValue, Record, TFRecordError,
+                                                     bytes_value, encode_example, float_values,
+                                                     frame_record, parse_record)
+from cosmotrain.data.formats.read_errors import GZIP_ERRORS, named_on_failure
+from cosmotrain.data.formats.sample import (CHANNELS_LAST, NUM_CHANNELS, TFRECORD, Box,
+                                             SampleNames, VolumeInfo, check_expected, check_finite,
+                                             checked_labels, copy_block, encode_counts, to_layout)
 from cosmotrain.errors import DataError, UserError
 
 GZIP_MAGIC = b"\x1f\x8b"

@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from cosmotrain.files.atomic import write_text_atomically
-from cosmotrain.data import file_sums, formats, npy_sample, synthetic
+from cosmotrain.data.dataset import file_sums
+from cosmotrain.data.formats import interface as formats, npy as npy_sample
+from cosmotrain.data.synthetic import universes as synthetic
 from cosmotrain.errors import UserError, WriteError
 
 MANIFEST_NAME = "manifest.json"

@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 
 from cosmotrain.config.schema import Config
-from cosmotrain.data import order
-from cosmotrain.data.manifest import Manifest
-from cosmotrain.data.placement import BlockPlacement
-from cosmotrain.data.transform import apply_transform
+from cosmotrain.data.readers import order
+from cosmotrain.data.dataset.manifest import Manifest
+from cosmotrain.data.readers.placement import BlockPlacement
+from cosmotrain.data.readers.transform import apply_transform
 from cosmotrain.tensor.dist_tensor import DistTensor
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from cosmotrain.data import formats, npy_sample
+from cosmotrain.data.formats import interface as formats, npy as npy_sample
 from cosmotrain.errors import DataError
 
 ALGORITHM = "crc32c"

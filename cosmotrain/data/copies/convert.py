@@ -29,10 +29,11 @@ from typing import Any
 import numpy as np
 
 from cosmotrain.comm.collective import agree, together
-from cosmotrain.data import cache, file_sums, formats, npy_sample, sample_table, scan
-from cosmotrain.data.manifest import MANIFEST_NAME, Manifest, open_manifest
-from cosmotrain.data.stage_claim import move_aside
-from cosmotrain.data.unfinished import CONVERT_RECORD, recorded
+from cosmotrain.data.dataset import cache, file_sums, sample_table, scan
+from cosmotrain.data.formats import interface as formats, npy as npy_sample
+from cosmotrain.data.dataset.manifest import MANIFEST_NAME, Manifest, open_manifest
+from cosmotrain.data.copies.stage_claim import move_aside
+from cosmotrain.data.dataset.unfinished import CONVERT_RECORD, recorded
 from cosmotrain.errors import DataError, UserError
 
 OUT = "--out"
