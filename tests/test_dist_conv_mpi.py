@@ -20,7 +20,7 @@ from cosmotrain.kernels import pool3d, pool_geometry
 from cosmotrain.kernels.geometry import normalize_padding
 from cosmotrain.layers import pool as pool_layer
 from cosmotrain.layers.pool import spatial_pool
-from cosmotrain.layers.window import halo_buffer
+from cosmotrain.layers.windowed import halo_buffer
 from cosmotrain.nn import factory
 from cosmotrain.nn.layers import Pool3d
 from cosmotrain.nn.module import Context

@@ -13,7 +13,7 @@ from cosmotrain.config.load import load_config
 from cosmotrain.data.dataset.scan import discover
 from cosmotrain.device.select import INSTALL_GPU
 from cosmotrain.errors import DataError
-from cosmotrain.train.runner import run_training
+from cosmotrain.train.run import run_training
 
 REPO = Path(__file__).resolve().parents[1]
 

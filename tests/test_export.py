@@ -27,7 +27,7 @@ from cosmotrain.data.readers.transform import apply_transform
 from cosmotrain.errors import DataError, UserError
 from cosmotrain.models import build_model
 from cosmotrain.nn.module import Context
-from cosmotrain.train import runner
+from cosmotrain.train import run as runner
 from cosmotrain.train.checkpoints.checkpoint import load_checkpoint
 from cosmotrain.train.export import META_KEYS, export_checkpoint, exported_weights
 

@@ -24,7 +24,7 @@ from cosmotrain.layers.loss import batch_loss
 from cosmotrain.models import build_model
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
-from cosmotrain.train.guard import StopSignals, non_finite_message
+from cosmotrain.train.stops import StopSignals, non_finite_message
 
 
 def test_the_first_stop_signal_is_recorded_and_handlers_come_back() -> None:

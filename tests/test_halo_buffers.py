@@ -55,7 +55,7 @@ def test_layout_parts_tile_the_buffer_and_match_the_halos() -> None:
 def test_compact_owned_moves_the_owned_block_to_the_front_of_the_buffer() -> None:
     """The input gradient of a window layer is its buffer's owned block, made contiguous
     in the buffer's own memory (so the kernels before it need no block-sized copy)."""
-    from cosmotrain.layers.window import compact_owned
+    from cosmotrain.layers.windowed import compact_owned
 
     rng = np.random.default_rng(2)
     boxes = [((1, 6), (1, 5), (0, 5)), ((0, 6), (1, 6), (0, 5)), ((1, 7), (0, 6), (2, 5)),

@@ -35,7 +35,7 @@ def test_verbose_emits_rank_tagged_debug_lines(cli, tmp_path: Path) -> None:
     assert code == 0, err
     lines = err.splitlines()
     tag = f"[rank 0 {HOST}] "
-    assert any(line.startswith(tag + "cosmotrain.train.job: layout N1 on 1 rank(s)")
+    assert any(line.startswith(tag + "cosmotrain.train.job_setup: layout N1 on 1 rank(s)")
                for line in lines), err
     assert any(line.startswith(tag + "cosmotrain.data.readers.job_readers: split train: 8 sample(s), "
                                "preload reader") and "MiB stored" in line for line in lines)

@@ -12,7 +12,7 @@ from mpi4py import MPI
 from rich.console import Console
 
 from cosmotrain.config.load import load_config
-from cosmotrain.train import runner
+from cosmotrain.train import run as runner
 from cosmotrain.train.outputs.metrics import (MetricsFile, metrics_path, read_metrics,
                                               time_breakdown, train_record)
 from cosmotrain.train.outputs.observers import Observer, Observers, RunStart

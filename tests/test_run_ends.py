@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 from cosmotrain.config.load import load_config
 from cosmotrain.errors import ConfigError
-from cosmotrain.train import runner
+from cosmotrain.train import run as runner
 from cosmotrain.train.outputs.observers import Observer, Observers
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"

@@ -18,7 +18,7 @@ from cosmotrain.config.load import load_config
 from cosmotrain.errors import UserError
 from cosmotrain.study import run_plots
 from cosmotrain.study.run_plots import joined, load_curves, write_run_plots
-from cosmotrain.train import runner
+from cosmotrain.train import run as runner
 from cosmotrain.train.checkpoints.checkpoint import checkpoint_dir, list_checkpoints
 from cosmotrain.train.outputs.metrics import TIME_KEYS, metrics_path, read_metrics
 

@@ -39,7 +39,7 @@ from cosmotrain.config.load import load_config
 from cosmotrain.nn.module import Context, Parameter
 from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.engine.grad_sync import Bucket
-from cosmotrain.train.checkpoints.snapshot import full_state, optimizer_blocks
+from cosmotrain.train.checkpoints.full_state import full_state, optimizer_blocks
 from cosmotrain.engine.step import hybrid_step_from_config
 
 TINY = ["model.name=tiny", "model.width=8"]
@@ -209,7 +209,7 @@ def run_to(out: Path, steps: int, shard: bool, resume: bool = False):
     """Train (or resume) to ``steps`` steps; the checkpoint written at the end."""
     from mpi4py import MPI
 
-    from cosmotrain.train import runner
+    from cosmotrain.train import run as runner
     from cosmotrain.train.checkpoints.checkpoint import (checkpoint_dir, load_checkpoint)
 
     cfg = load_config(REPO_TINY, [*CKPT, f"output.dir={out}", f"train.max_steps={steps}",
@@ -248,7 +248,7 @@ def test_checkpoints_do_not_depend_on_sharding_and_resume_across_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from mpi4py import MPI
 
-    from cosmotrain.train import runner
+    from cosmotrain.train import run as runner
     from cosmotrain.train.outputs.observers import Observers
 
     world = MPI.COMM_WORLD

@@ -23,12 +23,12 @@ from tensorboardX.proto.event_pb2 import Event, SessionLog  # noqa: E402
 
 from cosmotrain.config.load import load_config  # noqa: E402
 from cosmotrain.errors import UserError  # noqa: E402
-from cosmotrain.train import runner
+from cosmotrain.train import run as runner
 from cosmotrain.train.outputs import tensorboard as tensorboard_log  # noqa: E402
 from cosmotrain.train.checkpoints.checkpoint import checkpoint_dir, list_checkpoints  # noqa: E402
 from cosmotrain.train.outputs.metrics import TIME_KEYS, metrics_path, read_metrics  # noqa: E402
 from cosmotrain.train.outputs.observers import Observer  # noqa: E402
-from cosmotrain.train.runner import make_observers  # noqa: E402
+from cosmotrain.train.run import make_observers  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 

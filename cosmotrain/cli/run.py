@@ -84,9 +84,9 @@ def train(
 ) -> None:
     """Train a model: mpiexec -n P cosmotrain train --config configs/X.yaml [--set k=v]."""
     from cosmotrain.comm import world
-    from cosmotrain.train.guard import EXIT_INTERRUPTED
+    from cosmotrain.train.stops import EXIT_INTERRUPTED
     from cosmotrain.cli.machine import auto_machine_path, target_nodes
-    from cosmotrain.train.runner import describe_plan, run_training
+    from cosmotrain.train.run import describe_plan, run_training
 
     cfg = with_user_defaults(load_user_config(config_file, overrides))
     comm = world()

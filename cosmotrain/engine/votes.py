@@ -1,6 +1,6 @@
 """The guards' votes: what each rank says about a step, summed over every rank with its loss.
 
-A stop signal or a non-finite gradient is a *local* event (``train/guard.py`` says why a
+A stop signal or a non-finite gradient is a *local* event (``train/stops.py`` says why a
 rank must not act on one alone).  Each rank casts its votes as one :class:`Votes` value;
 the step sends them in the loss allreduce it makes anyway (one message of a few doubles,
 no extra collective) and hands back the sums, the same on every rank, in its
@@ -18,7 +18,7 @@ from dataclasses import astuple, dataclass, fields, replace
 class Votes:
     """This rank's votes before the allreduce (0 or 1 each), every rank's sums after it."""
 
-    stop: int = 0  # ranks that received a stop signal (train.guard.StopSignals)
+    stop: int = 0  # ranks that received a stop signal (train.stops.StopSignals)
     bad_gradients: int = 0  # ranks whose previous step's gradients were non-finite
 
     def values(self) -> tuple[float, ...]:

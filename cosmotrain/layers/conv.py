@@ -36,9 +36,9 @@ from cosmotrain.device.xp import array_module
 from cosmotrain.kernels import conv3d
 from cosmotrain.kernels.activation import leaky_relu_forward
 from cosmotrain.kernels.cpu.channel_sums import channel_sums
-from cosmotrain.layers.window import (SpatialWindow, WindowGeometry, finish_halo_grads,
-                                      halo_buffer, restore_extended, save_margins,
-                                      scatter_halo_grads)
+from cosmotrain.layers.windowed import (SpatialWindow, WindowGeometry, finish_halo_grads,
+                                         halo_buffer, restore_extended, save_margins,
+                                         scatter_halo_grads)
 from cosmotrain.nn.layers import Conv3d
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor

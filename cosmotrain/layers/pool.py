@@ -23,8 +23,8 @@ from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.runtime.job_runtime import Runtime
 from cosmotrain.device.xp import array_module
 from cosmotrain.kernels import pool3d
-from cosmotrain.layers.window import (SpatialWindow, WindowGeometry, finish_halo_grads,
-                                      receive_margins, restore_extended, scatter_halo_grads)
+from cosmotrain.layers.windowed import (SpatialWindow, WindowGeometry, finish_halo_grads,
+                                         receive_margins, restore_extended, scatter_halo_grads)
 from cosmotrain.nn.layers import Pool3d
 from cosmotrain.nn.module import Context, Layer
 from cosmotrain.tensor.dist_tensor import DistTensor

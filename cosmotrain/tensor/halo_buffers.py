@@ -6,7 +6,7 @@ owned block with a margin on each side along D, H and W (one ``HaloPlan`` per di
 *extended block* inside it: the owned planes, cropped by negative halos, extended by the
 received ones, with zero padding on the global boundary only.  :class:`BufferLayout`
 gives these parts as boxes (``tensor/boxes.py``) in buffer coordinates;
-``layers/window.py`` allocates, fills, saves and rebuilds the buffers from it.
+``layers/windowed.py`` allocates, fills, saves and rebuilds the buffers from it.
 """
 
 from __future__ import annotations

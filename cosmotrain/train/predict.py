@@ -44,8 +44,8 @@ from cosmotrain.errors import UserError, WriteError
 from cosmotrain.train.checkpoints.checkpoint import (CheckpointState, DamagedCheckpoint,
                                                       load_checkpoint)
 from cosmotrain.train.evaluate import Errors, predictions
-from cosmotrain.train.job import Job, build_job
-from cosmotrain.train.checkpoints.snapshot import restore
+from cosmotrain.train.job_setup import Job, build_job
+from cosmotrain.train.checkpoints.full_state import restore
 
 FORMAT = "cosmotrain-predictions"
 PREDICT_DATA = {"source": "files", "reader": "direct", "shuffle": "global", "drop_last": False}

@@ -25,12 +25,12 @@ from cosmotrain.train.outputs import metrics
 from cosmotrain.train.checkpoints.checkpoint import (CheckpointState, checkpoint_dir,
                                                       save_checkpoint)
 from cosmotrain.train.evaluate import Errors, evaluate
-from cosmotrain.train.guard import NonFiniteError, StopSignals, non_finite_message
-from cosmotrain.train.job import Job
+from cosmotrain.train.stops import NonFiniteError, StopSignals, non_finite_message
+from cosmotrain.train.job_setup import Job
 from cosmotrain.train.outputs.observers import Observer, RunStart
 from cosmotrain.engine.schedule import build_schedule
 from cosmotrain.engine.votes import Votes
-from cosmotrain.train.checkpoints.snapshot import full_state, optimizer_blocks, restore
+from cosmotrain.train.checkpoints.full_state import full_state, optimizer_blocks, restore
 
 StepHook = Callable[[int, int], None]  # (rank, step about to run): the tests' fault hook
 
@@ -61,7 +61,7 @@ class Trainer:
     target MAE, whichever comes first.
 
     Everything the run reports goes to ``bus`` (made where the run is assembled,
-    ``train/runner.py``): each event and each record once, whoever listens
+    ``train/run.py``): each event and each record once, whoever listens
     (``metrics.jsonl``, the console, TensorBoard, the MLPerf log).  None: a silent run."""
 
     def __init__(self, job: Job, signals: StopSignals | None = None,

@@ -1,6 +1,6 @@
 """The built-in synthetic dataset of a run (``data.source: synthetic``), made once.
 
-A step of its own, before the job is built: the run's start-up (``train/runner.py``)
+A step of its own, before the job is built: the run's start-up (``train/run.py``)
 calls :func:`ensure_synthetic_data`, and nothing else does (``predict`` reads the files
 it is given).  The dataset lives in ``output.dir/data`` and is reused by later runs of the
 same settings, refused with a clear line when the settings changed.

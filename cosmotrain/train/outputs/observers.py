@@ -16,7 +16,7 @@ is a member of it: ``metrics.jsonl`` (``metrics.MetricsFile``), the console
 
 An observer only observes: it never changes the trajectory, and the training loop calls it
 on rank 0 only, so it needs no collective.  The bus is made where the run is assembled
-(``train/runner.py``, :func:`~cosmotrain.train.runner.make_observers` for the outputs the
+(``train/run.py``, :func:`~cosmotrain.train.run.make_observers` for the outputs the
 ``output`` section asks for), so this module imports none of its members: a new output
 format is one new module in ``train/outputs/`` and its line there.
 """

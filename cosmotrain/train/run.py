@@ -18,9 +18,9 @@ from cosmotrain.comm.collective import on_root
 from cosmotrain.train.dry_run import layout_plan, memory_check
 from cosmotrain.config.load import save_resolved
 from cosmotrain.train.claim import Claim, claim_output_dir, move_aside_outputs
-from cosmotrain.train.guard import StopSignals
+from cosmotrain.train.stops import StopSignals
 from cosmotrain.data.synthetic.builtin import ensure_synthetic_data
-from cosmotrain.train.job import build_job, build_step
+from cosmotrain.train.job_setup import build_job, build_step
 from cosmotrain.train.outputs.metrics import MetricsFile
 from cosmotrain.train.outputs.mlperf import MLPerfLogObserver
 from cosmotrain.train.outputs.mlperf_writer import require_mllog
