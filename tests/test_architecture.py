@@ -17,6 +17,7 @@ from conftest import REPO
 
 PACKAGE = REPO / "cosmotrain"
 MAX_LINES = 400
+MAX_MODULES = 15  # per folder, before it wants rooms of its own
 
 
 def lint_imports(root: Path) -> subprocess.CompletedProcess:
@@ -83,6 +84,13 @@ def test_no_module_is_over_400_lines() -> None:
     long = {str(p.relative_to(REPO)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"split these modules (over {MAX_LINES} lines): {long}"
+
+
+def test_no_folder_holds_more_than_15_modules() -> None:
+    crowded = {str(folder.relative_to(REPO)): count for folder in [PACKAGE, *PACKAGE.rglob("*")]
+               if folder.is_dir() and (count := len([p for p in folder.glob("*.py")
+                                                      if p.name != "__init__.py"])) > MAX_MODULES}
+    assert not crowded, f"give these folders rooms (over {MAX_MODULES} modules): {crowded}"
 
 
 # Environment reads allowed below the CLI: process facts, not user settings
