@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from typing import Any, Callable
 
@@ -30,6 +29,8 @@ import numpy as np
 from cosmotrain.data.readers.transform import int16_log1p_table
 from cosmotrain.kernels import pool3d
 from cosmotrain.kernels.cuda import raw_ops
+
+from bench_gpu import gpu_median_ms  # this folder: the CUDA-event timer
 from cosmotrain.precision import bfloat16
 
 
@@ -44,19 +45,6 @@ def _device() -> Any:
         reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     print(f"bench_raw_kernels: needs cupy and a CUDA device ({reason})", file=sys.stderr)
     sys.exit(2)
-
-
-def _median_ms(cupy: Any, run: Callable[[], Any], repeats: int) -> float:
-    run()  # warm-up: compiles the module, uploads the constants
-    times = []
-    for _ in range(repeats):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        run()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return statistics.median(times)
 
 
 def cases(cupy: Any, width: int, batch: int, dtype: Any) -> list[tuple[str, Callable, int]]:
@@ -117,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     for precision in args.precisions:
         dtype = bfloat16() if precision == "bf16" else np.dtype(np.float32)
         for name, run, moved in cases(cupy, args.width, args.batch, dtype):
-            ms = _median_ms(cupy, run, args.repeats)
+            ms = gpu_median_ms(cupy, run, args.repeats, warmup=1)  # warm-up: compiles
             rate = moved / ms / 1e6
             rows.append({"kernel": name, "precision": precision, "ms": ms, "bytes": moved,
                          "gb_per_s": rate, "of_peak": rate / args.peak_gbs})
