@@ -132,3 +132,42 @@ def test_a_second_ctrl_c_during_a_checkpoint_write_ends_every_rank_with_130(
     assert err.count("interrupted again (a second SIGINT)") == 1, err[-3000:]
     assert list_checkpoints(folder)  # the earlier checkpoint is still there, whole
     assert_nothing_half_written(out)
+
+
+def test_a_signal_during_preload_ends_it_with_75_and_the_same_preload_completes(
+        cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cosmotrain preload`` takes the stop signals too (Slurm's SIGTERM or SIGUSR1 while
+    a job stages): exit 75, one line, the stage refused as unfinished by ``train``, and
+    the same command then completes it."""
+    from cosmotrain.data.copies import stage as staging
+
+    data, dest = tmp_path / "d", tmp_path / "stage"
+    code, _, err = cli("datagen", "--out", str(data), "--samples", "8", "--width", "8")
+    assert code == 0, err
+    copy, copies = staging._copy, []
+
+    def copy_and_signal(source: Path, target: Path) -> int:
+        copies.append(source)
+        if len(copies) == 3:  # the staging is under way
+            signal.raise_signal(signal.SIGTERM)
+        return copy(source, target)
+    monkeypatch.setattr(staging, "_copy", copy_and_signal)
+    args = ["preload", "--set", f"data.path={data}", "--set", "model.width=8",
+            "--set", "train.batch_size=4", "--dest", str(dest)]
+    kept = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        code, _, err = cli(*args)
+    finally:
+        for number, handler in kept.items():  # the CLI ignores them once it stops
+            signal.signal(number, handler)
+    assert code == EXIT_INTERRUPTED, err
+    assert err.count("stopped: SIGTERM received during staging") == 1
+    assert len(copies) == 3 and not (dest / "manifest.json").exists()
+    code, _, err = cli("train", "--config", str(REPO / "configs/tiny.yaml"), "--set",
+                       "data.source=files", "--set", f"data.path={dest}", "--set",
+                       "model.width=8", "--set", "train.batch_size=4", "--set",
+                       f"output.dir={tmp_path / 'run'}")
+    assert code == 2 and "unfinished staging" in err, err
+    monkeypatch.setattr(staging, "_copy", copy)
+    code, out, err = cli(*args)
+    assert code == 0 and (dest / "manifest.json").is_file(), err

@@ -126,10 +126,12 @@ def preload(
     from cosmotrain.data.copies.stage import plan_staging, run_staging
     from cosmotrain.train.outputs.mlperf_writer import staging_logged
 
+    from cosmotrain.train.stops import STAGING, StopSignals
+
     extra = [f"data.shuffle={shuffle.value}"] if shuffle is not None else []
     cfg = with_user_defaults(load_user_config(config_file, [*(overrides or []), *extra]))
     comm = world()
-    with staging_logged(cfg, comm):  # output.mlperf_log: staging_start/stop in mlperf.log
+    with StopSignals(at_once=True, during=STAGING), staging_logged(cfg, comm):  # output.mlperf_log: staging_start/stop in mlperf.log
         plan = plan_staging(cfg, comm, dest, overwrite)
         if plan.moved_aside is not None and comm.Get_rank() == 0:
             print(f"moved what {plan.dest} held to {plan.moved_aside}")

@@ -48,6 +48,11 @@ class NonFiniteError(UserError):
     exit_code = EXIT_NON_FINITE
 
 
+START_UP = "start-up, before the first step; nothing was saved or half-written"
+STAGING = ("staging; the copies made so far stay, and the stage directory is refused as "
+           "unfinished until the same preload completes it")
+
+
 class StopSignals:
     """Records the first stop signal; use as a context manager around the training loop.
 
@@ -60,11 +65,12 @@ class StopSignals:
     benchmarks) are left as they were.
     """
 
-    def __init__(self, signals: Iterable[int] = STOP_SIGNALS, *, at_once: bool = False
-                 ) -> None:
+    def __init__(self, signals: Iterable[int] = STOP_SIGNALS, *, at_once: bool = False,
+                 during: str = START_UP) -> None:
         self.signals = tuple(signals)
         self.received: int | None = None
         self.at_once = at_once
+        self.during = during  # what the line says was under way, and what is left
         self._previous: dict[int, Any] = {}
 
     def defer(self) -> None:
@@ -99,8 +105,7 @@ class StopSignals:
             self.received = number
         if self.at_once:
             raise JobStopped(f"stopped: {signal.Signals(number).name} received during "
-                             f"start-up, before the first step; nothing was saved or "
-                             f"half-written: run the same command again (exit "
+                             f"{self.during}: run the same command again (exit "
                              f"{EXIT_INTERRUPTED}: train.sbatch requeues it)",
                              EXIT_INTERRUPTED)
 
