@@ -140,7 +140,7 @@ BLOCKED_PRELOAD = """
 import os, sys, time
 from pathlib import Path
 from mpi4py import MPI
-from cosmotrain.data import staging
+from cosmotrain.data.copies import stage as staging
 copy, signal, calls = staging._copy, Path(sys.argv[1]), []
 def blocking(source, target):
     calls.append(target)
