@@ -155,11 +155,12 @@ main()
 """
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("ranks, victim", [(1, "rank"), (2, "rank"), (2, "mpiexec")])
 def test_kill_9_of_preload_midway_leaves_a_directory_train_refuses(
-        cli, tmp_path, ranks: int) -> None:
-    """A real ``kill -9`` of the preload process (of its last rank under mpiexec, which
-    then ends the job) while it copies its third file."""
+        cli, tmp_path, ranks: int, victim: str) -> None:
+    """A real ``kill -9`` while the preload copies its third file: of the preload process,
+    of its last rank under mpiexec (which then ends the job), or of mpiexec itself (whose
+    proxies then end the ranks)."""
     source, stage, signal = tmp_path / "data", tmp_path / "stage", tmp_path / "copying"
     datagen(cli, source)
     launcher = [mpiexec(), "-n", str(ranks)] if ranks > 1 else []
@@ -171,9 +172,14 @@ def test_kill_9_of_preload_midway_leaves_a_directory_train_refuses(
         assert job.poll() is None, job.communicate()
         assert time.monotonic() < deadline, "preload never reached its third copy"
         time.sleep(0.05)
-    os.kill(int(signal.read_text()), signal_module.SIGKILL)
+    rank = int(signal.read_text())
+    os.kill(job.pid if victim == "mpiexec" else rank, signal_module.SIGKILL)
     stderr_of(job, "preload after kill -9", 60)
     assert job.returncode != 0
+    deadline = time.monotonic() + 30  # orphaned ranks are ended by hydra's proxies
+    while Path(f"/proc/{rank}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{rank}").exists(), "a rank outlived the kill of mpiexec"
     assert len(list(stage.rglob("*.hdf5"))) < 8 and not (stage / "manifest.json").exists()
     code, _, err = cli(*train_args(stage, tmp_path / "run"))
     assert code == 2
