@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import traceback
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -45,20 +46,29 @@ class Ledger:
     """What the device was asked to do, in order."""
 
     syncs: list[str] = field(default_factory=list)
-    launches: list[tuple] = field(default_factory=list)
+    launches: list[Launch] = field(default_factory=list)
     allocations: list[tuple] = field(default_factory=list)
     uploads: list[tuple] = field(default_factory=list)
     downloads: list[tuple] = field(default_factory=list)
+    sync_sites: list[str] = field(default_factory=list)  # module:function of each sync
     counting: bool = True
 
     def clear(self) -> None:
         for entries in (self.syncs, self.launches, self.allocations, self.uploads,
-                        self.downloads):
+                        self.downloads, self.sync_sites):
             entries.clear()
+
+    def take(self) -> Ledger:
+        """What was recorded since the last take (a copy), and start afresh."""
+        taken = Ledger(list(self.syncs), list(self.launches), list(self.allocations),
+                       list(self.uploads), list(self.downloads), list(self.sync_sites))
+        self.clear()
+        return taken
 
     def sync(self, why: str) -> None:
         if self.counting:
             self.syncs.append(why)
+            self.sync_sites.append(_caller())
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -68,6 +78,14 @@ class Ledger:
             yield
         finally:
             self.counting = before
+
+
+def _caller() -> str:
+    """``module:function`` of the innermost cosmotrain frame on the stack."""
+    for frame in reversed(traceback.extract_stack()):
+        if "/cosmotrain/" in frame.filename.replace("\\", "/"):
+            return f"{frame.filename.rsplit('/cosmotrain/', 1)[1]}:{frame.name}"
+    return "?"
 
 
 def _plain(value: Any) -> Any:
@@ -80,11 +98,11 @@ def _plain(value: Any) -> Any:
 
 
 def _describe(values: Any) -> tuple:
-    """Shapes, dtypes and addresses of the arrays, values of the scalars, in order."""
+    """Shapes and dtypes of the arrays, values of the scalars, in order (no addresses)."""
     out = []
     for value in values:
         if isinstance(value, np.ndarray):
-            out.append((value.shape, value.dtype.str, value.__array_interface__["data"][0]))
+            out.append((value.shape, value.dtype.str))
         elif isinstance(value, (list, tuple)):
             out.append(_describe(value))
         elif isinstance(value, (int, float, str, bool, np.generic, type(None))):
@@ -92,6 +110,21 @@ def _describe(values: Any) -> tuple:
         else:
             out.append(type(value).__name__)
     return tuple(out)
+
+
+def _addresses(values: Any) -> tuple:
+    """The buffer address of each array among ``values`` (nested), in order."""
+    return tuple(v.__array_interface__["data"][0] for v in _flat(values)
+                 if isinstance(v, np.ndarray))
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: what a CUDA graph would record of it."""
+
+    kernel: str
+    signature: tuple  # operand shapes and dtypes, scalar arguments, result shapes
+    addresses: tuple  # buffer addresses of operands and results
 
 
 class StandIn(types.ModuleType):
@@ -128,12 +161,11 @@ class StandIn(types.ModuleType):
     def launch(self, name: str, function: Callable, args: tuple, kwargs: dict) -> Any:
         plain = _plain(args)
         plain_kwargs = {k: _plain(v) for k, v in kwargs.items()}
-        result = function(*plain, **plain_kwargs)
-        self.ledger.launches.append((name, _describe(plain),
-                                     _describe(tuple(plain_kwargs.values())),
-                                     _describe(result if isinstance(result, tuple)
-                                               else (result,))))
-        return self.wrap(result, (*plain, *plain_kwargs.values()))
+        result = self.wrap(function(*plain, **plain_kwargs), (*plain, *plain_kwargs.values()))
+        outputs = _plain(result if isinstance(result, tuple) else (result,))
+        operands = (plain, tuple(plain_kwargs.items()), outputs)
+        self.ledger.launches.append(Launch(name, _describe(operands), _addresses(operands)))
+        return result
 
     def asarray(self, a: Any, dtype: Any = None, order: Any = None) -> Any:
         if isinstance(a, self.ndarray):
@@ -305,27 +337,56 @@ class _FusedKernel:
         return self.module.launch(self.name, FUSED[self.name], args, kwargs)
 
 
+def _forget_device_state(monkeypatch: Any) -> None:
+    """Caches of device objects (compiled fused kernels, uploaded constants) start
+    empty, so none made by the stand-in outlives it and none made by real cupy is used."""
+    from cosmotrain.kernels.cuda import fused, raw_ops
+
+    fused.kernels.cache_clear()
+    monkeypatch.setattr(raw_ops, "_CONSTANTS", {})
+
+
+_SHARED: list[StandIn] = []
+
+
+def shared() -> StandIn:
+    """The process's one stand-in module: one array class, so an array made under one
+    installation (a cached constant) is still a device array under the next."""
+    if not _SHARED:
+        _SHARED.append(StandIn(Ledger()))
+    return _SHARED[0]
+
+
 @contextlib.contextmanager
 def installed(monkeypatch: Any) -> Iterator[StandIn]:
     """The stand-in as ``cupy`` (and our raw kernels on the host launcher) inside."""
     from cuda_host import HostLauncher
 
     from cosmotrain.device import xp
-    from cosmotrain.kernels.cuda import raw
+    from cosmotrain.kernels.cuda import fused, raw, settings
 
-    module = StandIn(Ledger())
+    module = shared()
+    module.ledger.clear()
     host = HostLauncher()
 
     def raw_launch(kernel: str, size: int, args: Any) -> None:
-        module.ledger.launches.append((kernel, size, _describe(_plain(tuple(args)))))
-        host(kernel, size, [_plain(a) for a in args])
+        plain = _plain(tuple(args))
+        module.ledger.launches.append(Launch(kernel, (size, *_describe(plain)),
+                                             _addresses(plain)))
+        host(kernel, size, list(plain))
 
     monkeypatch.setitem(sys.modules, "cupy", module)
     monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(
         empty_pinned=lambda shape, dtype: np.empty(shape, dtype)))  # host memory
     monkeypatch.setattr(raw, "cupy_launch", raw_launch)
+    # cuBLAS's TF32 switch: nothing to switch (numpy's matmul is float32 throughout)
+    monkeypatch.setattr(settings, "_cupy_linalg", lambda: types.SimpleNamespace(
+        get_compute_type=lambda dtype: 0, set_compute_type=lambda dtype, kind: None,
+        COMPUTE_TYPE_TF32=1, COMPUTE_TYPE_DEFAULT=0))
+    _forget_device_state(monkeypatch)
     xp.import_cupy.cache_clear()
     try:
         yield module
     finally:
         xp.import_cupy.cache_clear()
+        fused.kernels.cache_clear()
