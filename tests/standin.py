@@ -255,6 +255,21 @@ def _array_class(module: StandIn) -> type:
         def __array_function__(self, function: Any, types_: Any, args: Any, kwargs: Any):
             return module.launch(function.__name__, function, args, kwargs)
 
+        def __getitem__(self, key: Any) -> Any:
+            """A view, 0-d for a single element (as cupy: no numpy scalar, no read)."""
+            plain = self.view(np.ndarray)
+            found = plain[key]
+            if isinstance(found, np.generic):
+                found = plain[(*(key if isinstance(key, tuple) else (key,)), Ellipsis)]
+            return found.view(type(self)) if type(found) is np.ndarray else found
+
+        def __setitem__(self, key: Any, value: Any) -> None:
+            """A copy on the device (cupy's ``__setitem__`` reads nothing back)."""
+            def assign(target: np.ndarray, source: Any) -> np.ndarray:
+                target[key] = source
+                return target
+            module.launch("setitem", assign, (self, value), {})
+
         def astype(self, dtype: Any, *args: Any, **kwargs: Any) -> Any:
             return module.launch("astype", lambda v: v.astype(dtype, *args, **kwargs),
                                  (self,), {})
