@@ -35,8 +35,9 @@ import contextlib
 import sys
 import traceback
 import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 

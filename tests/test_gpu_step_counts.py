@@ -70,7 +70,7 @@ def training(comm: Any, monkeypatch: pytest.MonkeyPatch, network: str, extra: li
             out = step(block, targets, Context(step=it, seed=cfg.train.seed))
             ledgers.append(cupy.ledger.take())
             assert isinstance(out.pred, cupy.ndarray)  # nothing fell off the device
-            out.loss  # the one deferred read, after the step
+            _ = out.loss  # the one deferred read, after the step
             reads.append(cupy.ledger.take().syncs)
             outs.append(out)
         grid.free()

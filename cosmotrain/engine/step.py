@@ -217,7 +217,7 @@ class HybridStep:
                    if np.ndim(layer.buffers[key])]
         arrays += [v for slots in self.optimizer.state.values() for v in slots.values()
                    if np.ndim(v)]
-        bad = self.gradients_bad or not all_finite(arrays)
+        bad = bool(self.gradients_bad) or not all_finite(arrays)  # a device flag: read
         return self.grid.group_comms["all"].allreduce(int(bad), op=MPI.SUM)
 
 
