@@ -19,7 +19,10 @@ What counts as what:
 
 * a **sync** is every read of device memory by the host and every wait: ``bool``,
   ``float``, ``int``, ``.item()``, ``.tolist()``, ``.get()``, ``asnumpy``, printing,
-  ``synchronize``, and ``np.asarray`` of a device array through ``__array__``;
+  ``synchronize`` (of a stream, an event or the device).
+  One conversion goes uncounted: ``np.asarray(device_array)`` (and ``np.array``) hands
+  numpy a subclass's memory without a hook; real cupy refuses it (``TypeError``:
+  implicit conversion), so on a device it fails loudly instead of waiting;
 * a **launch** is each array operation (ufunc, numpy function, fused or raw kernel):
   its name, the shapes and buffer addresses of its array operands and its scalar
   arguments, in order;
