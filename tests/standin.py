@@ -181,7 +181,13 @@ class StandIn(types.ModuleType):
         self.ledger.allocations.append((host.shape, host.dtype.str))
         return np.array(host).view(self.ndarray)
 
-    array = asarray
+    def array(self, a: Any, dtype: Any = None, copy: bool = True, order: str = "K") -> Any:
+        if not isinstance(a, self.ndarray):
+            return self.asarray(a, dtype)
+        if not copy and (dtype is None or np.dtype(dtype) == a.dtype):
+            return a
+        return self.launch("array", lambda v: np.array(v, dtype=dtype, order=order), (a,),
+                           {})
 
     def asnumpy(self, a: Any) -> np.ndarray:
         self.ledger.sync("asnumpy")

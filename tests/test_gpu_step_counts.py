@@ -4,8 +4,8 @@ The engine's real step (:class:`cosmotrain.engine.step.HybridStep`) runs on the 
 with the stand-in cupy of tests/standin.py: every host synchronisation, kernel launch
 and allocation is recorded.  Step 0 is warm-up (first-use uploads, cached constants,
 the optimizer's first slots); steps 1 and 2 are the steady state compared.  Both
-networks at a small width, on one rank and on a spatial layout (D2 on two ranks,
-staging transport).
+networks at a small width (and the paper network in bf16) on one rank, and both on a
+spatial layout (D2 on two ranks, staging transport).
 
 What these tests pin (docs/GPU.md, "What the CPU verifies"):
 
@@ -59,7 +59,7 @@ def training(comm: Any, monkeypatch: pytest.MonkeyPatch, network: str, extra: li
     cfg = config(network, extra)
     with installed(monkeypatch) as cupy:
         grid = ProcessGrid(comm, resolve_parallel(cfg, comm.Get_size()))
-        device = Device("gpu", 0, "fp32", "staging", "gemm")
+        device = Device("gpu", 0, cfg.device.precision, "staging", "gemm")
         step = hybrid_step_from_config(cfg, grid, job_runtime(cfg, grid, device))
         ledgers, outs, reads = [], [], []
         for it in range(steps):
@@ -124,15 +124,18 @@ def trace_report(ledgers: list[Ledger]) -> dict[str, Any]:
                                   for a, b in zip(first.launches, second.launches))}
 
 
-@pytest.mark.parametrize("network", sorted(NETWORKS))
-def test_steady_state_step_on_one_rank(network: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("network, precision", [("cosmoflow", "fp32"), ("mlperf", "fp32"),
+                                                ("cosmoflow", "bf16")])
+def test_steady_state_step_on_one_rank(network: str, precision: str,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
     from mpi4py import MPI
 
-    ledgers, reads, _ = counted_steps(MPI.COMM_SELF, monkeypatch, network)
+    ledgers, reads, _ = counted_steps(MPI.COMM_SELF, monkeypatch, network,
+                                      [f"device.precision={precision}"])
     check_steady_state(ledgers)
     assert reads == [["asnumpy"]] * STEPS  # the loss and votes: one read each step
     assert not ledgers[-1].syncs.count(TRANSPORT_SYNC)  # one rank: nothing crosses MPI
-    print(network, trace_report(ledgers))
+    print(network, precision, trace_report(ledgers))
 
 
 @pytest.mark.parallel(nprocs=[2])
