@@ -33,6 +33,7 @@ from cosmotrain.engine.device_verdict import (DeferredSums, apply_flag, gradient
                                               guarded_update, vote_vector)
 from cosmotrain.engine.grad_sync import GradientReducer
 from cosmotrain.engine.optim import Optimizer, build_optimizer
+from cosmotrain.engine.optim_device import MultiUpdate
 from cosmotrain.engine.optim_shards import OptimizerShards
 from cosmotrain.engine.votes import Votes
 
@@ -90,6 +91,7 @@ class HybridStep:
     gradients_bad: Any = False
     shards: OptimizerShards | None = None
     applies: Any = None  # device step: the flag "the step may be applied" (no host read)
+    multi: MultiUpdate = field(default_factory=MultiUpdate)  # device step: one-launch update
 
     @property
     def grid(self) -> ProcessGrid:
@@ -165,14 +167,15 @@ class HybridStep:
 
         A rank whose gradients are non-finite keeps its parameters (sharded: its shards
         of them): the next step's loss allreduce tells every rank, and the run stops
-        before anything is stored.  On a device the verdicts are device flags: the
-        update runs and is undone where they say skip (a step that may not be applied,
-        or this rank's non-finite gradients), without the host looking."""
+        before anything is stored.  On a device the verdicts are device flags, and the
+        update applies or skips on them without the host looking (a step that may not be
+        applied, or this rank's non-finite gradients): one multi-tensor launch
+        (``engine/optim_device.py``), or else the update run and undone there."""
         params = list(self.model.named_parameters())
         skip = self._device_skip()
         if skip is None:
             self._apply(params, lr, bool(self.gradients_bad))
-        else:
+        elif self.shards is not None or not self.multi.apply(self.optimizer, params, lr, skip):
             guarded_update(lambda: self._updated_arrays(params), skip,
                            lambda: self._apply(params, lr, False))
         self.optimizer.zero_grad(params)
