@@ -36,99 +36,12 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import traceback
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
-
-@dataclass
-class Ledger:
-    """What the device was asked to do, in order."""
-
-    syncs: list[str] = field(default_factory=list)
-    launches: list[Launch] = field(default_factory=list)
-    allocations: list[tuple] = field(default_factory=list)
-    uploads: list[tuple] = field(default_factory=list)
-    downloads: list[tuple] = field(default_factory=list)
-    sync_sites: list[str] = field(default_factory=list)  # module:function of each sync
-    counting: bool = True
-
-    def clear(self) -> None:
-        for entries in (self.syncs, self.launches, self.allocations, self.uploads,
-                        self.downloads, self.sync_sites):
-            entries.clear()
-
-    def take(self) -> Ledger:
-        """What was recorded since the last take (a copy), and start afresh."""
-        taken = Ledger(list(self.syncs), list(self.launches), list(self.allocations),
-                       list(self.uploads), list(self.downloads), list(self.sync_sites))
-        self.clear()
-        return taken
-
-    def sync(self, why: str) -> None:
-        if self.counting:
-            self.syncs.append(why)
-            self.sync_sites.append(_caller())
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Nothing is recorded inside (the test's own reads of results)."""
-        before, self.counting = self.counting, False
-        try:
-            yield
-        finally:
-            self.counting = before
-
-
-def _caller() -> str:
-    """``module:function`` of the innermost cosmotrain frame on the stack."""
-    for frame in reversed(traceback.extract_stack()):
-        if "/cosmotrain/" in frame.filename.replace("\\", "/"):
-            return f"{frame.filename.rsplit('/cosmotrain/', 1)[1]}:{frame.name}"
-    return "?"
-
-
-def _plain(value: Any) -> Any:
-    """``value`` with every stand-in array (nested in lists/tuples) as a plain ndarray."""
-    if isinstance(value, np.ndarray) and type(value) is not np.ndarray:
-        return value.view(np.ndarray)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v) for v in value)
-    return value
-
-
-def _describe(values: Any) -> tuple:
-    """Shapes and dtypes of the arrays, values of the scalars, in order (no addresses)."""
-    out = []
-    for value in values:
-        if isinstance(value, np.ndarray):
-            out.append((value.shape, value.dtype.str))
-        elif isinstance(value, (list, tuple)):
-            out.append(_describe(value))
-        elif isinstance(value, (int, float, str, bool, np.generic, type(None))):
-            out.append(value)
-        else:
-            out.append(type(value).__name__)
-    return tuple(out)
-
-
-def _addresses(values: Any) -> tuple:
-    """The buffer address of each array among ``values`` (nested), in order."""
-    return tuple(v.__array_interface__["data"][0] for v in _flat(values)
-                 if isinstance(v, np.ndarray))
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One kernel launch: what a CUDA graph would record of it."""
-
-    kernel: str
-    signature: tuple  # operand shapes and dtypes, scalar arguments, result shapes
-    addresses: tuple  # buffer addresses of operands and results
+from standin_ledger import Launch, Ledger, addresses_of, describe, flat, plain_arrays
 
 
 class StandIn(types.ModuleType):
@@ -154,21 +67,21 @@ class StandIn(types.ModuleType):
         if not isinstance(result, np.ndarray):
             return result
         if not any(isinstance(i, np.ndarray) and np.shares_memory(result, i)
-                   for i in _flat(inputs)):
+                   for i in flat(inputs)):
             base = result if result.base is None else result.base
             if isinstance(base, np.ndarray) and not any(
                     isinstance(i, np.ndarray) and np.shares_memory(base, i)
-                    for i in _flat(inputs)):
+                    for i in flat(inputs)):
                 self.ledger.allocations.append((result.shape, result.dtype.str))
         return result.view(self.ndarray) if type(result) is np.ndarray else result
 
     def launch(self, name: str, function: Callable, args: tuple, kwargs: dict) -> Any:
-        plain = _plain(args)
-        plain_kwargs = {k: _plain(v) for k, v in kwargs.items()}
+        plain = plain_arrays(args)
+        plain_kwargs = {k: plain_arrays(v) for k, v in kwargs.items()}
         result = self.wrap(function(*plain, **plain_kwargs), (*plain, *plain_kwargs.values()))
-        outputs = _plain(result if isinstance(result, tuple) else (result,))
+        outputs = plain_arrays(result if isinstance(result, tuple) else (result,))
         operands = (plain, tuple(plain_kwargs.items()), outputs)
-        self.ledger.launches.append(Launch(name, _describe(operands), _addresses(operands)))
+        self.ledger.launches.append(Launch(name, describe(operands), addresses_of(operands)))
         return result
 
     def asarray(self, a: Any, dtype: Any = None, order: Any = None) -> Any:
@@ -191,7 +104,7 @@ class StandIn(types.ModuleType):
 
     def asnumpy(self, a: Any) -> np.ndarray:
         self.ledger.sync("asnumpy")
-        return np.array(_plain(a))
+        return np.array(plain_arrays(a))
 
     def get_array_module(self, *arrays: Any) -> Any:
         return self if any(isinstance(a, self.ndarray) for a in arrays) else np
@@ -203,14 +116,6 @@ class StandIn(types.ModuleType):
         if isinstance(found, types.ModuleType):
             return found
         return lambda *args, **kwargs: self.launch(name, found, args, kwargs)
-
-
-def _flat(values: Any) -> Iterator[Any]:
-    for value in values:
-        if isinstance(value, (list, tuple)):
-            yield from _flat(value)
-        else:
-            yield value
 
 
 def _array_class(module: StandIn) -> type:
@@ -325,13 +230,9 @@ def _cuda(ledger: Ledger) -> types.SimpleNamespace:
 
 
 # numpy twins of the project's fused cupy kernels (kernels/cuda/fused.py), by name.
-def _leaky_forward(x, slope, out=None):
-    return np.where(x > 0, x, x * slope) if out is None else np.copyto(
-        out, np.where(x > 0, x, x * slope)) or out
-
-
-def _leaky_backward(dy, y, slope, out=None):
-    result = np.where(y > 0, dy, dy * slope)
+def _select(a: Any, b: Any, slope: Any, out: Any = None) -> Any:
+    """``a > 0 ? b : b * slope`` (into ``out`` when given): the LeakyReLU kernels."""
+    result = np.where(a > 0, b, b * slope)
     if out is None:
         return result
     np.copyto(out, result)
@@ -339,8 +240,9 @@ def _leaky_backward(dy, y, slope, out=None):
 
 
 FUSED: dict[str, Callable] = {
-    "cosmotrain_leaky_relu_forward": _leaky_forward,
-    "cosmotrain_leaky_relu_backward": _leaky_backward,
+    "cosmotrain_leaky_relu_forward": lambda x, slope, out=None: _select(x, x, slope, out),
+    "cosmotrain_leaky_relu_backward": lambda dy, y, slope, out=None: _select(
+        y, dy, slope, out),
     "cosmotrain_sum_squares": lambda x, axis: np.sum(
         x.astype(np.float64) * x.astype(np.float64), axis=axis),
     "cosmotrain_sum_products": lambda x, y, axis: np.sum(
@@ -395,9 +297,9 @@ def installed(monkeypatch: Any) -> Iterator[StandIn]:
     host = HostLauncher()
 
     def raw_launch(kernel: str, size: int, args: Any) -> None:
-        plain = _plain(tuple(args))
-        module.ledger.launches.append(Launch(kernel, (size, *_describe(plain)),
-                                             _addresses(plain)))
+        plain = plain_arrays(tuple(args))
+        module.ledger.launches.append(Launch(kernel, (size, *describe(plain)),
+                                             addresses_of(plain)))
         host(kernel, size, list(plain))
 
     monkeypatch.setitem(sys.modules, "cupy", module)
