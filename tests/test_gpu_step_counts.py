@@ -5,7 +5,8 @@ with the stand-in cupy of tests/standin.py: every host synchronisation, kernel l
 and allocation is recorded.  Step 0 is warm-up (first-use uploads, cached constants,
 the optimizer's first slots); steps 1 and 2 are the steady state compared.  Both
 networks at a small width (and the paper network in bf16) on one rank, and both on a
-spatial layout (D2 on two ranks, staging transport).
+spatial layout (D2 on two ranks, staging transport); the paper network also on N2 with
+the optimizer state sharded.
 
 What these tests pin (docs/GPU.md, "What the CPU verifies"):
 
@@ -46,6 +47,7 @@ NETWORKS = {"cosmoflow": ["model.name=cosmoflow", "model.width=16", "model.dropo
 COMMON = ["train.batch_size=2", "optimizer.name=sgd", "optimizer.lr=0.002",
           "optimizer.momentum=0.9", "device.conv_algorithm=gemm"]
 D2 = ["parallel.depth=2", "parallel.sample=1"]
+N2_SHARDED = ["parallel.sample=2", "parallel.shard_optimizer=true"]
 STEPS = 3
 # The staging transport's one synchronisation per device message batch.
 TRANSPORT_SYNC = "stream.synchronize"
@@ -140,19 +142,20 @@ def test_steady_state_step_on_one_rank(network: str, precision: str,
 
 @pytest.mark.parallel(nprocs=[2])
 @abort_on_error
-def test_steady_state_step_on_a_spatial_layout(monkeypatch: pytest.MonkeyPatch) -> None:
-    """D2 on two ranks, staging transport: the same host reads as one rank, plus the
-    transport's stream synchronisations (MPI reads pinned host copies), the same count
-    every step; the losses are the one-rank losses."""
+def test_steady_state_step_on_two_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """D2 for both networks, and N2 with the optimizer state sharded (its update takes
+    the guarded path), staging transport: no host read in the step but the transport's
+    stream synchronisations (MPI reads pinned host copies), the same number every step,
+    and one deferred read."""
     from mpi4py import MPI
 
-    for network in sorted(NETWORKS):
-        ledgers, reads, _ = counted_steps(MPI.COMM_WORLD, monkeypatch, network, D2)
+    for network, layout in [("cosmoflow", D2), ("mlperf", D2), ("cosmoflow", N2_SHARDED)]:
+        ledgers, reads, _ = counted_steps(MPI.COMM_WORLD, monkeypatch, network, layout)
         check_steady_state(ledgers)
         assert reads == [["asnumpy"]] * STEPS
         syncs = [ledger.syncs.count(TRANSPORT_SYNC) for ledger in ledgers[1:]]
         assert syncs[0] == syncs[1] > 0, syncs
-        print(network, trace_report(ledgers))
+        print(network, layout, trace_report(ledgers))
 
 
 def test_the_standin_computes_what_the_cpu_computes(monkeypatch: pytest.MonkeyPatch) -> None:
