@@ -170,6 +170,11 @@ def _array_class(module: StandIn) -> type:
         def __array_function__(self, function: Any, types_: Any, args: Any, kwargs: Any):
             return module.launch(function.__name__, function, args, kwargs)
 
+        @property
+        def data(self) -> Any:
+            """cupy's memory pointer (``.data.ptr``), here the host address."""
+            return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
         def __getitem__(self, key: Any) -> Any:
             """A view, 0-d for a single element (as cupy: no numpy scalar, no read)."""
             plain = self.view(np.ndarray)

@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 from conftest import abort_on_error
 from standin import Ledger, installed
+from standin_nccl import installed_nccl
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.layout import resolve_parallel
@@ -54,14 +55,17 @@ TRANSPORT_SYNC = "stream.synchronize"
 
 
 def training(comm: Any, monkeypatch: pytest.MonkeyPatch, network: str, extra: list[str],
-             batches: list[tuple[np.ndarray, np.ndarray]], steps: int = STEPS
+             batches: list[tuple[np.ndarray, np.ndarray]], steps: int = STEPS,
+             communication: str = "staging"
              ) -> tuple[Any, list[Ledger], list[Any], list[list[str]]]:
     """``steps`` steps on the stand-in GPU, batch ``it % len(batches)`` at step ``it``:
     the step, each step's ledger, output and deferred reads (``out.loss``)."""
     cfg = config(network, extra)
     with installed(monkeypatch) as cupy:
+        if communication == "nccl":
+            installed_nccl(monkeypatch, cupy.ledger)
         grid = ProcessGrid(comm, resolve_parallel(cfg, comm.Get_size()))
-        device = Device("gpu", 0, cfg.device.precision, "staging", "gemm")
+        device = Device("gpu", 0, cfg.device.precision, communication, "gemm")
         step = hybrid_step_from_config(cfg, grid, job_runtime(cfg, grid, device))
         ledgers, outs, reads = [], [], []
         for it in range(steps):
@@ -92,9 +96,11 @@ def batch(network: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def counted_steps(comm: Any, monkeypatch: pytest.MonkeyPatch, network: str,
-                  extra: list[str] = ()) -> tuple[list[Ledger], list[list[str]], list[float]]:
+                  extra: list[str] = (), communication: str = "staging"
+                  ) -> tuple[list[Ledger], list[list[str]], list[float]]:
     """``STEPS`` steps of one batch: each step's ledger, deferred reads and loss."""
-    _, ledgers, outs, reads = training(comm, monkeypatch, network, extra, [batch(network)])
+    _, ledgers, outs, reads = training(comm, monkeypatch, network, extra, [batch(network)],
+                                       communication=communication)
     return ledgers, reads, [out.loss for out in outs]
 
 
@@ -156,6 +162,28 @@ def test_steady_state_step_on_two_ranks(monkeypatch: pytest.MonkeyPatch) -> None
         syncs = [ledger.syncs.count(TRANSPORT_SYNC) for ledger in ledgers[1:]]
         assert syncs[0] == syncs[1] > 0, syncs
         print(network, layout, trace_report(ledgers))
+
+
+@pytest.mark.parallel(nprocs=[2])
+@abort_on_error
+def test_no_host_wait_at_all_on_a_spatial_layout_over_nccl(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """D2 over the NCCL transport (its calls carried out by MPI on the stand-in's host
+    memory, tests/standin_nccl.py): nothing in the step makes the host wait, the halo
+    exchanges, gradient reductions and the loss vector included; one deferred read; the
+    losses are those of the staging transport."""
+    from mpi4py import MPI
+
+    for network in sorted(NETWORKS):
+        ledgers, reads, losses = counted_steps(MPI.COMM_WORLD, monkeypatch, network, D2,
+                                               communication="nccl")
+        check_steady_state(ledgers)
+        assert [ledger.syncs for ledger in ledgers] == [[]] * STEPS
+        assert reads == [["asnumpy"]] * STEPS
+        assert any(launch.kernel.startswith("nccl.") for launch in ledgers[-1].launches)
+        _, _, staged = counted_steps(MPI.COMM_WORLD, monkeypatch, network, D2)
+        np.testing.assert_allclose(losses, staged, rtol=1e-12)
+        print(network, "nccl", trace_report(ledgers))
 
 
 def test_the_standin_computes_what_the_cpu_computes(monkeypatch: pytest.MonkeyPatch) -> None:
