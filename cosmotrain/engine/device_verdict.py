@@ -13,9 +13,10 @@ device step keeps them where they are computed:
 * whether the step may be applied (a finite loss, no rank voting bad gradients) and
   whether this rank's gradients are finite are device flags (:func:`apply_flag`,
   :func:`gradients_nonfinite`);
-* the update always runs and is undone where the skip flag is set
-  (:func:`guarded_update`), so a non-finite step is never applied, on a device as on
-  the CPU, without the host looking.
+* the update applies or skips on the device flag (``engine/optim_device.py``: one
+  multi-tensor launch; else :func:`guarded_update`, the update undone where the flag is
+  set), so a non-finite step is never applied, on a device as on the CPU, without the
+  host looking.
 """
 
 from __future__ import annotations
@@ -90,9 +91,9 @@ def guarded_update(written: Callable[[], Sequence[Any]], skip: Any,
 
     Why a copy and not a branch: a branch is a host read.  The copies are one read and
     one write of the parameters and slots per step, small beside the activations (the
-    paper network's 9.4 M parameters against 620 MB of activation traffic per sample);
-    the multi-tensor optimizer kernels (``kernels/cuda/src/optim.cu``) skip on a device
-    flag themselves and can replace this."""
+    paper network's 9.4 M parameters against 620 MB of activation traffic per sample).
+    The step uses it only where the multi-tensor kernels, which skip on the flag
+    themselves, do not fit (``engine/optim_device.py``)."""
     before = list(written())
     if not before:
         update()
