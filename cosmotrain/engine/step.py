@@ -23,14 +23,17 @@ from cosmotrain.runtime.job_runtime import KernelThreads, Runtime, build_runtime
 from cosmotrain.config.schema import Config, DeviceConfig
 from cosmotrain.device import step_memory
 from cosmotrain.device.select import Device, host_device, select_device
-from cosmotrain.device.xp import all_finite
+from cosmotrain.device.xp import all_finite, is_device_array
 from cosmotrain.layers.hybrid import HybridModel, build_hybrid
-from cosmotrain.layers.loss import loss_and_sums
+from cosmotrain.layers.loss import loss_and_sums, loss_sums_on_device
 from cosmotrain.models import build_model
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
+from cosmotrain.engine.device_verdict import (DeferredSums, apply_flag, gradients_nonfinite,
+                                              guarded_update, vote_vector)
 from cosmotrain.engine.grad_sync import GradientReducer
 from cosmotrain.engine.optim import Optimizer, build_optimizer
+from cosmotrain.engine.optim_device import MultiUpdate
 from cosmotrain.engine.optim_shards import OptimizerShards
 from cosmotrain.engine.votes import Votes
 
@@ -41,13 +44,31 @@ class StepOutput:
 
     ``votes`` are the guards' votes summed over every rank, the same on each
     (:class:`~cosmotrain.engine.votes.Votes`): how many ranks asked to stop (a signal) and
-    how many found the *previous* step's gradients non-finite.
+    how many found the *previous* step's gradients non-finite.  ``sums`` holds them with
+    the loss: host values on the CPU, or on a device a
+    :class:`~cosmotrain.engine.device_verdict.DeferredSums` that the first look at
+    ``loss``, ``votes`` or ``finite`` reads back, once, after the step.
     """
 
-    loss: float
     pred: Any
     rows: tuple[int, int]
-    votes: Votes = field(default_factory=Votes)
+    sums: tuple[float, Votes] | DeferredSums = (0.0, Votes())
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the loss and votes are still on the device (a device step)."""
+        return isinstance(self.sums, DeferredSums)
+
+    def _values(self) -> tuple[float, Votes]:
+        return self.sums.read() if isinstance(self.sums, DeferredSums) else self.sums
+
+    @property
+    def loss(self) -> float:
+        return self._values()[0]
+
+    @property
+    def votes(self) -> Votes:
+        return self._values()[1]
 
     @property
     def finite(self) -> bool:
@@ -66,8 +87,11 @@ class HybridStep:
     reducer: GradientReducer
     loss: str = "mse"
     device: Device = field(default_factory=Device)
-    gradients_bad: bool = False  # this rank's last gradients held NaN/Inf (not yet agreed)
+    # this rank's last gradients held NaN/Inf (not yet agreed); a device flag on a device
+    gradients_bad: Any = False
     shards: OptimizerShards | None = None
+    applies: Any = None  # device step: the flag "the step may be applied" (no host read)
+    multi: MultiUpdate = field(default_factory=MultiUpdate)  # device step: one-launch update
 
     @property
     def grid(self) -> ProcessGrid:
@@ -103,12 +127,14 @@ class HybridStep:
         self.reducer.prepare(self.model.reduction_groups())
         pred = self.model.forward(x, ctx)
         start, stop_row = self.model.sample_range()
+        if is_device_array(pred):
+            return self._device_gradients(pred, targets, (start, stop_row), votes, ctx)
         mine = replace(votes if votes is not None else Votes(),
                        bad_gradients=int(self.gradients_bad))
         loss, dpred, sums = loss_and_sums(pred, targets[start:stop_row], targets.size,
                                           self.grid, self.runtime.timers, self.loss,
                                           extra=mine.values())
-        out = StepOutput(loss, pred, (start, stop_row), mine.summed(sums))
+        out = StepOutput(pred, (start, stop_row), (loss, mine.summed(sums)))
         if not out.finite:
             return out
         self.model.backward(dpred, ctx)
@@ -117,18 +143,62 @@ class HybridStep:
             p for _, p in self.model.named_parameters()))
         return out
 
+    def _device_gradients(self, pred: Any, targets: Any, rows: tuple[int, int],
+                          votes: Votes | None, ctx: Context) -> StepOutput:
+        """:meth:`gradients` on a device, with no host read (``engine/device_verdict.py``):
+        the loss and votes stay on the device (the output reads them when asked),
+        backward always runs, and :attr:`applies` and :attr:`gradients_bad` are device
+        flags that :meth:`update` applies or skips on."""
+        mine = replace(votes if votes is not None else Votes(), bad_gradients=0)
+        previous = self.gradients_bad if is_device_array(self.gradients_bad) else None
+        sums, dpred = loss_sums_on_device(
+            pred, targets[rows[0]:rows[1]], targets.size,
+            lambda total: vote_vector(total, mine, previous), self.grid,
+            self.runtime.transport, self.runtime.timers, self.loss)
+        self.applies = apply_flag(sums, mine)
+        self.model.backward(dpred, ctx)
+        self.reducer.finish()
+        self.gradients_bad = gradients_nonfinite(self.reducer.reduced_gradients(
+            p for _, p in self.model.named_parameters()))
+        return StepOutput(pred, rows, DeferredSums(sums, targets.size, mine))
+
     def update(self, lr: float | None = None) -> None:
         """Apply the optimizer and clear the gradients.
 
         A rank whose gradients are non-finite keeps its parameters (sharded: its shards
         of them): the next step's loss allreduce tells every rank, and the run stops
-        before anything is stored."""
+        before anything is stored.  On a device the verdicts are device flags, and the
+        update applies or skips on them without the host looking (a step that may not be
+        applied, or this rank's non-finite gradients): one multi-tensor launch
+        (``engine/optim_device.py``), or else the update run and undone there."""
         params = list(self.model.named_parameters())
-        if self.shards is not None:
-            self.shards.step(self.optimizer, params, lr, skip=self.gradients_bad)
-        elif not self.gradients_bad:
-            self.optimizer.step(params, lr)
+        skip = self._device_skip()
+        if skip is None:
+            self._apply(params, lr, bool(self.gradients_bad))
+        elif self.shards is not None or not self.multi.apply(self.optimizer, params, lr, skip):
+            guarded_update(lambda: self._updated_arrays(params), skip,
+                           lambda: self._apply(params, lr, False))
         self.optimizer.zero_grad(params)
+
+    def _apply(self, params: list, lr: float | None, skip: bool) -> None:
+        if self.shards is not None:
+            self.shards.step(self.optimizer, params, lr, skip=skip)
+        elif not skip:
+            self.optimizer.step(params, lr)
+
+    def _device_skip(self) -> Any:
+        """The device flag "skip this update", or None on the CPU."""
+        if self.applies is None:
+            return None
+        if self.gradients_bad is None:  # no gradient on this rank
+            return ~self.applies
+        return ~self.applies | self.gradients_bad
+
+    def _updated_arrays(self, params: list) -> list[Any]:
+        """The arrays an update writes: the parameters and the optimizer's slots."""
+        return [p.data for _, p in params] + [
+            v for slots in self.optimizer.state.values() for v in slots.values()
+            if np.ndim(v)]
 
     def __call__(self, x: DistTensor, targets: Any, ctx: Context, lr: float | None = None,
                  votes: Votes | None = None) -> StepOutput:
@@ -136,7 +206,7 @@ class HybridStep:
         the steps before (:mod:`cosmotrain.device.step_memory`, once installed)."""
         with step_memory.phase("train"):
             out = self.gradients(x, targets, ctx, votes)
-            if out.finite:
+            if out.deferred or out.finite:  # deferred: the device flags decide
                 self.update(lr)
         return out
 
@@ -150,7 +220,7 @@ class HybridStep:
                    if np.ndim(layer.buffers[key])]
         arrays += [v for slots in self.optimizer.state.values() for v in slots.values()
                    if np.ndim(v)]
-        bad = self.gradients_bad or not all_finite(arrays)
+        bad = bool(self.gradients_bad) or not all_finite(arrays)  # a device flag: read
         return self.grid.group_comms["all"].allreduce(int(bad), op=MPI.SUM)
 
 

@@ -15,9 +15,15 @@ from cosmotrain.kernels.route import route
 from cosmotrain.precision import narrow, widen
 
 
-def mse_sum(pred: Any, target: Any) -> float:
+def mse_total(pred: Any, target: Any) -> Any:
+    """``sum((pred - target)^2)`` in float64 as a 0-d array of ``pred``'s device (left
+    there: a device step reads nothing back, ``engine/device_verdict.py``)."""
     diff = (widen(pred) - target).astype(array_module(pred).float64)
-    return float((diff * diff).sum())
+    return (diff * diff).sum()
+
+
+def mse_sum(pred: Any, target: Any) -> float:
+    return float(mse_total(pred, target))
 
 
 def mse_backward(pred: Any, target: Any, total_count: int) -> Any:
@@ -28,8 +34,13 @@ def mse_backward(pred: Any, target: Any, total_count: int) -> Any:
     return (pred - target) * pred.dtype.type(2.0 / total_count)
 
 
+def mae_total(pred: Any, target: Any) -> Any:
+    """``sum(|pred - target|)`` in float64, a 0-d array of ``pred``'s device."""
+    return abs(widen(pred) - target).astype(array_module(pred).float64).sum()
+
+
 def mae_sum(pred: Any, target: Any) -> float:
-    return float(abs(widen(pred) - target).astype(array_module(pred).float64).sum())
+    return float(mae_total(pred, target))
 
 
 def mae_backward(pred: Any, target: Any, total_count: int) -> Any:

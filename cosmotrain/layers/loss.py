@@ -8,7 +8,7 @@ single-process ones whatever the split.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -16,9 +16,11 @@ import numpy as np
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.runtime.timers import PhaseTimers
 from cosmotrain.device.xp import array_module
-from cosmotrain.kernels.loss import mae_backward, mae_sum, mse_backward, mse_sum
+from cosmotrain.kernels.loss import (mae_backward, mae_sum, mae_total, mse_backward, mse_sum,
+                                     mse_total)
 
 LOSSES = {"mse": (mse_sum, mse_backward), "mae": (mae_sum, mae_backward)}
+TOTALS = {"mse": mse_total, "mae": mae_total}
 
 
 def batch_loss(pred: Any, target: Any, global_count: int, grid: ProcessGrid | None = None,
@@ -48,3 +50,22 @@ def loss_and_sums(pred: Any, target: Any, global_count: int, grid: ProcessGrid |
         with (timers or PhaseTimers()).phase("allreduce"):
             grid.sum_all(summed)
     return float(summed[0]) / global_count, grad(pred, target, global_count), summed[1:]
+
+
+def loss_sums_on_device(pred: Any, target: Any, global_count: int,
+                        vector: Callable[[Any], Any], grid: ProcessGrid,
+                        transport: Any, timers: PhaseTimers | None = None,
+                        kind: str = "mse") -> tuple[Any, Any]:
+    """:func:`loss_and_sums` for device predictions, reading nothing back: ``(sums,
+    d loss / d pred)`` where ``sums = vector(loss sum)`` (a float64 device vector: the
+    loss sum and the votes, ``engine.device_verdict.vote_vector``) summed over every
+    rank through ``transport`` (staging MPI: one device -> host copy and one stream
+    synchronisation; NCCL: a device collective)."""
+    if pred.shape != target.shape:
+        raise ValueError(f"predictions {pred.shape} and targets {target.shape} differ")
+    target = array_module(pred).asarray(target)
+    sums = vector(TOTALS[kind](pred, target))
+    if grid.layout.size > 1:
+        with (timers or PhaseTimers()).phase("allreduce"):
+            transport.allreduce(grid.group_comms["all"], sums)
+    return sums, LOSSES[kind][1](pred, target, global_count)
