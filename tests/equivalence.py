@@ -19,7 +19,7 @@ import numpy as np
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.load import load_config
 from cosmotrain.config.layout import resolve_parallel
-from cosmotrain.layers.loss import batch_loss
+from cosmotrain.layers.loss import loss_and_sums
 from cosmotrain.layers.shards import gather_full
 from cosmotrain.models import build_model
 from cosmotrain.nn.module import Context
@@ -31,6 +31,12 @@ STEPS = 3
 BATCH = 4
 SGD = ["optimizer.name=sgd", "optimizer.lr=0.002", "optimizer.momentum=0.9"]
 
+
+
+def batch_loss(pred, target, global_count: int) -> tuple[float, object]:
+    """``(loss over the batch, d loss / d pred)`` of one process: the engine's own loss."""
+    loss, grad, _ = loss_and_sums(pred, target, global_count)
+    return loss, grad
 
 def ranks_of(overrides: list[str]) -> int:
     """Ranks a strategy needs: the product of its ``parallel.*=N`` overrides."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 from conftest import abort_on_error
-from equivalence import batch_data, make_config
+from equivalence import batch_data, batch_loss, make_config
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.layout import resolve_parallel
@@ -20,7 +20,6 @@ from cosmotrain.errors import JobStopped
 from cosmotrain.device.xp import all_finite as gradients_finite
 from cosmotrain.engine.step import hybrid_step_from_config
 from cosmotrain.engine.votes import Votes
-from cosmotrain.layers.loss import batch_loss
 from cosmotrain.models import build_model
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor

@@ -23,18 +23,11 @@ LOSSES = {"mse": (mse_sum, mse_backward), "mae": (mae_sum, mae_backward)}
 TOTALS = {"mse": mse_total, "mae": mae_total}
 
 
-def batch_loss(pred: Any, target: Any, global_count: int, grid: ProcessGrid | None = None,
-               timers: PhaseTimers | None = None, kind: str = "mse") -> tuple[float, Any]:
-    """``(loss over the global batch, d loss / d pred for the local rows)``; ``grid`` None
-    is a single process."""
-    loss, grad, _ = loss_and_sums(pred, target, global_count, grid, timers, kind)
-    return loss, grad
-
-
 def loss_and_sums(pred: Any, target: Any, global_count: int, grid: ProcessGrid | None = None,
                   timers: PhaseTimers | None = None, kind: str = "mse",
                   extra: Sequence[float] = ()) -> tuple[float, Any, np.ndarray]:
-    """:func:`batch_loss`, plus ``extra`` summed over every rank in the same allreduce.
+    """``(loss over the global batch, d loss / d pred for the local rows)``, plus ``extra``
+    summed over every rank in the same allreduce.
 
     The step's guard votes (:class:`~cosmotrain.engine.votes.Votes`) ride along with the
     loss: one message of a few doubles instead of one more collective per step, and every
