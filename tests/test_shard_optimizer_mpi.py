@@ -13,7 +13,8 @@
   its shard of each reduced gradient, in the same array every step.
 * The non-finite guard: a NaN entering one rank's gradient reaches the shard's owner,
   every rank learns it at the next step, no collective is left unmatched, and no
-  parameter becomes non-finite.
+  parameter becomes non-finite; unsharded, every rank sees the NaN and keeps its
+  parameters exactly.
 * Checkpoints through the trainer (C2D2, Adam): a sharded run's checkpoint equals the
   unsharded run's, and resuming across shard settings (sharded -> unsharded, unsharded ->
   sharded, sharded -> sharded) continues the unsharded trajectory.
@@ -160,18 +161,17 @@ def test_sharded_optimizer_trains_like_one_process() -> None:
     assert not failures, failures
 
 
-@pytest.mark.parallel(nprocs=4)
-@abort_on_error
-def test_a_non_finite_gradient_is_agreed_and_stored_nowhere() -> None:
-    from mpi4py import MPI
-
-    world = MPI.COMM_WORLD
-    cfg = make_config(TINY, LAYOUTS["N4"] + SHARD, ADAM)
+def poisoned_steps(world, shard: list[str]) -> list[tuple]:
+    """Two steps of N4 Adam in which rank 1 adds a NaN to the first gradient it reports;
+    every rank's (agreed bad gradients, second step finite, own verdict, parameters
+    finite, parameters unchanged since the start)."""
+    cfg = make_config(TINY, LAYOUTS["N4"] + shard, ADAM)
     grid = ProcessGrid(world, resolve_parallel(cfg, world.Get_size()))
     step = hybrid_step_from_config(cfg, grid)
     x, targets = batch_data(cfg, np.float32)
     dist, coord = step.model.input_distribution(x.shape)
     report = step.reducer.on_grad_ready
+    initial = [p.data.copy() for _, p in step.model.named_parameters()]
     poisoned = []
 
     def poison(layer) -> None:  # rank 1 adds a NaN to the first gradient it reports
@@ -188,14 +188,32 @@ def test_a_non_finite_gradient_is_agreed_and_stored_nowhere() -> None:
                                    Context(step=it, seed=cfg.train.seed)))
         if outs[-1].finite:
             step.update()
-    bad_here = step.gradients_bad
-    finite = all(np.isfinite(p.data).all() for _, p in step.model.named_parameters())
-    verdicts = world.allgather((outs[1].bad_gradients, outs[1].finite, bad_here, finite))
+    params = [p.data for _, p in step.model.named_parameters()]
+    finite = all(np.isfinite(p).all() for p in params)
+    unchanged = all(np.array_equal(a, b) for a, b in zip(params, initial))
+    verdicts = world.allgather((outs[1].bad_gradients, outs[1].finite, step.gradients_bad,
+                                finite, unchanged))
     grid.free()
+    return verdicts
+
+
+@pytest.mark.parallel(nprocs=4)
+@abort_on_error
+def test_a_non_finite_gradient_is_agreed_and_stored_nowhere() -> None:
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    verdicts = poisoned_steps(world, SHARD)
     assert [v[0] for v in verdicts] == [1] * 4  # one rank owned the NaN, all know
     assert not any(v[1] for v in verdicts)      # the second step is applied nowhere
     assert sum(v[2] for v in verdicts) == 1
     assert all(v[3] for v in verdicts)          # no parameter took the NaN
+    # Unsharded: the allreduced gradient carries the NaN to every rank, and every rank
+    # keeps its parameters exactly (docs/RELIABILITY.md), not merely finite ones.
+    verdicts = poisoned_steps(world, [])
+    assert [v[0] for v in verdicts] == [4] * 4
+    assert not any(v[1] for v in verdicts)
+    assert all(v[3] and v[4] for v in verdicts)
 
 
 CKPT = ["data.source=synthetic", "data.synthetic.samples=18",
