@@ -1,0 +1,143 @@
+"""Applying mutants to a copy of the repository and running their covering tests.
+
+The working tree is never edited: the repository is copied once per worker into a
+temporary directory, each mutant is written into that copy and the copy's original is
+written back in a ``finally`` (and the whole copy is removed at the end), so an
+interrupted check leaves nothing behind.  Tests run with ``PYTHONDONTWRITEBYTECODE`` in a
+copy without ``__pycache__``, so no stale bytecode of a mutant (or of the original) can be
+imported after a same-size edit within the same second.  mpi-pytest's forked ``mpiexec``
+children inherit the environment and the working directory, so they import the copy too.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from mutation.catalogue import Mutant
+
+#: what the copy leaves out: VCS data, bytecode, caches and run outputs
+IGNORED = shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache", "*.egg-info",
+                                 "runs", "build", "dist", ".mypy_cache")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one run of covering tests ended: ``killed``, ``survived`` or ``timeout``
+    (a timeout counts as killed: a hang is a failure the suite reports)."""
+
+    mutant: Mutant | None  # None: the baseline run of the unmutated copy
+    verdict: str
+    seconds: float
+    tail: str  # the last lines of pytest's output, for a survivor's or a failure's report
+
+    @property
+    def killed(self) -> bool:
+        return self.verdict in ("killed", "timeout")
+
+
+@contextmanager
+def repository_copy(root: Path) -> Iterator[Path]:
+    """A throw-away copy of the repository at ``root`` (removed on exit)."""
+    parent = Path(tempfile.mkdtemp(prefix="cosmotrain-mutation-"))
+    try:
+        copy = parent / "repo"
+        shutil.copytree(root, copy, ignore=IGNORED, symlinks=True)
+        yield copy
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+def run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[str, str]:
+    """Run ``tests`` in ``copy``; (``passed`` | ``failed`` | ``timeout``, output tail).
+    The process group is killed on a timeout, mpiexec and its ranks with it."""
+    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+               "--no-header", "-o", "addopts=", *tests]
+    proc = subprocess.Popen(command, cwd=copy, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return "timeout", _tail(output)
+    return ("passed" if proc.returncode == 0 else "failed"), _tail(output)
+
+
+def _tail(output: str, lines: int = 12) -> str:
+    return "\n".join(output.strip().splitlines()[-lines:])
+
+
+def run_mutant(copy: Path, mutant: Mutant, timeout: float) -> Outcome:
+    """Apply ``mutant`` to ``copy``, run its tests, restore the file whatever happens."""
+    target = copy / mutant.file
+    original = target.read_text(encoding="utf-8")
+    start = time.perf_counter()
+    try:
+        target.write_text(mutant.apply(original), encoding="utf-8")
+        status, tail = run_tests(copy, mutant.tests, timeout)
+    finally:
+        target.write_text(original, encoding="utf-8")
+    verdict = {"passed": "survived", "failed": "killed"}.get(status, status)
+    return Outcome(mutant, verdict, time.perf_counter() - start, tail)
+
+
+def baseline(copy: Path, mutants: list[Mutant], timeout: float) -> list[Outcome]:
+    """Run every distinct test selection once, unmutated: all must pass, or a failing
+    test would count as a kill.  The failures (empty when the baseline is sound)."""
+    failures = []
+    for tests in dict.fromkeys(m.tests for m in mutants):
+        start = time.perf_counter()
+        status, tail = run_tests(copy, tests, timeout)
+        if status != "passed":
+            failures.append(Outcome(None, f"baseline {status}: {' '.join(tests)}",
+                                    time.perf_counter() - start, tail))
+    return failures
+
+
+def run_all(root: Path, mutants: list[Mutant], timeout: float, jobs: int,
+            report: Callable[[Outcome], None], check_baseline: bool = True
+            ) -> tuple[list[Outcome], list[Outcome]]:
+    """(baseline failures, outcomes of every mutant in catalogue order).  ``jobs``
+    workers, each with its own copy; nothing runs when the baseline fails."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with repository_copy(root) as first:
+        if check_baseline:
+            failures = baseline(first, mutants, timeout)
+            if failures:
+                return failures, []
+        copies = [first]
+        with _more_copies(root, jobs - 1) as extra:
+            copies += extra
+            free = list(copies)
+
+            def work(mutant: Mutant) -> Outcome:
+                copy = free.pop()
+                try:
+                    outcome = run_mutant(copy, mutant, timeout)
+                finally:
+                    free.append(copy)
+                report(outcome)
+                return outcome
+
+            with ThreadPoolExecutor(max_workers=len(copies)) as pool:
+                return [], list(pool.map(work, mutants))
+
+
+@contextmanager
+def _more_copies(root: Path, count: int) -> Iterator[list[Path]]:
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        yield [stack.enter_context(repository_copy(root)) for _ in range(max(count, 0))]
