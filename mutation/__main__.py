@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -19,13 +20,19 @@ from mutation.runner import Outcome, run_all
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _interrupt(number: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM as Ctrl-C: kill the tests, restore, remove the copy
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
     parser = argparse.ArgumentParser(prog="python -m mutation", description=__doc__)
     parser.add_argument("--catalogue", type=Path, default=CATALOGUE)
     parser.add_argument("--only", default="",
                         help="run only the mutants whose file path or id contains this")
     parser.add_argument("--timeout", type=float, default=300.0,
-                        help="seconds one mutant's tests may run (a timeout is a kill)")
+                        help="the most seconds one mutant's tests may run (a timeout is a "
+                        "kill); with the baseline, 8x the unmutated tests' time, >= 30 s")
     parser.add_argument("--jobs", "-j", type=int, default=1,
                         help="mutants run at once, each in its own copy (default 1)")
     parser.add_argument("--min-rate", type=float, default=0.95)
@@ -46,8 +53,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{len(mutants)} mutants, {args.jobs} at a time, timeout {args.timeout:.0f} s")
     start = time.perf_counter()
-    failures, outcomes = run_all(ROOT, mutants, args.timeout, args.jobs, _print,
-                                 check_baseline=not args.no_baseline)
+    try:
+        failures, outcomes = run_all(ROOT, mutants, args.timeout, args.jobs, _print,
+                                     check_baseline=not args.no_baseline)
+    except KeyboardInterrupt:
+        print("interrupted: the tests were stopped and the copy removed")
+        return 130
     for failure in failures:
         print(f"{failure.verdict}\n{failure.tail}")
     if failures:

@@ -59,19 +59,42 @@ def repository_copy(root: Path) -> Iterator[Path]:
 
 def run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[str, str]:
     """Run ``tests`` in ``copy``; (``passed`` | ``failed`` | ``timeout``, output tail).
-    The process group is killed on a timeout, mpiexec and its ranks with it."""
+    The process group (mpiexec and its ranks with it) is killed on a timeout, and on
+    anything that interrupts the wait (Ctrl-C, SIGTERM: see ``__main__``)."""
     env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
                "--no-header", "-o", "addopts=", *tests]
     proc = subprocess.Popen(command, cwd=copy, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    _LIVE.add(proc)
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_group(proc)
         output, _ = proc.communicate()
         return "timeout", _tail(output)
+    except BaseException:
+        _kill_group(proc)
+        raise
+    finally:
+        _LIVE.discard(proc)
     return ("passed" if proc.returncode == 0 else "failed"), _tail(output)
+
+
+#: the test runs in progress (one per worker), killed when the check is interrupted
+_LIVE: set[subprocess.Popen] = set()
+
+
+def _kill_live() -> None:
+    for proc in list(_LIVE):
+        _kill_group(proc)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _tail(output: str, lines: int = 12) -> str:
@@ -92,17 +115,29 @@ def run_mutant(copy: Path, mutant: Mutant, timeout: float) -> Outcome:
     return Outcome(mutant, verdict, time.perf_counter() - start, tail)
 
 
-def baseline(copy: Path, mutants: list[Mutant], timeout: float) -> list[Outcome]:
+#: a mutant's tests may run this many times as long as the unmutated ones did (and at
+#: least TIMEOUT_FLOOR_S): a mutant that makes a parallel test hang (a message never
+#: sent) is then a kill after seconds, not after the suite's 10-minute safety net
+TIMEOUT_FACTOR = 8.0
+TIMEOUT_FLOOR_S = 30.0
+
+
+def baseline(copy: Path, mutants: list[Mutant], timeout: float
+             ) -> tuple[list[Outcome], dict[tuple[str, ...], float]]:
     """Run every distinct test selection once, unmutated: all must pass, or a failing
-    test would count as a kill.  The failures (empty when the baseline is sound)."""
-    failures = []
+    test would count as a kill.  The failures (empty when the baseline is sound) and
+    each selection's timeout for its mutants (``TIMEOUT_FACTOR`` x its time, at most
+    ``timeout``)."""
+    failures, limits = [], {}
     for tests in dict.fromkeys(m.tests for m in mutants):
         start = time.perf_counter()
         status, tail = run_tests(copy, tests, timeout)
+        seconds = time.perf_counter() - start
+        limits[tests] = min(timeout, max(TIMEOUT_FLOOR_S, TIMEOUT_FACTOR * seconds))
         if status != "passed":
             failures.append(Outcome(None, f"baseline {status}: {' '.join(tests)}",
-                                    time.perf_counter() - start, tail))
-    return failures
+                                    seconds, tail))
+    return failures, limits
 
 
 def run_all(root: Path, mutants: list[Mutant], timeout: float, jobs: int,
@@ -112,9 +147,10 @@ def run_all(root: Path, mutants: list[Mutant], timeout: float, jobs: int,
     workers, each with its own copy; nothing runs when the baseline fails."""
     from concurrent.futures import ThreadPoolExecutor
 
+    limits: dict[tuple[str, ...], float] = {}
     with repository_copy(root) as first:
         if check_baseline:
-            failures = baseline(first, mutants, timeout)
+            failures, limits = baseline(first, mutants, timeout)
             if failures:
                 return failures, []
         copies = [first]
@@ -125,14 +161,23 @@ def run_all(root: Path, mutants: list[Mutant], timeout: float, jobs: int,
             def work(mutant: Mutant) -> Outcome:
                 copy = free.pop()
                 try:
-                    outcome = run_mutant(copy, mutant, timeout)
+                    outcome = run_mutant(copy, mutant, limits.get(mutant.tests, timeout))
                 finally:
                     free.append(copy)
                 report(outcome)
                 return outcome
 
-            with ThreadPoolExecutor(max_workers=len(copies)) as pool:
+            if len(copies) == 1:
+                return [], [work(mutant) for mutant in mutants]
+            pool = ThreadPoolExecutor(max_workers=len(copies))
+            try:
                 return [], list(pool.map(work, mutants))
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)
+                _kill_live()
+                raise
+            finally:
+                pool.shutdown(wait=True)
 
 
 @contextmanager
