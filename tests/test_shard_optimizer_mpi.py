@@ -60,6 +60,7 @@ def train_steps(cfg, comm, dtype) -> dict:
     grid = ProcessGrid(comm, resolve_parallel(cfg, comm.Get_size()))
     step = hybrid_step_from_config(cfg, grid)
     as_dtype(step.model.named_parameters(), dtype)
+    initial = step.model.full_parameters()
     x, targets = batch_data(cfg, dtype)
     dist, coord = step.model.input_distribution(x.shape)
     losses, dropped, shards, same = [], True, None, True
@@ -77,7 +78,7 @@ def train_steps(cfg, comm, dtype) -> dict:
         step.update()
     blocks = optimizer_blocks(step)
     state = full_state(step, 0, blocks) if grid.group_comms["data"].Get_rank() == 0 else None
-    run = {"losses": losses, "params": step.model.full_parameters(),
+    run = {"losses": losses, "initial": initial, "params": step.model.full_parameters(),
            "optimizer": state[2] if comm.Get_rank() == 0 else None,
            "held": held_elements(step), "dropped": dropped, "same_shards": same}
     grid.free()
@@ -161,11 +162,13 @@ def test_sharded_optimizer_trains_like_one_process() -> None:
     assert not failures, failures
 
 
-def poisoned_steps(world, shard: list[str]) -> list[tuple]:
-    """Two steps of N4 Adam in which rank 1 adds a NaN to the first gradient it reports;
-    every rank's (agreed bad gradients, second step finite, own verdict, parameters
-    finite, parameters unchanged since the start)."""
-    cfg = make_config(TINY, LAYOUTS["N4"] + shard, ADAM)
+def poisoned_steps(world, shard: list[str], layout: list[str] = LAYOUTS["N4"],
+                   unbucketed: bool = False) -> list[tuple]:
+    """Two steps of Adam in which rank 1 adds a NaN to the first gradient it reports (of
+    a parameter reduced in no bucket: ``unbucketed``); every rank's (agreed bad
+    gradients, second step finite, own verdict, parameters finite, parameters unchanged
+    since the start)."""
+    cfg = make_config(TINY, layout + shard, ADAM)
     grid = ProcessGrid(world, resolve_parallel(cfg, world.Get_size()))
     step = hybrid_step_from_config(cfg, grid)
     x, targets = batch_data(cfg, np.float32)
@@ -175,8 +178,10 @@ def poisoned_steps(world, shard: list[str]) -> list[tuple]:
     poisoned = []
 
     def poison(layer) -> None:  # rank 1 adds a NaN to the first gradient it reports
-        if world.rank == 1 and not poisoned and layer.params:
-            grad = next(iter(layer.params.values())).grad
+        param = next(iter(layer.params.values()), None)
+        if world.rank == 1 and not poisoned and param is not None and \
+                step.reducer.owns(param) != unbucketed:
+            grad = param.grad
             grad.reshape(-1)[-1] = np.nan
             poisoned.append(layer)
         report(layer)
@@ -214,6 +219,25 @@ def test_a_non_finite_gradient_is_agreed_and_stored_nowhere() -> None:
     assert [v[0] for v in verdicts] == [4] * 4
     assert not any(v[1] for v in verdicts)
     assert all(v[3] and v[4] for v in verdicts)
+
+
+@pytest.mark.parallel(nprocs=2)
+@abort_on_error
+def test_unbucketed_parameters_are_updated_and_guarded_when_sharded() -> None:
+    """C2: each rank holds its own channel block of the convolutions, reduced over no
+    other rank (no bucket), beside the head's buckets.  Sharded, those blocks take the
+    ordinary update (as unsharded), and a NaN in one of their gradients is caught."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    layout = ["parallel.channel=2"]
+    plain = train_steps(make_config(TINY, layout, SGD), world, np.float32)
+    sharded = train_steps(make_config(TINY, layout + SHARD, SGD), world, np.float32)
+    errors = {k: v for k, v in changes(sharded, plain).items() if not v <= 1e-5}
+    verdicts = poisoned_steps(world, SHARD, layout, unbucketed=True)
+    assert not errors, errors
+    assert [v[0] for v in verdicts] == [1, 1]     # rank 1's own NaN, agreed by both
+    assert not any(v[1] for v in verdicts) and all(v[3] for v in verdicts)
 
 
 CKPT = ["data.source=synthetic", "data.synthetic.samples=18",
