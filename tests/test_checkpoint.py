@@ -417,6 +417,16 @@ def test_same_bytes_in_another_shape_or_dtype_fail_the_metadata_checksum(
         load_checkpoint(path)
 
 
+@pytest.mark.parametrize("key", ["step", "epoch", "samples_seen"])
+def test_a_changed_counter_of_the_root_fails_the_metadata_checksum(tmp_path: Path,
+                                                                   key: str) -> None:
+    path = save_checkpoint(tmp_path, make_big_state())
+    with h5py.File(path, "a") as f:
+        f.attrs[key] = int(f.attrs[key]) + 1
+    with pytest.raises(DamagedCheckpoint, match="metadata fails its checksum"):
+        load_checkpoint(path)
+
+
 def test_a_truncated_checkpoint_is_damaged(tmp_path: Path) -> None:
     path = save_checkpoint(tmp_path, make_big_state())
     with h5py.File(path, "r") as f:

@@ -8,7 +8,8 @@ the whole batch, every sample must come exactly once per epoch in the order of
 ``order.epoch_batches`` (global shuffle: the same at every rank count), and the bytes read
 must add up to the dataset exactly once (preload: once in all; direct: once per epoch).
 The local shuffle keeps each sample group's rows inside its shard, and under preload every
-sample's owner lies in the group whose shard holds it (no exchange leaves a sample group).  A preload that does not
+sample's owner lies in the group whose shard holds it (no exchange leaves a sample group);
+under the global shuffle the ranks holding one block share its store evenly.  A preload that does not
 fit in memory stops every rank with the same error.  Cases run in waves on disjoint
 sub-communicators; verdicts are allgathered so a failure on one rank fails all.
 """
@@ -100,6 +101,8 @@ def check_run(comm, paths, refs, name, extra, ways) -> tuple[list[str], dict]:
         epochs = EPOCHS if split == "train" else 1
         if cfg.data.reader == "preload" and shards > 1:
             failures += check_local_owners(reader, split, cfg.train.batch_size)
+        elif cfg.data.reader == "preload":
+            failures += check_even_store(reader, split)
         for epoch in range(epochs):
             seen = []
             drop = cfg.data.drop_last and split == "train"  # validation sees every sample
@@ -135,6 +138,13 @@ def check_local_owners(reader, split, batch_size) -> list[str]:
             failures.append(f"{split} batch {index}: rows of groups {rows.tolist()} come "
                             f"from owners in groups {owners.tolist()}")
     return failures
+
+
+def check_even_store(reader, split) -> list[str]:
+    """Global shuffle: the ranks holding one block share its store evenly (sample s in
+    group s % groups), so no rank holds more than one sample more than another."""
+    held = reader.exchange.allgather(len(reader.owned))
+    return [] if max(held) - min(held) <= 1 else [f"{split}: store sizes {held}"]
 
 
 def check_batch(batch, refs, split, expected) -> list[str]:
