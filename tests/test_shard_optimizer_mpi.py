@@ -15,6 +15,8 @@
   every rank learns it at the next step, no collective is left unmatched, and no
   parameter becomes non-finite; unsharded, every rank sees the NaN and keeps its
   parameters exactly.
+* C2 on 2 ranks, where each rank's channel blocks are reduced in no bucket: sharded,
+  they take the ordinary update (as unsharded) and a NaN in their gradients is caught.
 * Checkpoints through the trainer (C2D2, Adam): a sharded run's checkpoint equals the
   unsharded run's, and resuming across shard settings (sharded -> unsharded, unsharded ->
   sharded, sharded -> sharded) continues the unsharded trajectory.
