@@ -25,9 +25,11 @@ from pathlib import Path
 
 from mutation.catalogue import Mutant
 
-#: what the copy leaves out: VCS data, bytecode, caches and run outputs
-IGNORED = shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache", "*.egg-info",
-                                 "runs", "build", "dist", ".mypy_cache")
+#: what the copy leaves out at the top (VCS data, environments, run outputs and
+#: datasets, build products) and everywhere (bytecode, caches)
+TOP_IGNORED = {".git", ".venv", "runs", "data", "build", "dist"}
+EVERYWHERE_IGNORED = shutil.ignore_patterns("__pycache__", ".pytest_cache", ".mypy_cache",
+                                            "*.egg-info")
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,11 @@ def repository_copy(root: Path) -> Iterator[Path]:
     parent = Path(tempfile.mkdtemp(prefix="cosmotrain-mutation-"))
     try:
         copy = parent / "repo"
-        shutil.copytree(root, copy, ignore=IGNORED, symlinks=True)
+        def ignored(folder: str, names: list[str]) -> set[str]:
+            top = TOP_IGNORED if Path(folder) == root else set()
+            return top & set(names) | EVERYWHERE_IGNORED(folder, names)
+
+        shutil.copytree(root, copy, ignore=ignored, symlinks=True)
         yield copy
     finally:
         shutil.rmtree(parent, ignore_errors=True)
