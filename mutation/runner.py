@@ -67,7 +67,10 @@ def run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[str, 
     """Run ``tests`` in ``copy``; (``passed`` | ``failed`` | ``timeout``, output tail).
     The process group (mpiexec and its ranks with it) is killed on a timeout, and on
     anything that interrupts the wait (Ctrl-C, SIGTERM: see ``__main__``)."""
-    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1",
+           # mpi-pytest calls the mpiexec on PATH: the environment's own (mpich wheel) first
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent),
+                                    os.environ.get("PATH", "")])}
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
                "--no-header", "-o", "addopts=", *tests]
     proc = subprocess.Popen(command, cwd=copy, env=env, stdout=subprocess.PIPE,
