@@ -17,6 +17,7 @@ from conftest import REPO
 
 @pytest.fixture
 def mutation(monkeypatch: pytest.MonkeyPatch):
+    pytest.importorskip("tomllib")  # the catalogue's reader: Python 3.11 and later
     monkeypatch.syspath_prepend(str(REPO))
     import mutation.catalogue
     import mutation.runner
