@@ -394,6 +394,41 @@ def test_changed_scalar_or_config_fails_verification(tmp_path: Path) -> None:
         load_checkpoint(path)
 
 
+def rewrite(path: Path, dataset: str, data: np.ndarray) -> None:
+    """Replace ``dataset`` by ``data`` (the same bytes, another shape or dtype), keeping
+    its attributes, its stored CRC-32 among them: only the metadata listing can tell."""
+    with h5py.File(path, "a") as f:
+        attrs = dict(f[dataset].attrs)
+        del f[dataset]
+        f.create_dataset(dataset, data=data).attrs.update(attrs)
+
+
+@pytest.mark.parametrize("reshape", [
+    lambda a: a.reshape(a.shape[0], -1),                  # same bytes, another shape
+    lambda a: a.view(np.int32),                           # same bytes, a dtype of the same width
+], ids=["shape", "dtype"])
+def test_same_bytes_in_another_shape_or_dtype_fail_the_metadata_checksum(
+        tmp_path: Path, reshape) -> None:
+    path = save_checkpoint(tmp_path, make_big_state())
+    with h5py.File(path, "r") as f:
+        original = f["params/big.weight"][()]
+    changed = reshape(original)
+    assert changed.tobytes() == original.tobytes()        # the array's own CRC still holds
+    rewrite(path, "params/big.weight", changed)
+    with pytest.raises(DamagedCheckpoint, match="metadata fails its checksum"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("key", ["step", "epoch", "samples_seen"])
+def test_a_changed_counter_of_the_root_fails_the_metadata_checksum(tmp_path: Path,
+                                                                   key: str) -> None:
+    path = save_checkpoint(tmp_path, make_big_state())
+    with h5py.File(path, "a") as f:
+        f.attrs[key] = int(f.attrs[key]) + 1
+    with pytest.raises(DamagedCheckpoint, match="metadata fails its checksum"):
+        load_checkpoint(path)
+
+
 def test_a_truncated_checkpoint_is_damaged(tmp_path: Path) -> None:
     path = save_checkpoint(tmp_path, make_big_state())
     with h5py.File(path, "r") as f:

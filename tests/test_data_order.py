@@ -57,6 +57,17 @@ def test_local_shards_feed_each_groups_rows(count: int, batch: int, shards: int)
     assert count < 6 or not np.array_equal(*shuffled)
 
 
+def test_each_shard_is_permuted_on_its_own() -> None:
+    """Two equal shards must not visit their samples in the same relative order (each
+    shard's permutation depends on the shard, as on the seed and the epoch)."""
+    (lo0, hi0), (lo1, hi1) = order.shard_ranges(40, 8, 2)
+    assert hi0 - lo0 == hi1 - lo1 == 20
+    visited = np.concatenate(order.epoch_batches(3, 0, 40, 8, shards=2))
+    first = [s - lo0 for s in visited if lo0 <= s < hi0]
+    second = [s - lo1 for s in visited if lo1 <= s < hi1]
+    assert first != second
+
+
 def test_bad_batch_size_is_refused() -> None:
     with pytest.raises(ValueError):
         order.batch_sizes(10, 0)

@@ -7,7 +7,9 @@ of the batch computed independently in one process, every rank must get the targ
 the whole batch, every sample must come exactly once per epoch in the order of
 ``order.epoch_batches`` (global shuffle: the same at every rank count), and the bytes read
 must add up to the dataset exactly once (preload: once in all; direct: once per epoch).
-The local shuffle keeps each sample group's rows inside its shard.  A preload that does not
+The local shuffle keeps each sample group's rows inside its shard, and under preload every
+sample's owner lies in the group whose shard holds it (no exchange leaves a sample group);
+under the global shuffle the ranks holding one block share its store evenly.  A preload that does not
 fit in memory stops every rank with the same error.  Cases run in waves on disjoint
 sub-communicators; verdicts are allgathered so a failure on one rank fails all.
 """
@@ -97,6 +99,10 @@ def check_run(comm, paths, refs, name, extra, ways) -> tuple[list[str], dict]:
     shards = ways[0] if cfg.data.shuffle == "local" else 1
     for split, reader in readers.items():
         epochs = EPOCHS if split == "train" else 1
+        if cfg.data.reader == "preload" and shards > 1:
+            failures += check_local_owners(reader, split, cfg.train.batch_size)
+        elif cfg.data.reader == "preload":
+            failures += check_even_store(reader, split)
         for epoch in range(epochs):
             seen = []
             drop = cfg.data.drop_last and split == "train"  # validation sees every sample
@@ -114,6 +120,31 @@ def check_run(comm, paths, refs, name, extra, ways) -> tuple[list[str], dict]:
     for reader in readers.values():
         reader.close()
     return failures, orders
+
+
+def check_local_owners(reader, split, batch_size) -> list[str]:
+    """Local shuffle: every sample this rank owns lies in its own group's shard, and
+    every row of every batch comes from an owner in the row's sample group (so node-local
+    staging of a node's own shards is enough)."""
+    ranges = order.shard_ranges(reader.count, batch_size, reader.placement.groups)
+    mine = ranges[reader.placement.group]
+    failures = [f"{split}: owns sample {s} outside its shard {mine}"
+                for s in reader.owned if not mine[0] <= s < mine[1]]
+    for index in range(reader.batches_per_epoch):
+        indices = reader.indices(0, index)
+        rows = np.array(reader.placement.row_groups(len(indices)))
+        owners = reader.member_group[reader.owner[indices]]
+        if not np.array_equal(owners, rows):
+            failures.append(f"{split} batch {index}: rows of groups {rows.tolist()} come "
+                            f"from owners in groups {owners.tolist()}")
+    return failures
+
+
+def check_even_store(reader, split) -> list[str]:
+    """Global shuffle: the ranks holding one block share its store evenly (sample s in
+    group s % groups), so no rank holds more than one sample more than another."""
+    held = reader.exchange.allgather(len(reader.owned))
+    return [] if max(held) - min(held) <= 1 else [f"{split}: store sizes {held}"]
 
 
 def check_batch(batch, refs, split, expected) -> list[str]:

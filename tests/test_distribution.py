@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cosmotrain.tensor.distribution import Distribution, block_owner, block_range
+from cosmotrain.tensor.distribution import Distribution, block_owner, block_range, unsplit
 
 
 @pytest.mark.parametrize("parts", range(1, 13))
@@ -108,3 +108,16 @@ def test_block_rejects_coordinate_outside_grid() -> None:
         dist.block((2, 0))
     with pytest.raises(ValueError, match="outside grid"):
         dist.block((0,))
+
+
+def test_unsplit_gathers_one_dimension_and_keeps_the_others() -> None:
+    """After an all-gather along C every rank holds all channels: one block there, at
+    coordinate 0, which must be the whole dimension; the other dimensions stay cut."""
+    dist = Distribution((4, 6, 8, 8, 8), (2, 3, 2, 1, 1))
+    for coord in dist.coords():
+        whole, at = unsplit(dist, coord, 1, 6)
+        assert whole.grid == (2, 1, 2, 1, 1) and whole.global_shape == dist.global_shape
+        assert at == (coord[0], 0, coord[2], 0, 0)
+        block = whole.block(at)
+        assert block[1] == slice(0, 6)
+        assert block[0] == dist.block(coord)[0] and block[2] == dist.block(coord)[2]

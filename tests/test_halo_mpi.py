@@ -1,7 +1,8 @@
 """Halo exchange under MPI (one 8-rank launch, several grids, uneven blocks).
 
 For each grid: the forward (replace) exchange fills every margin with the global array's
-planes (edges and corners included); the backward (add) exchange is its exact adjoint
+planes (edges and corners included), and so does its form without a buffer
+(``gather_margins``, sending from the owned block); the backward (add) exchange is its exact adjoint
 (<H x, y> = <x, H^T y>); and a convolution of each rank's exchanged block equals that
 rank's block of the serial convolution.  The verdict is allreduced, so a failure on one
 rank fails every rank instead of hanging them.
@@ -58,6 +59,8 @@ def check_case(comm, layout, shape, kernel, stride, padding) -> bool:
     covered = tuple(slice(b.start - p.recv_lo, b.stop + p.recv_hi)
                     for b, p in zip(block[2:], plans))
     ok = np.array_equal(buffer, x[block[:2] + covered])
+    gathered = exchange.gather_margins(x[block].copy())  # the same planes, no buffer
+    ok &= all(np.array_equal(planes, buffer[(...,) + region]) for region, planes in gathered)
 
     y = rng.normal(size=buffer.shape)  # same stream on every rank: fine, any y works
     back = y.copy()

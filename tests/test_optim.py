@@ -20,6 +20,15 @@ def test_sgd_momentum_formula() -> None:
     assert np.allclose(p.data, [1.0 - 0.35, -2.0 - 0.15])
 
 
+def test_weight_decay_adds_decay_times_the_parameter_to_the_gradient() -> None:
+    """L2 weight decay, as torch.optim: g + wd * p, here without momentum."""
+    p = Parameter(np.array([1.0, -2.0], dtype=np.float32))
+    p.grad = np.array([0.5, 0.5], dtype=np.float32)
+    SGD(lr=0.1, momentum=0.0, weight_decay=0.2).step([("p", p)])
+    # p - 0.1 (g + 0.2 p) = [1 - 0.1 * 0.7, -2 - 0.1 * 0.1]
+    assert np.allclose(p.data, [0.93, -2.01])
+
+
 def test_adam_first_step_moves_by_lr() -> None:
     p = Parameter(np.array([1.0, -2.0], dtype=np.float32))
     p.grad = np.array([3.0, -0.5], dtype=np.float32)

@@ -2,7 +2,8 @@
 
 * Between pairs of distributions (uneven, empty blocks, different split dimensions):
   each rank's target block equals the slice of the global array, and the reverse plan
-  (the adjoint, a permutation's inverse) gives back the source block exactly.
+  (the adjoint, a permutation's inverse) gives back the source block exactly; source
+  blocks that do not cover a target block exactly once are refused.
 * ``parallel.bn_statistics: local`` on N2D2: each sample group normalises with its own
   share of the batch, so its predictions equal one process run on that share alone.
 """
@@ -52,6 +53,17 @@ def redistribution_ok(world, src_grid, dst_grid) -> bool:
             and np.array_equal(back, full[src.block(src_coord)]))
 
 
+def partial_cover_refused(world) -> bool:
+    """Source coordinates that leave part of a target block uncovered (the 4 ranks all
+    claim the same one-row source block: 4 rows of 5, some twice) are refused."""
+    src, dst = Distribution((5, 3), (4, 1)), Distribution((5, 3), (1, 1))
+    try:
+        Redistribution.plan(world, src, (3, 0), dst, (0, 0))
+    except ValueError as err:
+        return "exactly once" in str(err)
+    return False
+
+
 def local_bn_ok(world) -> bool:
     overrides = ["model.name=tiny", "model.width=12", "model.batchnorm=true",
                  "train.batch_size=4", "parallel.sample=2", "parallel.depth=2",
@@ -80,6 +92,7 @@ def test_redistribution_and_local_batchnorm() -> None:
     world = MPI.COMM_WORLD
     _parallel.set_num_workers(1)
     results = {pair: redistribution_ok(world, *pair) for pair in PAIRS}
+    results["partial cover refused"] = partial_cover_refused(world)
     results["local bn"] = local_bn_ok(world)
     failed = [key for key, ok in results.items() if not ok]
     assert world.allreduce(not failed, op=MPI.LAND), f"rank {world.rank} failed: {failed}"

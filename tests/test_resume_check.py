@@ -145,6 +145,13 @@ def test_values_are_compared_as_config_values() -> None:
     assert diff.ok and not diff.allowed
 
 
+def test_bools_are_not_numbers_and_numbers_compare_by_value() -> None:
+    assert resume_check.same_value("train.epochs", 4, 4.0)
+    assert not resume_check.same_value("model.batchnorm", True, 1)
+    assert not resume_check.same_value("model.batchnorm", 0, False)
+    assert resume_check.same_value("model.batchnorm", True, True)
+
+
 def test_a_key_an_older_checkpoint_lacks_is_taken_at_its_default() -> None:
     old = saved()
     del old["device"]  # written before the device section existed

@@ -13,7 +13,10 @@
   its shard of each reduced gradient, in the same array every step.
 * The non-finite guard: a NaN entering one rank's gradient reaches the shard's owner,
   every rank learns it at the next step, no collective is left unmatched, and no
-  parameter becomes non-finite.
+  parameter becomes non-finite; unsharded, every rank sees the NaN and keeps its
+  parameters exactly.
+* C2 on 2 ranks, where each rank's channel blocks are reduced in no bucket: sharded,
+  they take the ordinary update (as unsharded) and a NaN in their gradients is caught.
 * Checkpoints through the trainer (C2D2, Adam): a sharded run's checkpoint equals the
   unsharded run's, and resuming across shard settings (sharded -> unsharded, unsharded ->
   sharded, sharded -> sharded) continues the unsharded trajectory.
@@ -59,6 +62,7 @@ def train_steps(cfg, comm, dtype) -> dict:
     grid = ProcessGrid(comm, resolve_parallel(cfg, comm.Get_size()))
     step = hybrid_step_from_config(cfg, grid)
     as_dtype(step.model.named_parameters(), dtype)
+    initial = step.model.full_parameters()
     x, targets = batch_data(cfg, dtype)
     dist, coord = step.model.input_distribution(x.shape)
     losses, dropped, shards, same = [], True, None, True
@@ -76,7 +80,7 @@ def train_steps(cfg, comm, dtype) -> dict:
         step.update()
     blocks = optimizer_blocks(step)
     state = full_state(step, 0, blocks) if grid.group_comms["data"].Get_rank() == 0 else None
-    run = {"losses": losses, "params": step.model.full_parameters(),
+    run = {"losses": losses, "initial": initial, "params": step.model.full_parameters(),
            "optimizer": state[2] if comm.Get_rank() == 0 else None,
            "held": held_elements(step), "dropped": dropped, "same_shards": same}
     grid.free()
@@ -160,23 +164,26 @@ def test_sharded_optimizer_trains_like_one_process() -> None:
     assert not failures, failures
 
 
-@pytest.mark.parallel(nprocs=4)
-@abort_on_error
-def test_a_non_finite_gradient_is_agreed_and_stored_nowhere() -> None:
-    from mpi4py import MPI
-
-    world = MPI.COMM_WORLD
-    cfg = make_config(TINY, LAYOUTS["N4"] + SHARD, ADAM)
+def poisoned_steps(world, shard: list[str], layout: list[str] = LAYOUTS["N4"],
+                   unbucketed: bool = False) -> list[tuple]:
+    """Two steps of Adam in which rank 1 adds a NaN to the first gradient it reports (of
+    a parameter reduced in no bucket: ``unbucketed``); every rank's (agreed bad
+    gradients, second step finite, own verdict, parameters finite, parameters unchanged
+    since the start)."""
+    cfg = make_config(TINY, layout + shard, ADAM)
     grid = ProcessGrid(world, resolve_parallel(cfg, world.Get_size()))
     step = hybrid_step_from_config(cfg, grid)
     x, targets = batch_data(cfg, np.float32)
     dist, coord = step.model.input_distribution(x.shape)
     report = step.reducer.on_grad_ready
+    initial = [p.data.copy() for _, p in step.model.named_parameters()]
     poisoned = []
 
     def poison(layer) -> None:  # rank 1 adds a NaN to the first gradient it reports
-        if world.rank == 1 and not poisoned and layer.params:
-            grad = next(iter(layer.params.values())).grad
+        param = next(iter(layer.params.values()), None)
+        if world.rank == 1 and not poisoned and param is not None and \
+                step.reducer.owns(param) != unbucketed:
+            grad = param.grad
             grad.reshape(-1)[-1] = np.nan
             poisoned.append(layer)
         report(layer)
@@ -188,14 +195,51 @@ def test_a_non_finite_gradient_is_agreed_and_stored_nowhere() -> None:
                                    Context(step=it, seed=cfg.train.seed)))
         if outs[-1].finite:
             step.update()
-    bad_here = step.gradients_bad
-    finite = all(np.isfinite(p.data).all() for _, p in step.model.named_parameters())
-    verdicts = world.allgather((outs[1].votes.bad_gradients, outs[1].finite, bad_here, finite))
+    params = [p.data for _, p in step.model.named_parameters()]
+    finite = all(np.isfinite(p).all() for p in params)
+    unchanged = all(np.array_equal(a, b) for a, b in zip(params, initial))
+    verdicts = world.allgather((outs[1].votes.bad_gradients, outs[1].finite,
+                                step.gradients_bad, finite, unchanged))
     grid.free()
+    return verdicts
+
+
+@pytest.mark.parallel(nprocs=4)
+@abort_on_error
+def test_a_non_finite_gradient_is_agreed_and_stored_nowhere() -> None:
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    verdicts = poisoned_steps(world, SHARD)
     assert [v[0] for v in verdicts] == [1] * 4  # one rank owned the NaN, all know
     assert not any(v[1] for v in verdicts)      # the second step is applied nowhere
     assert sum(v[2] for v in verdicts) == 1
     assert all(v[3] for v in verdicts)          # no parameter took the NaN
+    # Unsharded: the allreduced gradient carries the NaN to every rank, and every rank
+    # keeps its parameters exactly (docs/RELIABILITY.md), not merely finite ones.
+    verdicts = poisoned_steps(world, [])
+    assert [v[0] for v in verdicts] == [4] * 4
+    assert not any(v[1] for v in verdicts)
+    assert all(v[3] and v[4] for v in verdicts)
+
+
+@pytest.mark.parallel(nprocs=2)
+@abort_on_error
+def test_unbucketed_parameters_are_updated_and_guarded_when_sharded() -> None:
+    """C2: each rank holds its own channel block of the convolutions, reduced over no
+    other rank (no bucket), beside the head's buckets.  Sharded, those blocks take the
+    ordinary update (as unsharded), and a NaN in one of their gradients is caught."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    layout = ["parallel.channel=2"]
+    plain = train_steps(make_config(TINY, layout, SGD), world, np.float32)
+    sharded = train_steps(make_config(TINY, layout + SHARD, SGD), world, np.float32)
+    errors = {k: v for k, v in changes(sharded, plain).items() if not v <= 1e-5}
+    verdicts = poisoned_steps(world, SHARD, layout, unbucketed=True)
+    assert not errors, errors
+    assert [v[0] for v in verdicts] == [1, 1]     # rank 1's own NaN, agreed by both
+    assert not any(v[1] for v in verdicts) and all(v[3] for v in verdicts)
 
 
 CKPT = ["data.source=synthetic", "data.synthetic.samples=18",

@@ -297,6 +297,15 @@ def test_a_truncated_record_is_caught(keep: int) -> None:
         parse_record(bytes(data[:keep]), verify_payload=False)
 
 
+def test_a_field_one_byte_longer_than_its_message_is_refused() -> None:
+    """The Example's one field ends at the payload's end: cut the message one byte short
+    (the byte is still in the buffer) and that field overruns it."""
+    payload = encode_example({"x": b"abc"})
+    assert parse_example(payload, 0, len(payload))["x"].length == 3
+    with pytest.raises(TFRecordError, match="needs .* bytes, only .* left in its message"):
+        parse_example(payload, 0, len(payload) - 1)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_random_bytes_with_good_crcs_are_not_an_example(seed: int) -> None:
     junk = np.random.default_rng(seed).integers(0, 256, 1000, dtype=np.uint8).tobytes()
