@@ -315,3 +315,28 @@ def test_resume_takes_the_same_dataset_at_another_path_and_refuses_another(
     assert code == 2
     one_line(err, "cannot resume from", "the config differs in data.path (")
     assert contents(run / "checkpoints") == kept
+
+
+@pytest.mark.parametrize("fmt, reader", [("tfrecord", "preload"), ("tfrecord", "direct"),
+                                         ("npy", "preload"), ("npy", "direct")])
+def test_a_damaged_payload_is_named_in_every_format_and_reader(
+        cli, tmp_path, fmt: str, reader: str) -> None:
+    """One bit flipped inside a staged sample's payload, which no header check sees: the
+    job names the file before its first step, whichever reader reads it; by the
+    manifest's CRC-32C, or for a TFRecord by the record's own payload CRC, which the
+    label pass checks first."""
+    source, stage = tmp_path / "data", tmp_path / "stage"
+    code, _, err = cli("datagen", "--out", str(source), "--samples", "8", "--width", "8",
+                       "--format", fmt)
+    assert code == 0, err
+    code, _, err = cli(*preload_args(source, stage))
+    assert code == 0, err
+    manifest = json.loads((stage / "manifest.json").read_text())
+    damaged = stage / manifest["splits"]["train"]["files"][3]
+    payload = bytearray(damaged.read_bytes())
+    payload[len(payload) // 2] ^= 0x40
+    damaged.write_bytes(bytes(payload))
+    code, _, err = cli(*train_args(stage, tmp_path / "run", "--set", f"data.reader={reader}"))
+    assert code == 2 and not (tmp_path / "run/checkpoints").exists()
+    one_line(err, f"'{damaged}'", "payload CRC mismatch" if fmt == "tfrecord"
+             else "does not match its CRC-32C in manifest.json")
