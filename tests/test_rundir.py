@@ -188,9 +188,15 @@ def test_real_processes_dead_and_alive(tmp_path: Path) -> None:
     assert RunLock(tmp_path, me).acquire() is not None  # stale: replaced
     (tmp_path / LOCK_NAME).unlink()
 
+    spawned = time.time()
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         assert probe.alive(alive.pid)
+        started = probe.start_time(alive.pid)
+        if started is not None:  # clock ticks after boot: the moment the child was made
+            boot = next(int(line.split()[1]) for line in
+                        Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
+            assert abs(boot + started / os.sysconf("SC_CLK_TCK") - spawned) < 5
         RunLock(tmp_path, LockHolder(me.host, alive.pid, time.time(),
                                      proc_start=probe.start_time(alive.pid))).acquire()
         with pytest.raises(RunDirError, match=f"in use by pid {alive.pid}"):
