@@ -29,7 +29,9 @@ What counts as what:
 * an **allocation** is each new device buffer (a result that is not a view);
 * an **upload** is each host -> device copy (``asarray`` of a host array, ``set``), a
   **download** each queued device -> host copy (``get(blocking=False)`` into pinned
-  memory: the staging transport's, followed by the stream synchronisation it needs).
+  memory: the staging transport's, followed by the stream synchronisation it needs);
+* each launch's **bytes** read and written: its operands' and results' sizes
+  (tests/standin_bytes.py says how views, in-place results and raw kernels count).
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-from standin_ledger import Launch, Ledger, addresses_of, describe, flat, plain_arrays
+from standin_bytes import operand_traffic, raw_traffic
+from standin_ledger import (Launch, Ledger, addresses_of, array_bytes, describe, flat,
+                            plain_arrays)
 
 
 class StandIn(types.ModuleType):
@@ -75,13 +79,18 @@ class StandIn(types.ModuleType):
                 self.ledger.allocations.append((result.shape, result.dtype.str))
         return result.view(self.ndarray) if type(result) is np.ndarray else result
 
-    def launch(self, name: str, function: Callable, args: tuple, kwargs: dict) -> Any:
+    def launch(self, name: str, function: Callable, args: tuple, kwargs: dict,
+               traffic: tuple[int, int] | None = None) -> Any:
+        """One launch; ``traffic`` (bytes read, written) when its operands overstate it."""
         plain = plain_arrays(args)
         plain_kwargs = {k: plain_arrays(v) for k, v in kwargs.items()}
         result = self.wrap(function(*plain, **plain_kwargs), (*plain, *plain_kwargs.values()))
         outputs = plain_arrays(result if isinstance(result, tuple) else (result,))
         operands = (plain, tuple(plain_kwargs.items()), outputs)
-        self.ledger.launches.append(Launch(name, describe(operands), addresses_of(operands)))
+        if traffic is None:
+            traffic = operand_traffic(name, plain, plain_kwargs, outputs)
+        self.ledger.launches.append(Launch(name, describe(operands), addresses_of(operands),
+                                           *traffic))
         return result
 
     def asarray(self, a: Any, dtype: Any = None, order: Any = None) -> Any:
@@ -188,7 +197,9 @@ def _array_class(module: StandIn) -> type:
             def assign(target: np.ndarray, source: Any) -> np.ndarray:
                 target[key] = source
                 return target
-            module.launch("setitem", assign, (self, value), {})
+            written = np.asarray(self.view(np.ndarray)[plain_arrays(key)]).nbytes
+            module.launch("setitem", assign, (self, value), {},
+                          (array_bytes((value,)), written))
 
         def astype(self, dtype: Any, *args: Any, **kwargs: Any) -> Any:
             return module.launch("astype", lambda v: v.astype(dtype, *args, **kwargs),
@@ -304,7 +315,7 @@ def installed(monkeypatch: Any) -> Iterator[StandIn]:
     def raw_launch(kernel: str, size: int, args: Any) -> None:
         plain = plain_arrays(tuple(args))
         module.ledger.launches.append(Launch(kernel, (size, *describe(plain)),
-                                             addresses_of(plain)))
+                                             addresses_of(plain), *raw_traffic(kernel, plain)))
         host(kernel, size, list(plain))
 
     monkeypatch.setitem(sys.modules, "cupy", module)

@@ -1,5 +1,6 @@
 """The records of the stand-in cupy (tests/standin.py): what a step asked of the device,
-in order, and how an array operation is described (shapes, dtypes, scalars, addresses)."""
+in order, and how an array operation is described (shapes, dtypes, scalars, addresses,
+the bytes it reads and writes)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,11 @@ class Ledger:
                        list(self.uploads), list(self.downloads), list(self.sync_sites))
         self.clear()
         return taken
+
+    def bytes_moved(self) -> int:
+        """Bytes the recorded launches read and wrote (the byte budget, docs/PERFORMANCE.md
+        "GPU: compulsory traffic")."""
+        return sum(launch.read + launch.written for launch in self.launches)
 
     def sync(self, why: str) -> None:
         if self.counting:
@@ -96,6 +102,13 @@ class Launch:
     kernel: str
     signature: tuple  # operand shapes and dtypes, scalar arguments, result shapes
     addresses: tuple  # buffer addresses of operands and results
+    read: int = 0  # bytes of the arrays it reads (its operands)
+    written: int = 0  # bytes of the arrays it writes (its results)
+
+
+def array_bytes(values: Any) -> int:
+    """Bytes of every array among ``values`` (nested), each as often as it appears."""
+    return sum(v.nbytes for v in flat(values) if isinstance(v, np.ndarray))
 
 
 def flat(values: Any) -> Iterator[Any]:

@@ -150,12 +150,13 @@ def _filter_grads(x: np.ndarray, dy: np.ndarray, w_shape: Sequence[int],
     """``(dL/dw, dL/db or None)`` of the two functions above."""
     geo = ConvGeometry.create(x.shape, w_shape, stride, padding)
     geo.check("dy", dy.shape, geo.y_shape)
-    if activation is not None and not (x.shape[0] and compiled_choice.packs_activation_grad(
-            geo, x, dy, activation[0])):
+    where = route(x, dy)  # only the CPU's direct loops pack the activation's backward
+    if activation is not None and not (x.shape[0] and where.cpu_float and
+                                       compiled_choice.packs_activation_grad(
+                                           geo, x, dy, activation[0])):
         dy, activation = leaky_relu_backward(dy, *activation), None  # its own pass, in place
     if x.shape[0] == 0:
         return _no_samples(x, geo.w_shape), channel_sums(dy) if bias else None
-    where = route(x, dy)
     if not where.cpu_float:
         if where.device:
             dw = cuda_conv.conv3d_backward_filter(x, dy, w_shape, stride, padding,
