@@ -158,7 +158,8 @@ def _array_class(module: StandIn) -> type:
             """Queued on ``stream`` (tests/standin_streams.py: it may lag)."""
             ledger.uploads.append((self.shape, self.dtype.str))
             target = self.view(np.ndarray)
-            (stream or module.cuda.streams.current).enqueue(lambda: np.copyto(target, host))
+            (stream or module.cuda.streams.current).enqueue(
+                lambda: np.copyto(target, host), target.__array_interface__["data"][0])
 
         def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
             ledger.sync("__array__")

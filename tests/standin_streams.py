@@ -32,6 +32,9 @@ class Streams:
         self.slow_events = False
         self.current: Any = None
         self.pinned: list[np.ndarray] = []
+        # in order: ("copy", stream, target address) and ("wait", waiting stream, the
+        # event's stream): what a test checks the device-side order of a stage against
+        self.log: list[tuple[str, Any, Any]] = []
         self.Event = self._event_class()
         self.Stream = self._stream_class()
         self.current = self.Stream()
@@ -78,8 +81,9 @@ class Streams:
                 self.queued = 0  # copies queued on this stream so far
                 self.ran = 0  # of which run
 
-            def enqueue(self, copy: Callable[[], None]) -> None:
+            def enqueue(self, copy: Callable[[], None], target: int = 0) -> None:
                 """A copy on this stream: at once, or later when lagging off the current one."""
+                streams.log.append(("copy", self, target))
                 self.pending.append(copy)
                 self.queued += 1
                 if not streams.lagging or self is streams.current:
@@ -96,6 +100,7 @@ class Streams:
                 return event
 
             def wait_event(self, event: Any) -> None:
+                streams.log.append(("wait", self, event.stream))
                 event.settle()
 
             def synchronize(self) -> None:
@@ -111,6 +116,7 @@ class Streams:
         """Eager copies and honest events again (each installation starts so)."""
         self.lagging = self.slow_events = False
         self.pinned.clear()
+        self.log.clear()
 
     def empty_pinned(self, shape: Any, dtype: Any = np.float32) -> np.ndarray:
         """``cupyx.empty_pinned``: host memory, remembered as pinned."""

@@ -180,7 +180,8 @@ class Trainer:
             batch = self.train_reader.batch(pos.epoch, index)
             samples = len(batch.indices)
             out = job.step(batch.x, batch.targets, ctx, lr,
-                           votes=Votes(stop=int(self.signals.requested)))
+                           votes=Votes(stop=int(self.signals.requested)),
+                           transform=batch.device_transform)
             del batch
         if not out.finite:
             raise NonFiniteError(non_finite_message(pos.step + 1, out.loss,
