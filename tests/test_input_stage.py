@@ -228,3 +228,14 @@ def test_training_step_takes_int16_batches(precision: str,
     assert inputs == [[(shape, np.dtype(np.int16).str)]] * 3  # 2 bytes a value, not 4
     for mine, theirs in zip(preds, host_preds):
         assert mine.tobytes() == theirs.tobytes()
+
+
+@pytest.mark.parametrize("name", ["log1p", "mean", "none"])
+def test_a_kept_batch_on_the_cpu_is_transformed_on_the_host(name: str) -> None:
+    """``place_input`` without a device applies the transform itself, with the reader's
+    bits (so a kept batch is never computed on as raw counts)."""
+    from cosmotrain.data.readers.transform import host_transform
+
+    x = counts(4)
+    assert host_transform(x, transform_of(name, x)).tobytes() == \
+        host_result(name, x).tobytes()

@@ -33,7 +33,7 @@ from cosmotrain.engine.device_verdict import (DeferredSums, apply_flag, gradient
                                               guarded_update, vote_vector)
 from cosmotrain.engine.grad_sync import GradientReducer
 from cosmotrain.engine.optim import Optimizer, build_optimizer
-from cosmotrain.data.readers.transform import DeviceTransform
+from cosmotrain.data.readers.transform import DeviceTransform, host_transform
 from cosmotrain.engine.input_stage import InputStage, device_stage
 from cosmotrain.engine.optim_device import MultiUpdate
 from cosmotrain.engine.optim_shards import OptimizerShards
@@ -118,6 +118,8 @@ class HybridStep:
             self.stage = self.stage or device_stage(self.device.xp)
             data = self.stage(x.data, transform, dtype or np.float32)
             return DistTensor(data, x.dist, x.coord)
+        if transform is not None:  # on the host, as the reader would have done it
+            x = DistTensor(host_transform(x.data, transform), x.dist, x.coord)
         data = self.device.to_device(x.data, dtype)
         return x if data is x.data else DistTensor(data, x.dist, x.coord)
 

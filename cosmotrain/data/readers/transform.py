@@ -65,6 +65,12 @@ def mean_divisors(means: np.ndarray) -> np.ndarray:
     return np.where(np.asarray(means) > 0, means, 1.0).astype(np.float32)
 
 
+def host_transform(raw: np.ndarray, transform: DeviceTransform) -> np.ndarray:
+    """What the device makes of a kept batch, on the host: :func:`apply_transform`'s
+    bits (a divisor stands in for its mean: the same quotient, 1 for an all-zero row)."""
+    return apply_transform(raw, transform.name, transform.divisors)
+
+
 def apply_transform(raw: np.ndarray, name: str, means: np.ndarray | None = None
                     ) -> np.ndarray:
     """float32 blocks ``(rows, c, d, h, w)`` from stored values (float32 input may be reused).
