@@ -57,6 +57,12 @@ def plain(array: Any) -> np.ndarray:
     return np.array(array.view(np.ndarray))
 
 
+def staged_right(stage: InputStage, x: np.ndarray, name: str) -> bool:
+    """Whether the stage makes of ``x`` in float32 the host transform's bits."""
+    return plain(stage(x, transform_of(name, x), np.float32)).tobytes() == \
+        host_result(name, x).tobytes()
+
+
 @pytest.mark.parametrize("name", ["log1p", "mean", "none"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_device_transform_matches_the_host(name: str, precision: str,
@@ -87,28 +93,25 @@ def test_batches_cross_as_int16_from_pinned_buffers(monkeypatch: pytest.MonkeyPa
     assert np.prod(SHAPE) * 2 == x.nbytes == np.zeros(SHAPE, np.float32).nbytes // 2
 
 
-def test_lagging_copies_each_batch_reads_its_own_bytes(monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("compute_waits", [True, False])
+def test_lagging_copies_each_batch_reads_its_own_bytes(compute_waits: bool,
+                                                       monkeypatch: pytest.MonkeyPatch
                                                        ) -> None:
+    """Copies that run only when waited on: each batch still reads its own bytes, with no
+    host wait; and the stand-in can fail this: without the compute stream's wait the
+    kernel reads stale bytes (an earlier batch's, or none)."""
     batches = [counts(seed) for seed in range(5)]
     with installed(monkeypatch) as cupy:
         cupy.cuda.streams.lagging = True
+        if not compute_waits:
+            monkeypatch.setattr(cupy.cuda.streams.current, "wait_event", lambda event: None)
         stage = stage_of(cupy)
-        for x in batches:
-            got = plain(stage(x, transform_of("mean", x), np.float32))
-            assert got.tobytes() == host_result("mean", x).tobytes()
-        assert cupy.ledger.syncs == []
-
-
-def test_a_missing_compute_wait_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The stand-in can fail the test above: without the wait the kernel reads stale bytes."""
-    batches = [counts(seed) for seed in range(3)]
-    with installed(monkeypatch) as cupy:
-        cupy.cuda.streams.lagging = True
-        monkeypatch.setattr(cupy.cuda.streams.current, "wait_event", lambda event: None)
-        stage = stage_of(cupy)
-        wrong = [plain(stage(x, transform_of("log1p", x), np.float32)).tobytes()
-                 != host_result("log1p", x).tobytes() for x in batches]
-    assert all(wrong[1:])  # each batch computed from an earlier batch's bytes (or none)
+        right = [staged_right(stage, x, "mean") for x in batches]
+        waits = list(cupy.ledger.syncs)  # without it, the host guard waits at each reuse
+    if compute_waits:
+        assert right == [True] * 5 and waits == []
+    else:
+        assert not any(right[1:]) and waits == ["event.synchronize"] * 3
 
 
 def test_host_waits_before_rewriting_a_busy_pinned_buffer(monkeypatch: pytest.MonkeyPatch
@@ -120,8 +123,7 @@ def test_host_waits_before_rewriting_a_busy_pinned_buffer(monkeypatch: pytest.Mo
         stage = stage_of(cupy)
         syncs = []
         for x in batches:
-            got = plain(stage(x, transform_of("log1p", x), np.float32))
-            assert got.tobytes() == host_result("log1p", x).tobytes()
+            assert staged_right(stage, x, "log1p")
             syncs.append(cupy.ledger.take().syncs)
     assert syncs == [[], [], ["event.synchronize"], ["event.synchronize"]]
 
