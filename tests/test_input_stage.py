@@ -241,3 +241,37 @@ def test_a_kept_batch_on_the_cpu_is_transformed_on_the_host(name: str) -> None:
     x = counts(4)
     assert host_transform(x, transform_of(name, x)).tobytes() == \
         host_result(name, x).tobytes()
+
+
+def test_training_on_a_device_stages_the_train_batches(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``build_job`` on a device keeps the train reader's int16 counts (validation's are
+    transformed on the host as before) and the trainer hands them to the stage: the run's
+    loss and MAE are the CPU run's (the stand-in's convolutions are gemm: rtol 1e-5)."""
+    from mpi4py import MPI
+
+    from cosmotrain.config.load import load_config
+    from cosmotrain.data.synthetic.datagen import generate_dataset
+    from cosmotrain.device.select import Device
+    from cosmotrain.train import job_setup
+    from cosmotrain.train.trainer import Trainer
+
+    generate_dataset(tmp_path / "data", 8, 16, 3, val_fraction=0.25)  # int16 counts
+
+    def run(device: Device | None) -> tuple[Any, dict]:
+        cfg = load_config(str(Path(__file__).parents[1] / "configs" / "tiny.yaml"),
+                          [f"data.path={tmp_path / 'data'}", "data.source=files",
+                           f"output.dir={tmp_path / str(device is None)}"])
+        if device is not None:
+            monkeypatch.setattr(job_setup, "select_device", lambda cfg, comm: device)
+        job = job_setup.build_job(cfg, MPI.COMM_SELF)
+        return job, Trainer(job).run()
+
+    _, on_cpu = run(None)
+    with installed(monkeypatch) as cupy:
+        job, on_device = run(Device("gpu", 0, "fp32", "staging", "gemm"))
+        kept = [u for u in cupy.ledger.uploads if u[1] == np.dtype(np.int16).str]
+    assert job.readers["train"].keep_stored and not job.readers["validation"].keep_stored
+    assert job.step.stage is not None and len(kept) == on_device["step"]  # one a step
+    for key in ("final_loss", "best_mae"):
+        assert on_device[key] == pytest.approx(on_cpu[key], rel=1e-5)

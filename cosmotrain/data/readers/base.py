@@ -140,7 +140,7 @@ class Reader(ABC):
         self.stats.record(time.perf_counter() - start, delivery.read_seconds,
                           delivery.bytes_read, delivery.bytes_received)
         return Batch(x, self.manifest.targets(self.split, indices), indices, epoch, index,
-                     self._device_transform(x, indices))
+                     self._device_transform(indices))
 
     def epoch(self, epoch: int) -> Iterator[Batch]:
         """Every batch of ``epoch`` in order."""
@@ -187,8 +187,8 @@ class Reader(ABC):
         return DistTensor(np.ascontiguousarray(data, dtype=np.float32), dist,
                           self.placement.coord)
 
-    def _device_transform(self, x: DistTensor, indices: np.ndarray
-                          ) -> DeviceTransform | None:
+    def _device_transform(self, indices: np.ndarray) -> DeviceTransform | None:
+        """What the device still has to do to a kept batch (None: nothing kept)."""
         if not self.stored_on_device:
             return None
         rows = self.my_rows(indices)
