@@ -4,7 +4,9 @@ A reader serves one split.  ``reader.batch(epoch, index)`` is collective over th
 reader's communicator (every rank asks for the same batch) and returns a :class:`Batch`:
 
 - ``x``: this rank's block of the (B', C, W, W, W) input, a float32 :class:`DistTensor` cut
-  like ``Distribution((B', C, W, W, W), ways)`` at the rank's ``coord``, transformed;
+  like ``Distribution((B', C, W, W, W), ways)`` at the rank's ``coord``, transformed; or,
+  when the reader ``keep_stored`` int16 counts for a device, those counts untransformed,
+  with ``device_transform`` saying what the device still applies;
 - ``targets``: float32 ``[B', 4]`` labels of the *whole* global batch (the loss needs them);
 - ``indices``: the global sample indices of the batch's rows, in row order.
 
