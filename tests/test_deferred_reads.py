@@ -1,0 +1,191 @@
+"""The trainer reads a device step's loss and votes one step late (train/deferred.py).
+
+The real trainer loop runs the real GPU-path step on the stand-in cupy
+(tests/standin.py) over a small in-memory reader.  A timeline interleaves the step
+launches, the host's reads of each step's values and every synchronisation the ledger
+counts, so it shows where the host waits: between launching step k and launching step
+k + 1 only the read of step k - 1's values, and at the end (a checkpoint follows) the
+last step's.  The records are those of a run that reads every step at once, and a NaN
+stops the run before any checkpoint holds it, the parameters untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from standin import installed
+
+from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.config.layout import resolve_parallel
+from cosmotrain.config.load import load_config
+from cosmotrain.data.readers.base import Batch, IOStats
+from cosmotrain.device.select import Device
+from cosmotrain.engine.device_verdict import DeferredSums
+from cosmotrain.engine.step import HybridStep, hybrid_step_from_config, job_runtime
+from cosmotrain.train.checkpoints.checkpoint import checkpoint_dir, list_checkpoints
+from cosmotrain.train.deferred import OneBehind
+from cosmotrain.train.job_setup import Job
+from cosmotrain.train.outputs.observers import Observer
+from cosmotrain.train.stops import NonFiniteError
+from cosmotrain.train.trainer import Trainer
+from cosmotrain.tensor.dist_tensor import DistTensor
+
+STEPS = 5
+CONFIG = ["model.name=cosmoflow", "model.width=16", "model.dropout=0.2",
+          "train.batch_size=2", "optimizer.name=sgd", "optimizer.lr=0.002",
+          "optimizer.momentum=0.9", "device.conv_algorithm=gemm", "train.epochs=1",
+          "train.log_every=1"]
+
+
+class Batches:
+    """A reader of ``STEPS`` batches of one epoch, held in memory; ``bad`` (a step
+    index) gets a NaN target."""
+
+    def __init__(self, cfg: Any, model: Any, bad: int | None = None) -> None:
+        rng = np.random.default_rng(3)
+        size, width = cfg.train.batch_size, cfg.model.width
+        self.count, self.batches_per_epoch, self.stats = size * STEPS, STEPS, IOStats()
+        self.model, self.bad, self.rng, self.size = model, bad, rng, size
+        self.shape = (size, cfg.model.channels, width, width, width)
+        self.x = [rng.normal(size=self.shape).astype(np.float32) for _ in range(STEPS)]
+        self.y = [rng.normal(size=(size, cfg.model.outputs)).astype(np.float32)
+                  for _ in range(STEPS)]
+
+    def batch(self, epoch: int, index: int) -> Batch:
+        targets = self.y[index].copy()
+        if index == self.bad:
+            targets[0, 0] = np.nan
+        dist, coord = self.model.input_distribution(self.shape)
+        return Batch(DistTensor.scatter(self.x[index], dist, coord), targets,
+                     np.arange(index * self.size, (index + 1) * self.size), epoch, index)
+
+
+class Records(Observer):
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def record(self, record: Any) -> None:
+        self.records.append(dict(record))
+
+
+@dataclass
+class Run:
+    """What a trainer run showed: its timeline, its train records' figures, and each
+    parameter and optimizer slot before each step (the last entry: after the run)."""
+
+    timeline: list[str] = field(default_factory=list)
+    figures: list[dict[str, Any]] = field(default_factory=list)
+    params: list[dict[str, np.ndarray]] = field(default_factory=list)
+
+
+def train(monkeypatch: pytest.MonkeyPatch, out_dir: Path, run: Run, extra: list[str] = (),
+          bad: int | None = None) -> None:
+    """A trainer run on the stand-in GPU, seen in ``run`` (filled when it raises too)."""
+    from mpi4py import MPI
+
+    cfg = load_config(None, [*CONFIG, *extra])
+    bus = Records()
+    with installed(monkeypatch) as cupy:
+        grid = ProcessGrid(MPI.COMM_SELF, resolve_parallel(cfg, 1))
+        device = Device("gpu", 0, cfg.device.precision, "staging", "gemm")
+        step = hybrid_step_from_config(cfg, grid, job_runtime(cfg, grid, device))
+        reader = Batches(cfg, step.model, bad)
+        job = Job(cfg, MPI.COMM_SELF, grid, step, None, {"train": reader}, out_dir)
+        watch(monkeypatch, cupy.ledger, run.timeline, run.params, [])
+        try:
+            Trainer(job, bus=bus).run()
+        finally:
+            run.params.append(snapshot(step))
+            run.figures[:] = [{k: r[k] for k in ("step", "epoch", "samples", "loss", "lr")}
+                              for r in bus.records if r["kind"] == "train"]
+            grid.free()
+
+
+def watch(monkeypatch: pytest.MonkeyPatch, ledger: Any, timeline: list[str],
+          params: list[dict[str, np.ndarray]], outputs: list[Any]) -> None:
+    """Write into ``timeline`` each step's launch, each read of a step's values (by the
+    step's number) and each host synchronisation (with where it came from)."""
+    real_sync, real_call, real_read = ledger.sync, HybridStep.__call__, DeferredSums.read
+
+    def sync(why: str) -> None:
+        before = len(ledger.syncs)
+        real_sync(why)
+        if len(ledger.syncs) > before:
+            timeline.append(f"sync {why} at {ledger.sync_sites[-1]}")
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        params.append(snapshot(self))
+        timeline.append(f"launch {len(outputs) + 1}")
+        out = real_call(self, *args, **kwargs)
+        outputs.append(out.sums)
+        timeline.append(f"launched {len(outputs)}")
+        return out
+
+    def read(self: Any) -> Any:
+        if self._host is None:
+            timeline.append(f"read {[s is self for s in outputs].index(True) + 1}")
+        return real_read(self)
+    monkeypatch.setattr(ledger, "sync", sync)
+    monkeypatch.setattr(HybridStep, "__call__", call)
+    monkeypatch.setattr(DeferredSums, "read", read)
+
+
+def snapshot(step: Any) -> dict[str, np.ndarray]:
+    arrays = {name: p.data for name, p in step.model.named_parameters()}
+    arrays.update({f"{n}.{k}": v for n, slots in step.optimizer.state.items()
+                   for k, v in slots.items()})
+    return {name: np.array(a.view(np.ndarray)) for name, a in arrays.items()}
+
+
+READ = "sync asnumpy at device/xp.py:to_host"  # DeferredSums.read: the one host read
+
+
+def between_launches(timeline: list[str], k: int) -> list[str]:
+    """What the host did from the end of step k's launch to the start of step k + 1's."""
+    start = timeline.index(f"launched {k}") + 1
+    return timeline[start:timeline.index(f"launch {k + 1}")]
+
+
+def test_the_host_reads_step_k_minus_1_after_launching_step_k(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    run = Run()
+    train(monkeypatch, tmp_path, run)
+    timeline = run.timeline
+    for k in range(1, STEPS + 1):  # nothing inside a step makes the host wait
+        inside = timeline[timeline.index(f"launch {k}") + 1:timeline.index(f"launched {k}")]
+        assert inside == [], (k, inside)
+    assert between_launches(timeline, 1) == []  # step 1's values wait for step 2
+    for k in range(2, STEPS):
+        assert between_launches(timeline, k) == [f"read {k - 1}", READ], k
+    last = timeline[timeline.index(f"launched {STEPS}") + 1:]
+    assert last[:4] == [f"read {STEPS - 1}", READ, f"read {STEPS}", READ], last
+    assert [f["step"] for f in run.figures] == list(range(1, STEPS + 1))
+
+    push = OneBehind.push  # the eager read: each step's values read right after it
+    monkeypatch.setattr(OneBehind, "push", lambda self, launched, settle=False:
+                        push(self, launched, True))
+    eager = Run()
+    train(monkeypatch, tmp_path / "eager", eager)
+    assert between_launches(eager.timeline, 2) == ["read 2", READ]  # the wait it saves
+    assert run.figures == eager.figures  # the same records, one per step, in order
+
+
+def test_a_nan_step_read_late_is_never_checkpointed_nor_applied(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Step 3's targets hold a NaN, checkpoints every 2 steps: step 4 is launched before
+    step 3's values are read, then read at once (a checkpoint is due), and the run stops
+    there: the checkpoint of step 2 the newest, steps 3 and 4 not applied."""
+    run = Run()
+    with pytest.raises(NonFiniteError, match="the loss of step 3 "):
+        train(monkeypatch, tmp_path, run, ["train.checkpoint_every_steps=2"], bad=2)
+    assert [step for step, _ in list_checkpoints(checkpoint_dir(tmp_path))] == [2]
+    assert run.timeline.index("launch 4") < run.timeline.index("read 3")
+    assert "launch 5" not in run.timeline
+    before_3, after = run.params[2], run.params[-1]
+    assert before_3.keys() == after.keys()
+    for name, array in before_3.items():
+        np.testing.assert_array_equal(after[name], array, err_msg=name)
