@@ -65,26 +65,47 @@ class Batches:
 
 
 class Records(Observer):
+    """The train records' figures, in order among the epoch events."""
+
     def __init__(self) -> None:
-        self.records: list[dict[str, Any]] = []
+        self.events: list[Any] = []
+
+    def epoch_start(self, epoch: int) -> None:
+        self.events.append(f"epoch {epoch} starts")
+
+    def epoch_stop(self, epoch: int) -> None:
+        self.events.append(f"epoch {epoch} ends")
 
     def record(self, record: Any) -> None:
-        self.records.append(dict(record))
+        if record["kind"] == "train":
+            self.events.append({k: record[k] for k in ("step", "epoch", "samples", "loss",
+                                                       "lr")})
 
 
 @dataclass
 class Run:
-    """What a trainer run showed: its timeline, its train records' figures, and each
+    """What a trainer run showed: its timeline, its records and epoch events, and each
     parameter and optimizer slot before each step (the last entry: after the run)."""
 
     timeline: list[str] = field(default_factory=list)
-    figures: list[dict[str, Any]] = field(default_factory=list)
+    events: list[Any] = field(default_factory=list)  # records' figures, epoch events
     params: list[dict[str, np.ndarray]] = field(default_factory=list)
 
 
+class Signal:
+    """A stop signal that arrives before step index ``at`` (None: never)."""
+
+    def __init__(self, at: int | None) -> None:
+        self.at, self.requested = at, False
+
+    def before_step(self, rank: int, step: int) -> None:
+        self.requested = self.requested or step == self.at
+
+
 def train(monkeypatch: pytest.MonkeyPatch, out_dir: Path, run: Run, extra: list[str] = (),
-          bad: int | None = None) -> None:
-    """A trainer run on the stand-in GPU, seen in ``run`` (filled when it raises too)."""
+          bad: int | None = None, stop: int | None = None) -> dict[str, Any]:
+    """A trainer run on the stand-in GPU, seen in ``run`` (filled when it raises too);
+    its summary."""
     from mpi4py import MPI
 
     cfg = load_config(None, [*CONFIG, *extra])
@@ -96,12 +117,12 @@ def train(monkeypatch: pytest.MonkeyPatch, out_dir: Path, run: Run, extra: list[
         reader = Batches(cfg, step.model, bad)
         job = Job(cfg, MPI.COMM_SELF, grid, step, None, {"train": reader}, out_dir)
         watch(monkeypatch, cupy.ledger, run.timeline, run.params, [])
+        signal = Signal(stop)
         try:
-            Trainer(job, bus=bus).run()
+            return Trainer(job, signal, before_step=signal.before_step, bus=bus).run()
         finally:
             run.params.append(snapshot(step))
-            run.figures[:] = [{k: r[k] for k in ("step", "epoch", "samples", "loss", "lr")}
-                              for r in bus.records if r["kind"] == "train"]
+            run.events[:] = bus.events
             grid.free()
 
 
@@ -150,42 +171,68 @@ def between_launches(timeline: list[str], k: int) -> list[str]:
     return timeline[start:timeline.index(f"launch {k + 1}")]
 
 
+def steps_recorded(run: Run) -> list[int]:
+    return [event["step"] for event in run.events if isinstance(event, dict)]
+
+
 def test_the_host_reads_step_k_minus_1_after_launching_step_k(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Two epochs of ``STEPS`` steps, a checkpoint at the first one's end: in each epoch
+    the host reads step k - 1 between launching step k and step k + 1, and reads the
+    epoch's last step at once; the records and epoch events are the eager read's."""
     run = Run()
-    train(monkeypatch, tmp_path, run)
-    timeline = run.timeline
-    for k in range(1, STEPS + 1):  # nothing inside a step makes the host wait
+    train(monkeypatch, tmp_path, run, ["train.epochs=2"])
+    timeline, last = run.timeline, 2 * STEPS
+    for k in range(1, last + 1):  # nothing inside a step makes the host wait
         inside = timeline[timeline.index(f"launch {k}") + 1:timeline.index(f"launched {k}")]
         assert inside == [], (k, inside)
-    assert between_launches(timeline, 1) == []  # step 1's values wait for step 2
-    for k in range(2, STEPS):
-        assert between_launches(timeline, k) == [f"read {k - 1}", READ], k
-    last = timeline[timeline.index(f"launched {STEPS}") + 1:]
-    assert last[:4] == [f"read {STEPS - 1}", READ, f"read {STEPS}", READ], last
-    assert [f["step"] for f in run.figures] == list(range(1, STEPS + 1))
+    for first in (1, STEPS + 1):
+        assert between_launches(timeline, first) == []  # its values wait for the next
+        for k in range(first + 1, first + STEPS - 1):
+            assert between_launches(timeline, k) == [f"read {k - 1}", READ], k
+    end_of_epoch = between_launches(timeline, STEPS)
+    assert end_of_epoch[:4] == [f"read {STEPS - 1}", READ, f"read {STEPS}", READ]
+    end = timeline[timeline.index(f"launched {last}") + 1:]
+    assert end[:4] == [f"read {last - 1}", READ, f"read {last}", READ], end
+    assert steps_recorded(run) == list(range(1, last + 1))
 
     push = OneBehind.push  # the eager read: each step's values read right after it
     monkeypatch.setattr(OneBehind, "push", lambda self, launched, settle=False:
                         push(self, launched, True))
     eager = Run()
-    train(monkeypatch, tmp_path / "eager", eager)
+    train(monkeypatch, tmp_path / "eager", eager, ["train.epochs=2"])
     assert between_launches(eager.timeline, 2) == ["read 2", READ]  # the wait it saves
-    assert run.figures == eager.figures  # the same records, one per step, in order
+    assert run.events == eager.events  # the same records, one per step, in order
 
 
+@pytest.mark.parametrize("bad", [3, 4])
 def test_a_nan_step_read_late_is_never_checkpointed_nor_applied(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Step 3's targets hold a NaN, checkpoints every 2 steps: step 4 is launched before
-    step 3's values are read, then read at once (a checkpoint is due), and the run stops
-    there: the checkpoint of step 2 the newest, steps 3 and 4 not applied."""
+        bad: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Step ``bad``'s targets hold a NaN, checkpoints every 2 steps.  Step 3 is read
+    after step 4 is launched; step 4 is read at once, before its checkpoint.  Either way
+    the run stops there with the checkpoint of step 2 the newest, and the parameters and
+    slots are those from before the NaN step: neither it nor a step after it applied."""
     run = Run()
-    with pytest.raises(NonFiniteError, match="the loss of step 3 "):
-        train(monkeypatch, tmp_path, run, ["train.checkpoint_every_steps=2"], bad=2)
+    with pytest.raises(NonFiniteError, match=f"the loss of step {bad} "):
+        train(monkeypatch, tmp_path, run, ["train.checkpoint_every_steps=2"], bad=bad - 1)
     assert [step for step, _ in list_checkpoints(checkpoint_dir(tmp_path))] == [2]
-    assert run.timeline.index("launch 4") < run.timeline.index("read 3")
+    assert run.timeline.index("launch 4") < run.timeline.index(f"read {bad}")
     assert "launch 5" not in run.timeline
-    before_3, after = run.params[2], run.params[-1]
-    assert before_3.keys() == after.keys()
-    for name, array in before_3.items():
+    before, after = run.params[bad - 1], run.params[-1]
+    assert before.keys() == after.keys()
+    for name, array in before.items():
         np.testing.assert_array_equal(after[name], array, err_msg=name)
+
+
+def test_a_stop_read_late_stops_at_the_next_step_with_its_checkpoint(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A signal before step 3: step 3's stop vote is read after step 4 is launched,
+    which is then read at once and checkpointed; the run ends there, every step read."""
+    run = Run()
+    summary = train(monkeypatch, tmp_path, run, stop=2)
+    assert summary["stop_reason"] == "interrupted" and summary["step"] == 4
+    assert [step for step, _ in list_checkpoints(checkpoint_dir(tmp_path))] == [4]
+    assert steps_recorded(run) == [1, 2, 3, 4]
+    assert "launch 5" not in run.timeline
+    assert run.timeline.index("launch 4") < run.timeline.index("read 3") \
+        < run.timeline.index("read 4")
