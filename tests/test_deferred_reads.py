@@ -26,13 +26,13 @@ from cosmotrain.data.readers.base import Batch, IOStats
 from cosmotrain.device.select import Device
 from cosmotrain.engine.device_verdict import DeferredSums
 from cosmotrain.engine.step import HybridStep, hybrid_step_from_config, job_runtime
+from cosmotrain.tensor.dist_tensor import DistTensor
 from cosmotrain.train.checkpoints.checkpoint import checkpoint_dir, list_checkpoints
 from cosmotrain.train.deferred import OneBehind
 from cosmotrain.train.job_setup import Job
 from cosmotrain.train.outputs.observers import Observer
 from cosmotrain.train.stops import NonFiniteError
 from cosmotrain.train.trainer import Trainer
-from cosmotrain.tensor.dist_tensor import DistTensor
 
 STEPS = 5
 CONFIG = ["model.name=cosmoflow", "model.width=16", "model.dropout=0.2",
