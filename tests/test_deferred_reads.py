@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import abort_on_error
 from standin import installed
 
 from cosmotrain.comm.grid import ProcessGrid
@@ -103,19 +104,21 @@ class Signal:
 
 
 def train(monkeypatch: pytest.MonkeyPatch, out_dir: Path, run: Run, extra: list[str] = (),
-          bad: int | None = None, stop: int | None = None) -> dict[str, Any]:
+          bad: int | None = None, stop: int | None = None, comm: Any = None
+          ) -> dict[str, Any]:
     """A trainer run on the stand-in GPU, seen in ``run`` (filled when it raises too);
-    its summary."""
+    its summary.  ``comm``: the job's ranks (None: this one alone)."""
     from mpi4py import MPI
 
+    comm = MPI.COMM_SELF if comm is None else comm
     cfg = load_config(None, [*CONFIG, *extra])
     bus = Records()
     with installed(monkeypatch) as cupy:
-        grid = ProcessGrid(MPI.COMM_SELF, resolve_parallel(cfg, 1))
+        grid = ProcessGrid(comm, resolve_parallel(cfg, comm.Get_size()))
         device = Device("gpu", 0, cfg.device.precision, "staging", "gemm")
         step = hybrid_step_from_config(cfg, grid, job_runtime(cfg, grid, device))
         reader = Batches(cfg, step.model, bad)
-        job = Job(cfg, MPI.COMM_SELF, grid, step, None, {"train": reader}, out_dir)
+        job = Job(cfg, comm, grid, step, None, {"train": reader}, out_dir)
         watch(monkeypatch, cupy.ledger, run.timeline, run.params, [])
         signal = Signal(stop)
         try:
@@ -162,6 +165,8 @@ def snapshot(step: Any) -> dict[str, np.ndarray]:
     return {name: np.array(a.view(np.ndarray)) for name, a in arrays.items()}
 
 
+# The staging transport's stream synchronisation (MPI reads host copies), in the step.
+TRANSPORT = "sync stream.synchronize at "
 READ = "sync asnumpy at device/xp.py:to_host"  # DeferredSums.read: the one host read
 
 
@@ -236,3 +241,32 @@ def test_a_stop_read_late_stops_at_the_next_step_with_its_checkpoint(
     assert "launch 5" not in run.timeline
     assert run.timeline.index("launch 4") < run.timeline.index("read 3") \
         < run.timeline.index("read 4")
+
+
+@pytest.mark.parallel(nprocs=[2])
+@abort_on_error
+def test_the_late_read_on_a_spatial_layout(monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path: Path) -> None:
+    """D2 over the staging transport: inside a step only the transport's stream
+    synchronisations, between launching step k and step k + 1 only the read of step
+    k - 1, on both ranks; the records are the eager read's on every rank."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    out = tmp_path / "late" if comm.Get_rank() == 0 else None
+    run = Run()
+    train(monkeypatch, comm.bcast(out), run, ["parallel.depth=2", "parallel.sample=1"],
+          comm=comm)
+    timeline = run.timeline
+    for k in range(1, STEPS + 1):
+        inside = timeline[timeline.index(f"launch {k}") + 1:timeline.index(f"launched {k}")]
+        assert inside and all(s.startswith(TRANSPORT) for s in inside), (k, inside)
+    for k in range(2, STEPS):
+        assert between_launches(timeline, k) == [f"read {k - 1}", READ], k
+    push = OneBehind.push
+    monkeypatch.setattr(OneBehind, "push", lambda self, launched, settle=False:
+                        push(self, launched, True))
+    eager = Run()
+    train(monkeypatch, comm.bcast(tmp_path / "eager" if out else None), eager,
+          ["parallel.depth=2", "parallel.sample=1"], comm=comm)
+    assert run.events == eager.events and steps_recorded(run) == list(range(1, STEPS + 1))
