@@ -14,7 +14,8 @@ pairwise sum, see loss.cu).  Where it does not apply, the two passes below.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
