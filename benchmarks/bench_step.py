@@ -2,7 +2,7 @@
 
     [mpiexec -n P] python benchmarks/bench_step.py [--backend gpu] [--width 128]
         [--batch 1 8 32] [--precisions fp32 tf32 bf16] [--algorithms cudnn gemm]
-        [--steps 10] [--warmup 3] [--set KEY=VALUE ...] [--input host|device]
+        [--steps 10] [--warmup 3] [--set KEY=VALUE ...] [--input host|stored|device]
         [--torch-layouts ndhwc ncdhw] [--no-torch] [--out FILE.json]
 
 What is timed: the trainer's own step (``HybridStep``: the batch's host -> device copy,
@@ -24,6 +24,10 @@ layout of ``--torch-layouts`` (``ndhwc``: channels-last) with cuDNN's autotuner 
 ``--input host`` (the default) starts each step from a batch in host memory, as training
 does: cosmotrain's step copies it to the device (from pageable memory), PyTorch's from
 pinned memory with ``non_blocking=True`` (a ``DataLoader(pin_memory=True)``'s batch).
+``--input stored`` starts cosmotrain's step from int16 counts in host memory, as training
+from an int16 dataset on a GPU does: staged through pinned buffers and transformed on the
+device (``engine/input_stage.py``; on the CPU the step transforms them on the host);
+PyTorch's batch as with ``host``.
 ``--input device`` starts both from a batch already on the device: the compute alone.
 
 ``--backend cpu`` runs the same code on numpy (how ``tests/test_bench_step.py`` checks
@@ -53,6 +57,7 @@ from bench_hybrid import build_step, targets  # noqa: E402
 
 from cosmotrain.runtime.threads import job_threads  # noqa: E402
 from cosmotrain.config.load import load_config  # noqa: E402
+from cosmotrain.data.readers.transform import DeviceTransform  # noqa: E402
 from cosmotrain.device import step_memory  # noqa: E402
 from cosmotrain.kernels.cpu.workers import KernelThreads  # noqa: E402
 from cosmotrain.errors import UserError  # noqa: E402
@@ -82,15 +87,24 @@ def synchronizer(step: HybridStep) -> Callable[[], None]:
     return step.device.xp.cuda.Device().synchronize
 
 
+def stored_input(x: DistTensor) -> tuple[DistTensor, DeviceTransform]:
+    """``--input stored``: int16 particle counts in the block's shape, with the log1p the
+    step applies to them on its device."""
+    counts = np.random.default_rng(5).poisson(2.0, size=x.data.shape).astype(np.int16)
+    return DistTensor(counts, x.dist, x.coord), DeviceTransform("log1p")
+
+
 def time_steps(step: HybridStep, x: DistTensor, y: np.ndarray, steps: int, warmup: int,
-               world: Any, on_device: bool = False) -> List[float]:
+               world: Any, on_device: bool = False,
+               transform: Optional[DeviceTransform] = None) -> List[float]:
     """Seconds of each timed step on the slowest rank (every step starts on a barrier).
 
     Each step gets a fresh copy of the input block, made before the clock starts (a
     step may write into its input).  ``on_device``: the copy is on the rank's device,
     as PyTorch's batch is, and the step's input placement has nothing to move; else the
     block comes from host memory and the step includes its host -> device copy, as in
-    training."""
+    training.  ``transform``: the block holds int16 counts the step transforms
+    (``--input stored``)."""
     sync = synchronizer(step)
     if on_device:
         x = step.place_input(x)
@@ -103,7 +117,7 @@ def time_steps(step: HybridStep, x: DistTensor, y: np.ndarray, steps: int, warmu
             sync()
             world.Barrier()
             started = time.perf_counter()
-            step(fresh, y, Context(step=index))
+            step(fresh, y, Context(step=index), transform=transform)
             sync()
             elapsed = world.allreduce(time.perf_counter() - started, op=MPI.MAX)
             del fresh
@@ -136,8 +150,10 @@ def cosmotrain_row(world: Any, args: argparse.Namespace, batch: int, precision: 
     try:
         cfg = load_config(None, overrides(args, batch, precision, algorithm))
         step, x = build_step(world, cfg, threads)
+        x, transform = stored_input(x) if args.input == "stored" else (x, None)
         seconds = time_steps(step, x, targets(batch, cfg.model.outputs), args.steps,
-                             args.warmup, world, on_device=args.input == "device")
+                             args.warmup, world, on_device=args.input == "device",
+                             transform=transform)
     except MemoryError:
         return {**row, "status": "out of memory"}
     except Exception as err:  # noqa: BLE001 - cupy's OutOfMemoryError without importing it
@@ -148,7 +164,7 @@ def cosmotrain_row(world: Any, args: argparse.Namespace, batch: int, precision: 
     devices = devices_used(step, world)
     memory = world.gather(peak_memory_mib(step), root=0)
     strategy = step.grid.layout.describe()
-    layers = (layer_times(step, x, targets(batch, cfg.model.outputs), args, world)
+    layers = (layer_times(step, x, targets(batch, cfg.model.outputs), args, world, transform)
               if args.layers else None)
     del step
     release_device_memory(args.backend)
@@ -160,7 +176,8 @@ def cosmotrain_row(world: Any, args: argparse.Namespace, batch: int, precision: 
 
 
 def layer_times(step: HybridStep, x: DistTensor, y: np.ndarray, args: argparse.Namespace,
-                world: Any) -> Dict[str, float]:
+                world: Any, transform: Optional[DeviceTransform] = None
+                ) -> Dict[str, float]:
     """Milliseconds per step of each layer's forward and backward (``--layers``), the
     device synchronised around each, and what the step spends outside the layers (input
     placement, loss, gradient reduction, optimizer).  Measured after the timed steps, so
@@ -169,7 +186,7 @@ def layer_times(step: HybridStep, x: DistTensor, y: np.ndarray, args: argparse.N
     timer = LayerTimer(model.spatial, model.to_samples, model.head, sync=synchronizer(step))
     try:
         seconds = time_steps(step, x, y, args.steps, 0, world,  # warm from the timed steps
-                             on_device=args.input == "device")
+                             on_device=args.input == "device", transform=transform)
     finally:
         timer.remove()
     per_step = {f"{name} {phase}": 1e3 * total / args.steps
@@ -216,7 +233,8 @@ def torch_row(args: argparse.Namespace, model: Any, batch: int, precision: str,
                     device=device).contiguous(memory_format=memory_format)
     y = torch.randn(batch, 4, device=device)
 
-    host = x.cpu().pin_memory() if args.input == "host" and device == "cuda" else None
+    host = (x.cpu().pin_memory() if args.input in ("host", "stored") and device == "cuda"
+            else None)
 
     def step() -> None:
         # --input host: the batch crosses to the GPU each step, from pinned memory and
@@ -324,9 +342,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         help="config KEY=VALUE, e.g. parallel.depth=2 (repeatable)")
-    parser.add_argument("--input", choices=["host", "device"], default="host",
-                        help="where each step's batch starts: host memory (the trainer's "
-                        "case: the step copies it to the device) or already on the device")
+    parser.add_argument("--input", choices=["host", "stored", "device"], default="host",
+                        help="where each step's batch starts: host memory (the step copies "
+                        "it to the device), int16 counts in host memory (the trainer's "
+                        "case with int16 data: staged and transformed on the device) or "
+                        "already on the device")
     parser.add_argument("--layers", action="store_true",
                         help="also time each layer's forward and backward (device "
                         "synchronised around each), in extra steps after the timed ones")

@@ -10,7 +10,7 @@
 #   TESTS_LIMIT=230 bash benchmarks/gpu_check.sh info bench-quick tests
 #   STEPS=5 WARMUP=2 BENCH_LIMIT=190 bash benchmarks/gpu_check.sh tests bench-paper bench-mlperf
 #   STEPS=4 WARMUP=1 BENCH_LIMIT=45 bash benchmarks/gpu_check.sh test-ir bench-b32-bf16 memory
-# Environment: STEPS, WARMUP, INPUT (host|device), AUTOTUNE (true|false: cuDNN plans),
+# Environment: STEPS, WARMUP, INPUT (host|stored|device), AUTOTUNE (true|false: cuDNN plans),
 # TESTS_LIMIT, BENCH_LIMIT, OUT.
 #
 # Set-up: a machine with no package index gets its missing wheels from .whl/ (the cuDNN
@@ -71,6 +71,12 @@ run_stage() {
     bench-quick)
         stage bench-quick 120 python3 benchmarks/bench_step.py --width 128 --batch 8 \
             --precisions fp32 bf16 --steps 5 --warmup 2 --out "$OUT/step_quick.json" ;;
+    bench-input)  # issue 35 item 1: a float32 batch from pageable memory against int16
+        # counts staged through pinned buffers and transformed on the device
+        stage bench-input 150 bash -c 'for input in host stored; do
+            python3 benchmarks/bench_step.py --width 128 --batch 8 --precisions bf16 \
+                --algorithms cudnn --steps 5 --warmup 2 --no-torch --input $input \
+                --out "$OUT/step_input_${input}_w128_b8.json"; done' ;;
     bench-paper)
         stage bench-paper "${BENCH_LIMIT:-240}" bash -c "bench_w128 cosmoflow 1 8 32" ;;
     bench-mlperf)

@@ -96,6 +96,9 @@ def cuda_route(installed: dict[str, str]) -> str:
         return (f"mixed CUDA 12 and 13 wheels ({listed}): keep one of the extras "
                 f"gpu (CUDA 12) or gpu-cuda13")
     major = majors[0]
+    if not any(name.startswith("nvidia-cudnn") for name in installed):  # cupy alone
+        return (f"CUDA {major}, cupy without cuDNN ({listed}): enough for the NVRTC checks "
+                f"of the cuda-check extra; the GPU route is extra {EXTRA_OF_CUDA[major]}")
     return f"CUDA {major} (extra {EXTRA_OF_CUDA[major]}): {listed}"
 
 

@@ -46,6 +46,7 @@ import numpy as np
 from standin_bytes import operand_traffic, raw_traffic
 from standin_ledger import (Launch, Ledger, addresses_of, array_bytes, describe, flat,
                             plain_arrays)
+from standin_streams import Streams
 
 
 class StandIn(types.ModuleType):
@@ -163,8 +164,11 @@ def _array_class(module: StandIn) -> type:
             return out
 
         def set(self, host: Any, stream: Any = None) -> None:
+            """Queued on ``stream`` (tests/standin_streams.py: it may lag)."""
             ledger.uploads.append((self.shape, self.dtype.str))
-            np.copyto(self.view(np.ndarray), host)
+            target = self.view(np.ndarray)
+            (stream or module.cuda.streams.current).enqueue(
+                lambda: np.copyto(target, host), target.__array_interface__["data"][0])
 
         def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
             ledger.sync("__array__")
@@ -215,34 +219,17 @@ def _array_class(module: StandIn) -> type:
 
 
 def _cuda(ledger: Ledger) -> types.SimpleNamespace:
-    """``cupy.cuda``: one device, streams and events whose waits are syncs."""
-
-    class Event:
-        done = True  # every launch has run by the time the host looks (numpy is eager)
-
-        def record(self, stream: Any = None) -> None:
-            pass
-
-        def synchronize(self) -> None:
-            ledger.sync("event.synchronize")
-
-    class Stream:
-        ptr = 0
-
-        def synchronize(self) -> None:
-            ledger.sync("stream.synchronize")
-
-        def record(self) -> Event:
-            return Event()
-
+    """``cupy.cuda``: one device, streams and events (tests/standin_streams.py) whose
+    waits are syncs."""
+    streams = Streams(ledger)
     device = types.SimpleNamespace(id=0, compute_capability="90",
                                    use=lambda: None,
                                    synchronize=lambda: ledger.sync("device.synchronize"))
     runtime = types.SimpleNamespace(getDeviceCount=lambda: 1,
                                     deviceSynchronize=lambda: ledger.sync("deviceSynchronize"))
     return types.SimpleNamespace(Device=lambda index=None: device, runtime=runtime,
-                                 Event=Event, Stream=Stream,
-                                 get_current_stream=lambda: Stream())
+                                 Event=streams.Event, Stream=streams.Stream, streams=streams,
+                                 get_current_stream=streams.get_current_stream)
 
 
 # numpy twins of the project's fused cupy kernels (kernels/cuda/fused.py), by name.
@@ -310,6 +297,7 @@ def installed(monkeypatch: Any) -> Iterator[StandIn]:
 
     module = shared()
     module.ledger.clear()
+    module.cuda.streams.reset()
     host = HostLauncher()
 
     def raw_launch(kernel: str, size: int, args: Any) -> None:
@@ -320,7 +308,7 @@ def installed(monkeypatch: Any) -> Iterator[StandIn]:
 
     monkeypatch.setitem(sys.modules, "cupy", module)
     monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(
-        empty_pinned=lambda shape, dtype: np.empty(shape, dtype)))  # host memory
+        empty_pinned=module.cuda.streams.empty_pinned))  # host memory, remembered
     monkeypatch.setattr(raw, "cupy_launch", raw_launch)
     # cuBLAS's TF32 switch: nothing to switch (numpy's matmul is float32 throughout)
     monkeypatch.setattr(settings, "_cupy_linalg", lambda: types.SimpleNamespace(

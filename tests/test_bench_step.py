@@ -70,3 +70,14 @@ def test_gpu_without_cupy_or_device_exits_2() -> None:
     done = bench("--backend", "gpu", "--width", "32", "--batch", "1", "--steps", "1")
     wanted = "needs cupy" if importlib.util.find_spec("cupy") is None else "needs a CUDA device"
     assert done.returncode == 2 and wanted in done.stderr
+
+
+def test_stored_int16_input(tmp_path: Path) -> None:
+    """``--input stored``: the step takes int16 counts and transforms them itself (on the
+    CPU on the host; on a GPU through engine/input_stage.py)."""
+    out = tmp_path / "stored.json"
+    done = bench(*SMALL, "--precisions", "fp32", "--input", "stored", "--no-torch",
+                 "--set", "model.name=tiny", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["status"] == "ok" and row["samples_per_s"] > 0

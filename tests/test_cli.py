@@ -61,7 +61,10 @@ def test_info_names_the_cuda_route() -> None:
     assert cuda_route({}) == "none"
     assert cuda_route({"cupy-cuda13x": "14.2.0", "nvidia-cudnn-cu13": "9.19.0"}) == \
         "CUDA 13 (extra gpu-cuda13): cupy-cuda13x 14.2.0, nvidia-cudnn-cu13 9.19.0"
-    assert cuda_route({"cupy-cuda12x": "14.0.1"}).startswith("CUDA 12 (extra gpu)")
+    assert cuda_route({"cupy-cuda12x": "14.0.1", "nvidia-cudnn-cu12": "9.1"}).startswith(
+        "CUDA 12 (extra gpu)")
+    assert cuda_route({"cupy-cuda13x": "14.2.0"}).startswith(
+        "CUDA 13, cupy without cuDNN (cupy-cuda13x 14.2.0): enough for the NVRTC checks")
     assert cuda_route({"cupy": "14.0.0"}) == "site install (cupy 14.0.0)"
     mixed = cuda_route({"cupy-cuda12x": "14.0.1", "nvidia-cudnn-cu13": "9.19.0"})
     assert mixed.startswith("mixed CUDA 12 and 13 wheels") and "gpu-cuda13" in mixed

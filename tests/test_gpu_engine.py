@@ -249,3 +249,24 @@ def test_training_cli_on_the_gpu(cli, tmp_path) -> None:
     assert "device (rank 0): gpu" in out
     code, out, _ = cli("info", "--json")
     assert code == 0 and '"cuda devices": "0:' in out
+
+
+@pytest.mark.parametrize("name, precision", [("log1p", "fp32"), ("mean", "bf16")])
+def test_int16_input_stage_matches_the_host(name: str, precision: str) -> None:
+    """engine/input_stage.py on cupy: pinned buffers, the copy stream and its events, and
+    input.cu give the host transform's bits (rounded once to bf16 in bf16), batch after
+    batch through both slots, with the compute stream never waited on by the host."""
+    from cosmotrain.data.readers.transform import (DeviceTransform, apply_transform,
+                                                    mean_divisors)
+    from cosmotrain.engine.input_stage import device_stage
+    from cosmotrain.precision import storage_dtype
+
+    stage, dtype = device_stage(cupy), storage_dtype(precision)
+    rng = np.random.default_rng(9)
+    for _ in range(3):
+        x = rng.poisson(2.0, size=(2, 4, 16, 16, 16)).astype(np.int16)
+        means = x.reshape(2, -1).mean(axis=1)
+        transform = DeviceTransform(name, mean_divisors(means) if name == "mean" else None)
+        got = cupy.asnumpy(stage(x, transform, dtype))
+        want = apply_transform(x, name, means if name == "mean" else None).astype(dtype)
+        assert got.tobytes() == want.tobytes()

@@ -33,6 +33,8 @@ from cosmotrain.engine.device_verdict import (DeferredSums, apply_flag, gradient
                                               guarded_update, vote_vector)
 from cosmotrain.engine.grad_sync import GradientReducer
 from cosmotrain.engine.optim import Optimizer, build_optimizer
+from cosmotrain.data.readers.transform import DeviceTransform, host_transform
+from cosmotrain.engine.input_stage import InputStage, device_stage
 from cosmotrain.engine.optim_device import MultiUpdate
 from cosmotrain.engine.optim_shards import OptimizerShards
 from cosmotrain.engine.votes import Votes
@@ -92,6 +94,7 @@ class HybridStep:
     shards: OptimizerShards | None = None
     applies: Any = None  # device step: the flag "the step may be applied" (no host read)
     multi: MultiUpdate = field(default_factory=MultiUpdate)  # device step: one-launch update
+    stage: InputStage | None = None  # device step: int16 batches in (engine/input_stage.py)
 
     @property
     def grid(self) -> ProcessGrid:
@@ -103,16 +106,26 @@ class HybridStep:
         settings, kernel threads."""
         return self.model.runtime
 
-    def place_input(self, x: DistTensor) -> DistTensor:
+    def place_input(self, x: DistTensor, transform: DeviceTransform | None = None
+                    ) -> DistTensor:
         """The reader's host block on this rank's device: the one host -> device copy of
         a batch, cast to bf16 under ``precision: bf16`` (other dtypes are kept: float64
-        in the tests).  The block itself when nothing changes (the CPU in float32)."""
+        in the tests).  The block itself when nothing changes (the CPU in float32).
+        With ``transform`` the block holds int16 counts, staged and transformed on the
+        device (:mod:`cosmotrain.engine.input_stage`)."""
         dtype = self.device.storage_dtype if self.device.precision == "bf16" else None
+        if transform is not None and self.device.is_gpu:
+            self.stage = self.stage or device_stage(self.device.xp)
+            data = self.stage(x.data, transform, dtype or np.float32)
+            return DistTensor(data, x.dist, x.coord)
+        if transform is not None:  # on the host, as the reader would have done it
+            x = DistTensor(host_transform(x.data, transform), x.dist, x.coord)
         data = self.device.to_device(x.data, dtype)
         return x if data is x.data else DistTensor(data, x.dist, x.coord)
 
     def gradients(self, x: DistTensor, targets: Any, ctx: Context,
-                  votes: Votes | None = None) -> StepOutput:
+                  votes: Votes | None = None, transform: DeviceTransform | None = None
+                  ) -> StepOutput:
         """Forward and backward; afterwards every ``param.grad`` is the full gradient
         (with ``shards``: this rank holds its shard of each bucket's reduced gradient,
         ``Bucket.shard``, and the gradients of unbucketed parameters).
@@ -122,7 +135,7 @@ class HybridStep:
         sums.  When the loss or those gradients are non-finite, backward is skipped on
         every rank alike and the output says so.
         """
-        x = self.place_input(x)
+        x = self.place_input(x, transform)
         ctx = replace(ctx, on_grad_ready=self.reducer.on_grad_ready)
         self.reducer.prepare(self.model.reduction_groups())
         pred = self.model.forward(x, ctx)
@@ -201,11 +214,12 @@ class HybridStep:
             if np.ndim(v)]
 
     def __call__(self, x: DistTensor, targets: Any, ctx: Context, lr: float | None = None,
-                 votes: Votes | None = None) -> StepOutput:
+                 votes: Votes | None = None, transform: DeviceTransform | None = None
+                 ) -> StepOutput:
         """One training step; its large host arrays are placed by the plan learnt from
         the steps before (:mod:`cosmotrain.device.step_memory`, once installed)."""
         with step_memory.phase("train"):
-            out = self.gradients(x, targets, ctx, votes)
+            out = self.gradients(x, targets, ctx, votes, transform)
             if out.deferred or out.finite:  # deferred: the device flags decide
                 self.update(lr)
         return out

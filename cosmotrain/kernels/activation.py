@@ -17,9 +17,13 @@ Contiguous float32 arrays take compiled loops instead when the install built the
 (``native/activation.c``: one vectorised pass, the same arithmetic and bits; the tests
 run both): on the paper network's act1 at batch 1, forward 13 -> 5 ms, backward 23 -> 9 ms.
 
-cupy arrays take one fused element-wise kernel each way (:mod:`.cuda.fused`), in place
-as on the CPU; bfloat16 arrays are computed in float32 and rounded back (then not in
-place: a new bf16 array is returned, which is what the layers use).
+Contiguous float32 and bfloat16 cupy arrays take our CUDA kernels
+(``kernels/cuda/src/epilogue.cu``, :func:`device_kernel`), in place, bf16 read and written
+as stored with float32 arithmetic: the CPU's bits in float32 (the backward's factors of
+:mod:`.leaky_factors`), one rounding in bf16.  Other cupy arrays (a halo buffer's strided
+owned planes, float64) take one fused element-wise kernel each way (:mod:`.cuda.fused`),
+bf16 widened first.  bfloat16 numpy arrays are computed in float32 and rounded back (then
+not in place: a new bf16 array is returned, which is what the layers use).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from cosmotrain.device.xp import array_module
 from cosmotrain.kernels.cpu import workers
 from cosmotrain.kernels.compiled import library as compiled
 from cosmotrain.kernels.leaky_factors import backward_factors
-from cosmotrain.kernels.cuda import fused
+from cosmotrain.kernels.cuda import fused, raw_ops
 from cosmotrain.kernels.route import route
 from cosmotrain.precision import narrow, widen
 
@@ -93,10 +97,37 @@ def _check_slope(slope: float) -> None:
         raise ValueError(f"LeakyReLU slope must be in [0, 1], got {slope}")
 
 
+def device_kernel(*arrays: Any) -> bool:
+    """Whether our CUDA kernels take these device arrays: C-contiguous, all float32 or
+    all bfloat16 (the storage dtypes of ``src/*.cu``)."""
+    names = {a.dtype.name for a in arrays}
+    return (len(names) == 1 and names <= {"float32", "bfloat16"}
+            and all(a.flags.c_contiguous for a in arrays))
+
+
+def bias_leaky_relu(y: Any, bias: Any, slope: Optional[float]) -> Any:
+    """The convolution epilogue off the CPU's float path: ``y + bias`` (``bias`` float32
+    or its bf16 copy, or None) then LeakyReLU with ``slope`` (None: none), in place.  One launch of
+    ``epilogue.cu`` where :func:`device_kernel` takes the device array ``y`` (no
+    activation is slope 1: ``v > 0 ? v : v * 1`` is ``v``, NaN and -0 included);
+    otherwise the bias added in ``y``'s dtype, then :func:`leaky_relu_forward`."""
+    if slope is not None:
+        _check_slope(slope)
+    if (bias is not None or slope is not None) and route(y).device and device_kernel(y):
+        if bias is not None and bias.dtype.name != "float32":  # bf16's rounded copy: exact
+            bias = bias.astype(np.float32)
+        return raw_ops.bias_leaky_relu(y, bias, 1.0 if slope is None else slope, out=y)
+    if bias is not None:
+        y += bias.astype(y.dtype, copy=False).reshape(1, -1, 1, 1, 1)
+    return y if slope is None else leaky_relu_forward(y, slope)
+
+
 def leaky_relu_forward(x: Any, slope: float, inplace: bool = True) -> Any:
     """``max(x, slope * x)``; overwrites ``x`` when ``inplace``."""
     _check_slope(slope)
     where = route(x)
+    if where.device and device_kernel(x):
+        return raw_ops.bias_leaky_relu(x, None, slope, out=x if inplace else None)
     if where.bf16:
         return narrow(leaky_relu_forward(widen(x), slope, inplace=False))
     xp = array_module(x)
@@ -140,6 +171,8 @@ def leaky_relu_backward(dy: Any, y: Any, slope: float, inplace: bool = True) -> 
     In place also on a strided ``dy`` (a halo buffer's owned planes)."""
     _check_slope(slope)
     where = route(dy)
+    if where.device and device_kernel(dy, y):
+        return raw_ops.leaky_relu_backward(dy, y, slope, out=dy if inplace else None)
     if where.bf16:
         return narrow(leaky_relu_backward(widen(dy), widen(y), slope, inplace=False))
     xp = array_module(dy)

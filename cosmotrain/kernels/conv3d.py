@@ -25,7 +25,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from cosmotrain.device.xp import array_module
-from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
+from cosmotrain.kernels.activation import (bias_leaky_relu, leaky_relu_backward,
+                                           leaky_relu_forward)
 from cosmotrain.kernels.compiled import choice as compiled_choice, direct, winograd
 from cosmotrain.kernels.cpu import conv_gemm
 from cosmotrain.kernels.cpu.channel_sums import channel_sums
@@ -80,7 +81,9 @@ def conv3d_forward(x: np.ndarray, w: np.ndarray, stride: "int | Sequence[int]" =
     fresh allocation, about 5 ms per 128 MiB here).  ``bias``: added by the CPU kernels
     to each chunk's output while it is in cache (the same float adds as ``y += bias``
     afterwards, which cost a pass over the output: 40 ms on the MLPerf conv1's 2 x 32 x
-    128^3); other devices and bf16 storage add it afterwards, in the output's dtype.
+    128^3); on a device our epilogue kernel adds it with the activation in one pass
+    (:func:`.activation.bias_leaky_relu`), and bf16 on the CPU adds it afterwards, in the
+    output's dtype.
     ``activation``: the following LeakyReLU layer's forward (:mod:`.activation`), which
     the compiled loops apply to each register run while it is in cache instead of in a
     pass of its own over the output (paper network, batch 1: 8.5 ms of act1), with the
@@ -96,9 +99,7 @@ def conv3d_forward(x: np.ndarray, w: np.ndarray, stride: "int | Sequence[int]" =
             y = cuda_conv.conv3d_forward(x, w, stride, padding, settings=settings)
         else:
             y = narrow(conv3d_forward(widen(x), widen(w), stride, padding))
-        if bias is not None:
-            y += bias.astype(y.dtype, copy=False).reshape(1, -1, 1, 1, 1)
-        return y if activation is None else leaky_relu_forward(y, activation)
+        return bias_leaky_relu(y, bias, activation)
     x = as_float_array(x, "x")
     w = as_float_array(w, "w", x.dtype)
     geo = ConvGeometry.create(x.shape, w.shape, stride, padding)

@@ -4,16 +4,25 @@ The mask of an element depends on its position in the *global* tensor, never on 
 rank holds it, so every partitioning of the batch or the volume draws the same mask (the
 invariant of DESIGN.md).  The generator is a counter-based hash (the splitmix64
 finaliser) evaluated on the global linear index: no state, no sequence to keep in step.
+
+On a device, contiguous float32 and bfloat16 arrays keep no mask at all: :func:`dropout_mask`
+returns the mask's :class:`StreamMask` and ``kernels/cuda/src/dropout.cu`` recomputes the
+same bits in the one pass that applies it, forward and backward (bf16 read and written as
+stored).  The step then launches one kernel each way instead of the mask's dozen integer
+passes and a select, and holds no boolean activation between forward and backward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from cosmotrain.device.xp import array_module
+from cosmotrain.kernels.activation import device_kernel
+from cosmotrain.kernels.cuda import raw_ops
 from cosmotrain.kernels.route import route
 from cosmotrain.precision import narrow, widen
 
@@ -62,8 +71,42 @@ def dropout_keep_mask(local_shape: Sequence[int], offset: Sequence[int],
     return uniform >= p
 
 
+@dataclass(frozen=True)
+class StreamMask:
+    """:func:`dropout_keep_mask`'s mask by its arguments, for the device kernel to draw."""
+
+    offset: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    seed: int
+    step: int
+    salt: int
+
+    def key(self) -> int:
+        return int(stream_key(self.seed, self.step, self.salt))
+
+    def keep(self, x: Any, p: float) -> Any:
+        """The boolean mask for an array of the block's shape (a strided gradient)."""
+        return dropout_keep_mask(x.shape, self.offset, self.global_shape, p, self.seed,
+                                 self.step, self.salt, array_module(x))
+
+
+def dropout_mask(x: Any, offset: Sequence[int], global_shape: Sequence[int], p: float,
+                 seed: int, step: int, salt: int) -> Any:
+    """What :func:`dropout_forward` and :func:`dropout_backward` take for the block ``x``:
+    a :class:`StreamMask` where the device kernel applies it, else the boolean mask."""
+    if route(x).device and device_kernel(x) and x.ndim <= 5:
+        return StreamMask(tuple(offset), tuple(global_shape), seed, step, salt)
+    return dropout_keep_mask(x.shape, offset, global_shape, p, seed, step, salt,
+                             array_module(x))
+
+
 def dropout_forward(x: Any, keep: Any, p: float) -> Any:
-    """Inverted dropout: kept elements scaled by 1 / (1 - p) (in float32 for bf16)."""
+    """Inverted dropout: kept elements scaled by 1 / (1 - p) (in float32 for bf16).
+    ``keep``: the boolean mask, or a :class:`StreamMask` (:func:`dropout_mask`)."""
+    if isinstance(keep, StreamMask):
+        if device_kernel(x):
+            return raw_ops.dropout(x, keep.offset, keep.global_shape, p, keep.key())
+        keep = keep.keep(x, p)
     where = route(x)
     if where.bf16:
         return narrow(dropout_forward(widen(x), keep, p))

@@ -16,11 +16,10 @@ import numpy as np
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.runtime.timers import PhaseTimers
 from cosmotrain.device.xp import array_module
-from cosmotrain.kernels.loss import (mae_backward, mae_sum, mae_total, mse_backward, mse_sum,
-                                     mse_total)
+from cosmotrain.kernels.loss import (mae_backward, mae_sum, mse_backward, mse_sum,
+                                     total_and_grad)
 
 LOSSES = {"mse": (mse_sum, mse_backward), "mae": (mae_sum, mae_backward)}
-TOTALS = {"mse": mse_total, "mae": mae_total}
 
 
 def loss_and_sums(pred: Any, target: Any, global_count: int, grid: ProcessGrid | None = None,
@@ -57,8 +56,9 @@ def loss_sums_on_device(pred: Any, target: Any, global_count: int,
     if pred.shape != target.shape:
         raise ValueError(f"predictions {pred.shape} and targets {target.shape} differ")
     target = array_module(pred).asarray(target)
-    sums = vector(TOTALS[kind](pred, target))
+    total, grad = total_and_grad(kind, pred, target, global_count)
+    sums = vector(total)
     if grid.layout.size > 1:
         with (timers or PhaseTimers()).phase("allreduce"):
             transport.allreduce(grid.group_comms["all"], sums)
-    return sums, LOSSES[kind][1](pred, target, global_count)
+    return sums, grad

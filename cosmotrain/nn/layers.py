@@ -26,7 +26,7 @@ from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forwar
 from cosmotrain.kernels.batchnorm import (bn_backward_apply, bn_backward_local_sums,
                                           bn_local_sums, bn_normalize, bn_statistics)
 from cosmotrain.kernels.cuda.settings import ConvSettings
-from cosmotrain.kernels.dropout import dropout_backward, dropout_forward, dropout_keep_mask
+from cosmotrain.kernels.dropout import dropout_backward, dropout_forward, dropout_mask
 from cosmotrain.kernels.linear import (linear_backward_data, linear_backward_weight,
                                        linear_forward)
 from cosmotrain.kernels.pool_activation import avg_pool_leaky_backward
@@ -276,8 +276,8 @@ class Dropout(Layer):
             self._keep = None
             return x
         offset, global_shape = self.block_geometry(x, ctx)
-        self._keep = dropout_keep_mask(x.shape, offset, global_shape, self.p, ctx.seed,
-                                       ctx.step, self._salt(), array_module(x))
+        self._keep = dropout_mask(x, offset, global_shape, self.p, ctx.seed, ctx.step,
+                                  self._salt())
         return dropout_forward(x, self._keep, self.p)
 
     def backward(self, dy: Any, ctx: Context) -> Any:

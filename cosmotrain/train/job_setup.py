@@ -87,4 +87,6 @@ def build_job(cfg: Config, comm: Any, splits: tuple[str, ...] | None = None,
     shuffle = None if training else {split: False for split in splits or manifest.splits}
     readers = make_readers(cfg, manifest, comm, BlockPlacement.from_distribution(dist, coord),
                            splits, shuffle=shuffle)
+    if training and "train" in readers:  # int16 batches go to the device as they are stored
+        readers["train"].keep_stored = step.device.is_gpu
     return Job(cfg, comm, grid, step, manifest, readers, out_dir)

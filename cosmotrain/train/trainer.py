@@ -31,6 +31,7 @@ from cosmotrain.train.outputs.observers import Observer, RunStart
 from cosmotrain.engine.schedule import build_schedule
 from cosmotrain.engine.votes import Votes
 from cosmotrain.train.checkpoints.full_state import full_state, optimizer_blocks, restore
+from cosmotrain.train.deferred import Launched, OneBehind
 
 StepHook = Callable[[int, int], None]  # (rank, step about to run): the tests' fault hook
 
@@ -86,6 +87,7 @@ class Trainer:
         self.position = Position()
         self.outcome = Outcome()
         self.validated_at: int | None = None  # the step of the last validation
+        self.reader = OneBehind(self._account)  # a device step's values: one step late
 
     def _total_steps(self) -> int:
         total = self.cfg.train.epochs * self.per_epoch
@@ -167,7 +169,10 @@ class Trainer:
         self._validate()
 
     def _train_step(self, pos: Position, index: int) -> bool:
-        """One optimizer step; True when some rank asked to stop (agreed on every rank)."""
+        """One optimizer step; True when some rank asked to stop (agreed on every rank).
+
+        A device step's loss and votes are read one step late (``train/deferred.py``),
+        but never past a boundary where the loop may checkpoint or validate."""
         job = self.job
         if self.before_step is not None:
             self.before_step(job.rank, pos.step)
@@ -180,26 +185,36 @@ class Trainer:
             batch = self.train_reader.batch(pos.epoch, index)
             samples = len(batch.indices)
             out = job.step(batch.x, batch.targets, ctx, lr,
-                           votes=Votes(stop=int(self.signals.requested)))
+                           votes=Votes(stop=int(self.signals.requested)),
+                           transform=batch.device_transform)
             del batch
-        if not out.finite:
-            raise NonFiniteError(non_finite_message(pos.step + 1, out.loss,
-                                                    out.votes.bad_gradients))
-        wall = time.perf_counter() - started
         pos.step += 1
         pos.samples += samples
+        launched = Launched(out, pos.step, pos.samples, samples, lr, started,
+                            job.step.runtime.timers.take(),
+                            self.train_reader.stats.last_wait_seconds, self._io())
+        settle = pos.step == self.total or index + 1 == self.per_epoch or \
+            self._due(self.cfg.train.checkpoint_every_steps, pos.step)
+        return self.reader.push(launched, settle)
+
+    def _account(self, done: Launched, wall: float) -> bool:
+        """Check and record a step whose loss and votes are read now (the host's one
+        wait for it); True when some rank asked to stop in it."""
+        out = done.out
+        if not out.finite:
+            raise NonFiniteError(non_finite_message(done.step, out.loss,
+                                                    out.votes.bad_gradients))
         self.outcome.final_loss = out.loss
-        times = metrics.time_breakdown(wall, job.step.runtime.timers.take(),
-                                       self.train_reader.stats.last_wait_seconds)
+        times = metrics.time_breakdown(wall, done.timers, done.wait_s)
         for key, value in times.items():
             self.outcome.totals[key] = self.outcome.totals.get(key, 0.0) + value
-        if pos.step % self.cfg.train.log_every == 0 or pos.step == self.total \
+        if done.step % self.cfg.train.log_every == 0 or done.step == self.total \
                 or out.votes.stop:
             record = metrics.train_record(
-                step=pos.step, epoch=self.epoch_of(pos.step), samples=pos.samples,
-                loss=out.loss, lr=lr,
-                samples_per_s=samples / wall, time_s=times,
-                memory_hwm_mib=self._memory(), io=self._io())
+                step=done.step, epoch=self.epoch_of(done.step), samples=done.samples,
+                loss=out.loss, lr=done.lr,
+                samples_per_s=done.batch / wall, time_s=times,
+                memory_hwm_mib=self._memory(), io=done.io)
             self.bus.record(record)
         return out.votes.stop > 0
 

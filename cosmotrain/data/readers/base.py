@@ -4,7 +4,9 @@ A reader serves one split.  ``reader.batch(epoch, index)`` is collective over th
 reader's communicator (every rank asks for the same batch) and returns a :class:`Batch`:
 
 - ``x``: this rank's block of the (B', C, W, W, W) input, a float32 :class:`DistTensor` cut
-  like ``Distribution((B', C, W, W, W), ways)`` at the rank's ``coord``, transformed;
+  like ``Distribution((B', C, W, W, W), ways)`` at the rank's ``coord``, transformed; or,
+  when the reader ``keep_stored`` int16 counts for a device, those counts untransformed,
+  with ``device_transform`` saying what the device still applies;
 - ``targets``: float32 ``[B', 4]`` labels of the *whole* global batch (the loss needs them);
 - ``indices``: the global sample indices of the batch's rows, in row order.
 
@@ -27,7 +29,8 @@ from cosmotrain.config.schema import Config
 from cosmotrain.data.readers import order
 from cosmotrain.data.dataset.manifest import Manifest
 from cosmotrain.data.readers.placement import BlockPlacement
-from cosmotrain.data.readers.transform import apply_transform
+from cosmotrain.data.readers.transform import (DeviceTransform, apply_transform,
+                                                mean_divisors)
 from cosmotrain.tensor.dist_tensor import DistTensor
 
 
@@ -40,6 +43,8 @@ class Batch:
     indices: np.ndarray
     epoch: int
     index: int
+    # set when ``x`` holds the stored int16 counts and the device applies the transform
+    device_transform: DeviceTransform | None = None
 
 
 @dataclass
@@ -109,6 +114,8 @@ class Reader(ABC):
         self.drop_last = cfg.data.drop_last and split == "train"  # validation sees all
         self.transform = cfg.data.transform
         self.stats = IOStats()
+        # the job runs on a device: int16 counts leave untransformed (engine/input_stage.py)
+        self.keep_stored = False
         self._order: tuple[int, list[np.ndarray]] | None = None
 
     @property
@@ -134,7 +141,8 @@ class Reader(ABC):
         x = self._finish(delivery, indices)
         self.stats.record(time.perf_counter() - start, delivery.read_seconds,
                           delivery.bytes_read, delivery.bytes_received)
-        return Batch(x, self.manifest.targets(self.split, indices), indices, epoch, index)
+        return Batch(x, self.manifest.targets(self.split, indices), indices, epoch, index,
+                     self._device_transform(indices))
 
     def epoch(self, epoch: int) -> Iterator[Batch]:
         """Every batch of ``epoch`` in order."""
@@ -149,6 +157,12 @@ class Reader(ABC):
         """The sample indices of the rows this rank's sample group holds."""
         start, stop = self.placement.rows(len(indices))
         return indices[start:stop]
+
+    @property
+    def stored_on_device(self) -> bool:
+        """Whether batches leave as the stored int16 counts, for the device to transform
+        (``keep_stored``; float data are transformed here whatever the device)."""
+        return self.keep_stored and np.dtype(self.manifest.volume.dtype) == np.int16
 
     def transformed(self, raw: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """float32 blocks of ``rows`` (sample indices) from their stored values."""
@@ -166,11 +180,23 @@ class Reader(ABC):
         self.close()
 
     def _finish(self, delivery: Delivery, indices: np.ndarray) -> DistTensor:
+        dist = self.placement.distribution(len(indices))
+        if self.stored_on_device:
+            return DistTensor(np.ascontiguousarray(delivery.raw, dtype=np.int16), dist,
+                              self.placement.coord)
         data = delivery.raw if delivery.transformed else \
             self.transformed(delivery.raw, self.my_rows(indices))
-        dist = self.placement.distribution(len(indices))
         return DistTensor(np.ascontiguousarray(data, dtype=np.float32), dist,
                           self.placement.coord)
+
+    def _device_transform(self, indices: np.ndarray) -> DeviceTransform | None:
+        """What the device still has to do to a kept batch (None: nothing kept)."""
+        if not self.stored_on_device:
+            return None
+        rows = self.my_rows(indices)
+        divisors = (mean_divisors(self.manifest.sample_means(self.split, rows))
+                    if self.transform == "mean" else None)
+        return DeviceTransform(self.transform, divisors)
 
     @abstractmethod
     def _deliver(self, epoch: int, index: int, indices: np.ndarray) -> Delivery:

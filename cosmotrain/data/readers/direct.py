@@ -57,6 +57,8 @@ class DirectReader(Reader):
                                self.placement.channel_slice, out=raw[k])
             check_domain(path, raw[k], self.transform, self.manifest.volume.volume_name)
         seconds = time.perf_counter() - start
+        if self.stored_on_device:  # the device transforms it (Reader.keep_stored)
+            return Delivery(raw, seconds, raw.nbytes)
         return Delivery(self.transformed(raw, rows), seconds, raw.nbytes, transformed=True)
 
     def close(self) -> None:
@@ -82,6 +84,8 @@ class DirectReader(Reader):
             return self._fetch(epoch, index, indices)
         rows = self.placement.rows(len(indices))
         shape = (rows[1] - rows[0],) + self.placement.block_shape
+        if self.stored_on_device:
+            return Delivery(np.empty(shape, dtype=np.int16))
         return Delivery(np.empty(shape, dtype=np.float32), transformed=True)
 
     def _fetch(self, epoch: int, index: int, indices: np.ndarray) -> Delivery:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,28 @@ def int16_log1p_table() -> np.ndarray:
     return table
 
 
+@dataclass(frozen=True)
+class DeviceTransform:
+    """The transform a batch still needs, left to the device (``engine/input_stage.py``):
+    the batch's block holds the stored int16 counts, half the bytes of float32 to copy.
+    ``divisors`` (float32, one per row of the block, :func:`mean_divisors`) for ``mean``."""
+
+    name: str
+    divisors: np.ndarray | None = None
+
+
+def mean_divisors(means: np.ndarray) -> np.ndarray:
+    """float32 divisors of the ``mean`` transform: each row's mean count, or 1 for an
+    all-zero sample (left at zero)."""
+    return np.where(np.asarray(means) > 0, means, 1.0).astype(np.float32)
+
+
+def host_transform(raw: np.ndarray, transform: DeviceTransform) -> np.ndarray:
+    """What the device makes of a kept batch, on the host: :func:`apply_transform`'s
+    bits (a divisor stands in for its mean: the same quotient, 1 for an all-zero row)."""
+    return apply_transform(raw, transform.name, transform.divisors)
+
+
 def apply_transform(raw: np.ndarray, name: str, means: np.ndarray | None = None
                     ) -> np.ndarray:
     """float32 blocks ``(rows, c, d, h, w)`` from stored values (float32 input may be reused).
@@ -65,7 +88,7 @@ def apply_transform(raw: np.ndarray, name: str, means: np.ndarray | None = None
     if name == "mean":
         if means is None or len(means) != len(raw):
             raise ValueError("the mean transform needs one mean per row")
-        divisor = np.where(np.asarray(means) > 0, means, 1.0).astype(np.float32)
+        divisor = mean_divisors(means)
         out = out / divisor.reshape((-1,) + (1,) * (raw.ndim - 1))
     elif name != "none":
         raise ValueError(f"unknown transform {name!r}; expected one of {TRANSFORMS}")
