@@ -2,9 +2,10 @@
 traffic derived from the layer shapes, and the measured ratio of a steady-state GPU
 step (both networks, W = 32, batch 1) guarded against regressions.
 
-The W = 128 figures (benchmarks/bench_bytes.py) and the derivation are in
-docs/PERFORMANCE.md, "GPU: compulsory traffic".  The ratios are above 2x in bf16 today
-(the unfused widen/narrow passes); the guard pins today's figures, not the target.
+The W = 128 figures (benchmarks/bench_bytes.py: within 2x for both networks in fp32
+and bf16) and the derivation are in docs/PERFORMANCE.md, "GPU: compulsory traffic".
+At W = 32 the per-step parameter traffic weighs more (the paper network in bf16 is at
+2.1x); the guard pins today's figures, not the target.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from cosmotrain.kernels.cuda import raw
 # (network, precision) -> (bytes moved / compulsory, launches) of a steady-state step at
 # W = 32, batch 1, measured 2026-11-29; a change that moves more bytes or launches more
 # kernels fails here: lower these when a change improves them.
-RECORDED = {("cosmoflow", "fp32"): (1.272, 182), ("cosmoflow", "bf16"): (2.333, 301),
-            ("mlperf", "fp32"): (1.213, 191), ("mlperf", "bf16"): (1.909, 309)}
+RECORDED = {("cosmoflow", "fp32"): (1.268, 117), ("cosmoflow", "bf16"): (2.096, 174),
+            ("mlperf", "fp32"): (1.212, 142), ("mlperf", "bf16"): (1.838, 205)}
 MARGIN = 1.02
 
 
