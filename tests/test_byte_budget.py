@@ -10,11 +10,15 @@ At W = 32 the per-step parameter traffic weighs more (the paper network in bf16 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from byte_budget import measure
 from compulsory_traffic import (Conv, conv_sample_bytes, network_traffic, parameter_bytes,
                                 step_traffic)
+from conftest import REPO, subprocess_env
 from standin import installed
 from standin_bytes import kernel_parameters
 
@@ -106,3 +110,17 @@ def test_byte_budget_of_a_steady_state_step(network: str, precision: str,
           found.heaviest(6))
     assert 1.0 <= found.ratio <= ratio * MARGIN  # never below what cannot be avoided
     assert found.launches <= launches
+
+
+def test_the_benchmark_prints_its_table() -> None:
+    """benchmarks/bench_bytes.py (the W = 128 figures), here at W = 16, in a process of
+    its own: a row with the ratio and the launches, and the heaviest kernels."""
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_bytes.py"),
+                           "--width", "16", "--networks", "cosmoflow", "--precisions",
+                           "fp32"], capture_output=True, text=True, env=subprocess_env(),
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| cosmoflow"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[:4] == ["cosmoflow", "fp32", "16", "1"] and float(cells[6]) >= 1.0
+    assert int(cells[7]) > 0 and "sgd_momentum_multi" in done.stdout
