@@ -6,7 +6,7 @@ module derives the latter independently of the ledger and of the engine, from th
 networks' published shapes (models/cosmoflow.py, models/mlperf.py docstrings); the
 derivation and its figures are in docs/PERFORMANCE.md, "GPU: compulsory traffic".
 
-The rules, those of a step whose epilogues are fused (docs/GPU_NOTES.md of issue 35):
+The rules, those of a step whose epilogues are fused (issue 35's notes on the GPU step):
 every tensor is written once and read once by each pass that needs it.
 
 * convolution forward reads its input, writes its output with the bias and, where the

@@ -52,7 +52,7 @@ def test_compulsory_traffic_of_one_block_by_hand() -> None:
 
 
 def test_paper_network_against_the_published_estimate() -> None:
-    """GPU_NOTES (issue 35): about 620 MB per sample in bf16 at 128^3, 73% in conv1's
+    """Issue 35's notes: about 620 MB per sample in bf16 at 128^3, 73% in conv1's
     block.  This derivation gives 551 MB and 70% (docs/PERFORMANCE.md says why)."""
     traffic = network_traffic("cosmoflow", 128, 2)
     per_sample = sum(traffic.per_sample.values())
