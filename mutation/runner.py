@@ -11,6 +11,7 @@ children inherit the environment and the working directory, so they import the c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -100,10 +101,8 @@ def _kill_live() -> None:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # the group has ended already
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _tail(output: str, lines: int = 12) -> str:

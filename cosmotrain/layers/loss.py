@@ -16,10 +16,7 @@ import numpy as np
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.runtime.timers import PhaseTimers
 from cosmotrain.device.xp import array_module
-from cosmotrain.kernels.loss import (mae_backward, mae_sum, mse_backward, mse_sum,
-                                     total_and_grad)
-
-LOSSES = {"mse": (mse_sum, mse_backward), "mae": (mae_sum, mae_backward)}
+from cosmotrain.kernels.loss import GRADS, TOTALS, total_and_grad
 
 
 def loss_and_sums(pred: Any, target: Any, global_count: int, grid: ProcessGrid | None = None,
@@ -35,13 +32,13 @@ def loss_and_sums(pred: Any, target: Any, global_count: int, grid: ProcessGrid |
     """
     if pred.shape != target.shape:
         raise ValueError(f"predictions {pred.shape} and targets {target.shape} differ")
-    total, grad = LOSSES[kind]
     target = array_module(pred).asarray(target)  # the targets join the predictions' device
-    summed = np.array([total(pred, target), *extra], dtype=np.float64)
+    summed = np.array([float(TOTALS[kind](pred, target)), *extra], dtype=np.float64)
     if grid is not None and grid.layout.size > 1:  # one rank: nothing to sum, or to time
         with (timers or PhaseTimers()).phase("allreduce"):
             grid.sum_all(summed)
-    return float(summed[0]) / global_count, grad(pred, target, global_count), summed[1:]
+    return (float(summed[0]) / global_count, GRADS[kind](pred, target, global_count),
+            summed[1:])
 
 
 def loss_sums_on_device(pred: Any, target: Any, global_count: int,
