@@ -235,6 +235,30 @@ def test_a_clean_stop_on_a_signal_requeues_the_job(fake_slurm, tmp_path: Path, c
     assert "#SBATCH --signal=USR1@" in header and "#SBATCH --requeue" in header
 
 
+def test_a_staging_stopped_by_a_signal_requeues_the_job_without_training(
+        fake_slurm, tmp_path: Path) -> None:
+    """A preload stopped on a signal (exit 75: the stage left unfinished, which the
+    requeued job's preload completes) requeues the job; the training does not start on
+    the unfinished stage, and any other preload failure is passed on, requeueing nothing."""
+    env, calls = fake_slurm
+    bindir = Path(env["PATH"].split(os.pathsep)[0])
+    log = tmp_path / "scontrol.log"
+    (bindir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> "{log}"\n')
+    (bindir / "scontrol").chmod(0o755)
+    srun_log = tmp_path / "srun.log"
+    for code, requeued in ((75, True), (2, False)):
+        srun_log.unlink(missing_ok=True)
+        log.unlink(missing_ok=True)
+        (bindir / "srun").write_text(f'#!/bin/sh\necho "$@" >> "{srun_log}"\n'
+                                     f'case "$*" in *" preload "*) exit {code};; esac\n')
+        done = run("train.sbatch", {**env, "STAGE_DIR": str(tmp_path / "stage")})
+        assert done.returncode == code, done.stderr
+        ran = srun_log.read_text().splitlines()
+        assert len(ran) == 1 and " preload " in ran[0]  # no training on the stage
+        assert (log.read_text().split() if log.exists() else []) == \
+            (["requeue", ALLOCATION["SLURM_JOB_ID"]] if requeued else [])
+
+
 def test_the_copy_sbatch_runs_finds_the_repository(fake_slurm, tmp_path: Path) -> None:
     """sbatch runs a copy of the script from its spool directory, cwd = submit dir."""
     env, calls = fake_slurm
