@@ -29,6 +29,7 @@ from cosmotrain.layers.loss import loss_and_sums, loss_sums_on_device
 from cosmotrain.models import build_model
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
+from cosmotrain.engine.cuda_graph import graph_for
 from cosmotrain.engine.device_verdict import (DeferredSums, apply_flag, gradients_nonfinite,
                                               guarded_update, vote_vector)
 from cosmotrain.engine.grad_sync import GradientReducer
@@ -321,8 +322,10 @@ def hybrid_step_from_config(cfg: Config, grid: ProcessGrid,
     reducer = GradientReducer(runtime.timers, par.bucket_mb, transport=runtime.transport,
                               shard=par.shard_optimizer)
     shards = OptimizerShards(hybrid, reducer) if par.shard_optimizer else None
-    return HybridStep(hybrid, build_optimizer(cfg.optimizer), reducer, device=device,
+    step = HybridStep(hybrid, build_optimizer(cfg.optimizer), reducer, device=device,
                       shards=shards)
+    step.graph = graph_for(cfg, step, {type(layer).__name__ for layer in model.layers()})
+    return step
 
 
 def _default_device(cfg: DeviceConfig, grid: ProcessGrid) -> Device:
