@@ -48,6 +48,8 @@ __device__ void linear_partial_body(const T* __restrict__ a, const T* __restrict
         float acc[LINEAR_TILE];
 #pragma unroll
         for (int q = 0; q < LINEAR_TILE; q++) acc[q] = 0.0f;
+        // unrolled for loads in flight; the adds stay in order (the bits do not change)
+#pragma unroll 4
         for (i64 k = k0; k < k1; k++) {
             const float w = load_f(b, j * b_out + k * b_in);
 #pragma unroll
@@ -102,6 +104,7 @@ __device__ void linear_wgrad_body(const T* __restrict__ x, const T* __restrict__
         float total = 0.0f;
         if (i < weights) {
             const i64 o = i / inputs, c = i % inputs;
+#pragma unroll 4
             for (i64 n = 0; n < samples; n++) {
                 const float p = __fmul_rn(load_f(dy, n * outputs + o), load_f(x, n * inputs + c));
                 total = n ? __fadd_rn(total, p) : p;
