@@ -31,9 +31,10 @@ U32, U16 = 2.0 ** -24, 2.0 ** -8  # unit roundoffs of float32 and bf16
 
 # (samples, inputs, outputs): the paper network's fc1 (batch 1), fc2 (batch 9: a full
 # and a partial tile of 8 samples), fc3 (batch 32); MLPerf's fc1 (batch 3); an inner
-# dimension short enough for one launch; odd sizes; an empty block (a rank's 0 samples).
+# dimension short enough for one launch; odd sizes; an empty block (a rank's 0 samples);
+# no inputs (MLPerf's head below W = 32: y = b, an empty data gradient).
 SHAPES = [(1, 2048, 2048), (9, 2048, 256), (32, 256, 4), (3, 32768, 128), (4, 40, 30),
-          (5, 70, 9), (0, 16, 8)]
+          (5, 70, 9), (0, 16, 8), (2, 0, 3)]
 
 
 @pytest.fixture

@@ -43,7 +43,7 @@ def chunk_for(inner: int, outputs: int, samples: int) -> int:
     A function of the shapes alone, so the summation order (and the bits) does not
     depend on the device."""
     tiles = max(1, -(-samples // TILE))
-    splits = min(-(-inner // MIN_CHUNK), -(-TARGET_THREADS // (outputs * tiles)))
+    splits = min(-(-inner // MIN_CHUNK), -(-TARGET_THREADS // max(1, outputs * tiles)))
     return max(1, -(-inner // max(1, splits)))
 
 
