@@ -21,7 +21,7 @@ added); the weight gradient one.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -66,7 +66,7 @@ def _check(a: Any, b: Any, bias: Any, outputs: int) -> None:
 
 
 def _products(a: Any, b: Any, bias: Any, outputs: int, b_out: int, b_in: int,
-              launch: Optional[Launch]) -> Any:
+              launch: Launch | None) -> Any:
     """``a @ B + bias`` with ``B[j, k] = b[j * b_out + k * b_in]``: one or two launches."""
     xp = array_module(a)
     samples, inner = (int(v) for v in a.shape)
@@ -86,7 +86,7 @@ def _products(a: Any, b: Any, bias: Any, outputs: int, b_out: int, b_in: int,
     return y
 
 
-def forward(x: Any, weight: Any, bias: Any = None, launch: Optional[Launch] = None) -> Any:
+def forward(x: Any, weight: Any, bias: Any = None, launch: Launch | None = None) -> Any:
     """``x @ weight.T + bias``: x (N, K), weight (O, K), bias (O,) or None -> (N, O)."""
     outputs, inner = weight.shape
     if x.ndim != 2 or x.shape[1] != inner:
@@ -95,7 +95,7 @@ def forward(x: Any, weight: Any, bias: Any = None, launch: Optional[Launch] = No
     return _products(x, weight, bias, int(outputs), int(inner), 1, launch)
 
 
-def backward_data(dy: Any, weight: Any, launch: Optional[Launch] = None) -> Any:
+def backward_data(dy: Any, weight: Any, launch: Launch | None = None) -> Any:
     """``dy @ weight``: dy (N, O), weight (O, I) -> (N, I)."""
     outputs, inputs = weight.shape
     if dy.ndim != 2 or dy.shape[1] != outputs:
@@ -104,7 +104,7 @@ def backward_data(dy: Any, weight: Any, launch: Optional[Launch] = None) -> Any:
     return _products(dy, weight, None, int(inputs), 1, int(inputs), launch)
 
 
-def backward_weight(x: Any, dy: Any, bias: bool = True, launch: Optional[Launch] = None
+def backward_weight(x: Any, dy: Any, bias: bool = True, launch: Launch | None = None
                     ) -> tuple[Any, Any]:
     """``(dy.T @ x, dy.sum(axis=0))`` in float32 (the bias gradient None without
     ``bias``), in one launch: x (N, I), dy (N, O) -> (O, I), (O,)."""
