@@ -190,6 +190,8 @@ def test_the_faces_refuse_mixed_dtypes_and_strided_operands() -> None:
         raw_linear.forward(np.asfortranarray(x), w, b, launch=HostLauncher())
     with pytest.raises(ValueError, match="against weight"):
         raw_linear.forward(x, w[:, :5].copy(), b, launch=HostLauncher())
+    with pytest.raises(ValueError, match="gradient is bfloat16"):
+        raw_linear.backward_weight(x, narrow(x[:, :3]), launch=HostLauncher())
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         raw_linear.forward(x.astype(np.float64), w.astype(np.float64), None,
                            launch=HostLauncher())

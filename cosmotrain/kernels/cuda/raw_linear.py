@@ -52,10 +52,10 @@ def splits_for(inner: int, chunk: int) -> int:
     return max(1, -(-inner // chunk))
 
 
-def _check(a: Any, b: Any, bias: Any, outputs: int) -> None:
+def _check(a: Any, b: Any, bias: Any, outputs: int, b_name: str = "weight") -> None:
     """One storage dtype, float32 or bf16, C-contiguous, the bias of ``outputs``."""
     raw.suffix(a.dtype)
-    for name, array in (("weight", b), ("bias", bias)):
+    for name, array in ((b_name, b), ("bias", bias)):
         if array is not None and array.dtype != a.dtype:
             raise ValueError(f"linear kernels: the {name} is {array.dtype}, the activations "
                              f"{a.dtype}; pass it in the activations' dtype")
@@ -110,7 +110,7 @@ def backward_weight(x: Any, dy: Any, bias: bool = True, launch: Launch | None = 
     ``bias``), in one launch: x (N, I), dy (N, O) -> (O, I), (O,)."""
     if x.ndim != 2 or dy.ndim != 2 or x.shape[0] != dy.shape[0]:
         raise ValueError(f"linear weight gradient: input {x.shape} against gradient {dy.shape}")
-    _check(x, dy, None, 0)
+    _check(x, dy, None, 0, "gradient")
     xp = array_module(x)
     samples, inputs = (int(v) for v in x.shape)
     outputs = int(dy.shape[1])
