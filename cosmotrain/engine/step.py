@@ -29,7 +29,7 @@ from cosmotrain.layers.loss import loss_and_sums, loss_sums_on_device
 from cosmotrain.models import build_model
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
-from cosmotrain.engine.cuda_graph import graph_for
+from cosmotrain.engine.cuda_graph import graph_for, graph_runtime
 from cosmotrain.engine.device_verdict import (DeferredSums, apply_flag, gradients_nonfinite,
                                               guarded_update, vote_vector)
 from cosmotrain.engine.grad_sync import GradientReducer
@@ -312,8 +312,10 @@ def hybrid_step_from_config(cfg: Config, grid: ProcessGrid,
     convolution and linear layers its GPU kernel settings.
     """
     runtime = runtime if runtime is not None else job_runtime(cfg, grid)
-    device = runtime.device
     model = build_model(cfg.model, cfg.train.seed)
+    kinds = {type(layer).__name__ for layer in model.layers()}
+    runtime = graph_runtime(cfg, runtime, grid.layout.size, kinds)
+    device = runtime.device
     width = cfg.model.width
     shape = (cfg.train.batch_size, cfg.model.channels, width, width, width)
     par = cfg.parallel
@@ -324,7 +326,7 @@ def hybrid_step_from_config(cfg: Config, grid: ProcessGrid,
     shards = OptimizerShards(hybrid, reducer) if par.shard_optimizer else None
     step = HybridStep(hybrid, build_optimizer(cfg.optimizer), reducer, device=device,
                       shards=shards)
-    step.graph = graph_for(cfg, step, {type(layer).__name__ for layer in model.layers()})
+    step.graph = graph_for(cfg, step, kinds)
     return step
 
 
