@@ -67,7 +67,8 @@ run_stage() {
     tests)
         stage tests "${TESTS_LIMIT:-300}" python3 -m pytest -p no:cacheprovider -q -rfEs \
             --timeout=150 tests/test_gpu_engine.py tests/test_gpu_conv.py \
-            tests/test_gpu_raw_kernels.py tests/test_gpu_dense_device.py ;;
+            tests/test_gpu_raw_kernels.py tests/test_gpu_dense_device.py \
+            tests/test_gpu_graph_device.py ;;
     bench-quick)
         stage bench-quick 120 python3 benchmarks/bench_step.py --width 128 --batch 8 \
             --precisions fp32 bf16 --steps 5 --warmup 2 --out "$OUT/step_quick.json" ;;
@@ -92,6 +93,12 @@ run_stage() {
             --precisions fp32 bf16 --algorithms cudnn --steps 5 --warmup 2 --input device \
             --layers --torch-layouts ncdhw --set device.cudnn_autotune="${AUTOTUNE:-false}" \
             --out "$OUT/profile_w128_b8.json" ;;
+    bench-graph)  # issue 35 item 4: the step with and without its CUDA graph, where
+        # launches weigh most (batch 1) and at batch 8, both networks, bf16, no torch
+        stage bench-graph 150 bash -c 'for model in cosmoflow cosmoflow-mlperf; do
+            python3 benchmarks/bench_step.py --width 128 --batch 1 8 --precisions bf16 \
+                --algorithms cudnn --graph off on --steps 5 --warmup 3 --no-torch \
+                --set model.name=$model --out "$OUT/step_graph_${model}_w128.json"; done' ;;
     bench-raw)  # our own CUDA kernels (kernels/cuda/src): ms and GB/s against the peak
         stage bench-raw 90 python3 benchmarks/bench_raw_kernels.py --width 128 --batch 8 \
             --out "$OUT/raw_kernels_w128_b8.json" ;;
@@ -104,11 +111,11 @@ run_stage() {
             --precisions bf16 --out "$OUT/layers_w128.json" ;;
     memory)
         stage memory-w256 150 mpiexec -n 4 python3 benchmarks/bench_step.py --width 256 \
-            --batch 1 --precisions bf16 --algorithms cudnn --steps 3 --warmup 1 \
+            --batch 1 --precisions bf16 --algorithms cudnn --graph off --steps 3 --warmup 1 \
             --set parallel.depth=2 --set parallel.height=2 --set parallel.sample=1 \
             --out "$OUT/step_w256_d2h2.json"
         stage memory-w512 200 mpiexec -n 8 python3 benchmarks/bench_step.py --width 512 \
-            --batch 1 --precisions bf16 --algorithms cudnn --steps 3 --warmup 1 \
+            --batch 1 --precisions bf16 --algorithms cudnn --graph off --steps 3 --warmup 1 \
             --set parallel.depth=2 --set parallel.height=2 --set parallel.width=2 \
             --set parallel.sample=1 --out "$OUT/step_w512_d2h2w2.json" ;;
     *)

@@ -59,11 +59,12 @@ def allow_stand_in_convolutions(monkeypatch: pytest.MonkeyPatch, cupy: Any) -> N
 
 
 def run(monkeypatch: pytest.MonkeyPatch, graph: str, batches: list, extra: list[str] = (),
-        network: str = "cosmoflow", sites: tuple = CAPTURED_SITES, comm: Any = None
-        ) -> dict[str, Any]:
+        network: str = "cosmoflow", sites: tuple = CAPTURED_SITES, comm: Any = None,
+        read_late: bool = False) -> dict[str, Any]:
     """``len(batches)`` steps on the stand-in GPU with ``device.cuda_graph: graph``
     (``eager``: true, but never captured), a learning rate that changes every step:
-    each step's ledger, output and loss, and the parameters at the end."""
+    each step's ledger, output and loss (read after each step, or ``read_late`` after
+    the last), and the parameters at the end."""
     warmup = NEVER if graph == "eager" else WARMUP
     cfg = config(network, [f"device.cuda_graph={'true' if graph == 'eager' else graph}",
                            f"device.cuda_graph_warmup={warmup}", *extra])
@@ -86,7 +87,9 @@ def run(monkeypatch: pytest.MonkeyPatch, graph: str, batches: list, extra: list[
                        Context(step=it, seed=cfg.train.seed), lr=0.002 * (1 + 0.5 * it))
             ledgers.append(cupy.ledger.take())
             outs.append(out)
-            losses.append(out.loss)
+            if not read_late:
+                losses.append(out.loss)
+        losses = [out.loss for out in outs] if read_late else losses
         params = {n: np.array(p.data.view(np.ndarray)) for n, p in
                   step.model.named_parameters()}
         grid.free()
@@ -265,3 +268,21 @@ def test_a_graph_over_nccl_on_a_spatial_layout_trains_as_the_eager_step(
     start, count = replayed.graphs[0]
     assert any(launch.kernel == "nccl.send" for launch in
                replayed.launches[start:start + count])
+
+
+def test_losses_read_long_after_their_steps_are_their_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graph's sums go through two buffers in turn; a step whose values nobody read
+    before its buffer comes round again is read then, so every loss read later is its
+    own step's (the trainer reads each at the next step, and never waits for this)."""
+    full = batch("cosmoflow")
+    eager = run(monkeypatch, "eager", [full] * STEPS)
+    from cosmotrain.engine.device_verdict import DeferredSums
+
+    real_read = DeferredSums.read
+    calls: list[int] = []
+    monkeypatch.setattr(DeferredSums, "read",
+                        lambda self: calls.append(1) or real_read(self))
+    late = run(monkeypatch, "true", [full] * STEPS, read_late=True)
+    assert late["losses"] == eager["losses"]
+    assert calls  # the runner read the steps nobody had read before their buffer's reuse

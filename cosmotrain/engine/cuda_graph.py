@@ -124,6 +124,7 @@ class StepGraph:
     targets: Any = None  # the graph's targets
     captured: Any = None  # the captured step's output (prediction, sums)
     sums: list = field(default_factory=list)  # two buffers, used in turn
+    issued: list = field(default_factory=lambda: [None, None])  # their DeferredSums
     ring: PinnedRing | None = None  # the targets' way in
     blocks: PinnedRing | None = None  # an input block's, when it needs no transform
     kept: tuple = ()  # what the graph's copies read (the update's address table)
@@ -213,12 +214,17 @@ class StepGraph:
 
     def _output(self, out: Any) -> Any:
         """The step's output, its sums copied out of the graph's buffer into the one of
-        two that the next step's replay does not write."""
+        two that the next step's replay does not write.  The step two before used that
+        buffer: its values are read first if nobody has (the trainer reads each step at
+        the next, so this never waits there)."""
         if not self.sums:
             self.sums = [self.xp.zeros_like(out.sums.values) for _ in range(2)]
-        slot = self.sums[self.calls % 2]
-        slot[...] = out.sums.values
-        sums = DeferredSums(slot, out.sums.global_count, out.sums.votes)
+        turn = self.calls % 2
+        if self.issued[turn] is not None:
+            self.issued[turn].read()
+        self.sums[turn][...] = out.sums.values
+        sums = DeferredSums(self.sums[turn], out.sums.global_count, out.sums.votes)
+        self.issued[turn] = sums
         return type(out)(out.pred, out.rows, sums)
 
     def _give_up(self, out: Any, why: str) -> Any:
