@@ -55,7 +55,7 @@ def allow_stand_in_convolutions(monkeypatch: pytest.MonkeyPatch, cupy: Any) -> N
     real = cuda_graph.capture_blockers
     monkeypatch.setattr(cuda_graph, "capture_blockers", lambda *a: [
         r for r in real(*a) if not r.startswith(STAND_IN_REASONS)])
-    cupy.graphs.blas_sites.update(CAPTURED_SITES)
+    monkeypatch.setattr(cupy.graphs, "blas_sites", set(CAPTURED_SITES))
 
 
 def run(monkeypatch: pytest.MonkeyPatch, graph: str, batches: list, extra: list[str] = (),
@@ -101,6 +101,11 @@ def short(pair: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return pair[0][:1].copy(), pair[1][:1].copy()
 
 
+def varied(pair: tuple[np.ndarray, np.ndarray], count: int) -> list[tuple]:
+    """``count`` batches, each its own data and targets (a replay must see each)."""
+    return [(pair[0] * (1 + 0.25 * it), pair[1] + 0.5 * it) for it in range(count)]
+
+
 def assert_same_training(eager: dict, graphed: dict) -> None:
     np.testing.assert_array_equal(graphed["losses"], eager["losses"])
     for name, value in eager["params"].items():
@@ -114,8 +119,8 @@ def test_a_replayed_graph_trains_as_the_eager_step(network: str, extra: list[str
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Warm-up, capture, replays and a short batch in between (eager: another shape),
     against the eager step: the same losses and parameters, bit for bit."""
-    full = batch(network)
-    batches = [full] * 4 + [short(full)] + [full] * (STEPS - 5)
+    batches = varied(batch(network), STEPS)
+    batches[4] = short(batches[4])
     eager = run(monkeypatch, "eager", batches, extra, network)
     graphed = run(monkeypatch, "true", batches, extra, network)
     assert eager["captures"] == 0 and graphed["captures"] == 1

@@ -117,15 +117,19 @@ class HybridStep:
         a batch, cast to bf16 under ``precision: bf16`` (other dtypes are kept: float64
         in the tests).  The block itself when nothing changes (the CPU in float32).
         With ``transform`` the block holds int16 counts, staged and transformed on the
-        device (:mod:`cosmotrain.engine.input_stage`)."""
+        device (:mod:`cosmotrain.engine.input_stage`).  ``out``: a device array the
+        block is written into (a captured graph's input)."""
         dtype = self.device.storage_dtype if self.device.precision == "bf16" else None
         if transform is not None and self.device.is_gpu:
             self.stage = self.stage or device_stage(self.device.xp)
-            data = self.stage(x.data, transform, dtype or np.float32)
+            data = self.stage(x.data, transform, dtype or np.float32, out=out)
             return DistTensor(data, x.dist, x.coord)
         if transform is not None:  # on the host, as the reader would have done it
             x = DistTensor(host_transform(x.data, transform), x.dist, x.coord)
         data = self.device.to_device(x.data, dtype)
+        if out is not None:
+            self.device.xp.copyto(out, data)
+            return DistTensor(out, x.dist, x.coord)
         return x if data is x.data else DistTensor(data, x.dist, x.coord)
 
     def gradients(self, x: DistTensor, targets: Any, ctx: Context,

@@ -196,6 +196,8 @@ RULES: dict[str, Rule] = {
     "device.gpus_per_node": _allow("the device"),
     "device.reuse_freed_memory": _allow("the host allocator"),
     "device.plan_step_memory": _allow("the host allocator"),
+    "device.cuda_graph": _allow("how the same step is launched"),
+    "device.cuda_graph_warmup": _allow("how the same step is launched"),
 }
 
 #: Keys found in no rule (a key the schema no longer declares) are refused.
