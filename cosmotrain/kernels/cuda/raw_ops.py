@@ -19,6 +19,7 @@ import numpy as np
 from cosmotrain.device.xp import array_module
 
 from cosmotrain.kernels.cuda import pool_tables, raw
+from cosmotrain.kernels.geometry import ConvGeometry
 from cosmotrain.kernels.leaky_factors import backward_factors
 
 Launch = Callable[[str, int, Sequence[Any]], None]
@@ -200,6 +201,36 @@ def mse(pred: Any, target: Any, total_count: int, total: Any, nonfinite: Any,
                     (pred, target, grad, pred.size, float(np.float32(2.0 / total_count)),
                      total, nonfinite))
     return grad
+
+
+def conv_direct_forward(x: Any, w: Any, padding: Any, bias: Any = None,
+                        slope: Optional[float] = None, launch: Optional[Launch] = None) -> Any:
+    """``conv3d(x, w)`` at stride 1 (``padding`` as :class:`ConvGeometry` takes it), then
+    ``+ bias`` (float32 or None) and LeakyReLU with ``slope`` (None: none), in one launch
+    of ``conv_direct.cu``; x and w C-contiguous in one storage dtype, the weights within
+    :data:`DIRECT_MAX_WEIGHTS` once padded to groups of 16 filters."""
+    geo = ConvGeometry.create(x.shape, w.shape, 1, padding)
+    if direct_weights(w.shape) > DIRECT_MAX_WEIGHTS:
+        raise ValueError(f"conv_direct.cu holds at most {DIRECT_MAX_WEIGHTS} weights, "
+                         f"not those of {tuple(w.shape)}")
+    y = array_module(x).empty(geo.y_shape, dtype=x.dtype)
+    groups = -(-geo.filters // FILTER_GROUP)
+    _launch(launch)(f"conv_direct_forward_{raw.suffix(x.dtype)}",
+                    geo.y_shape[0] * groups * math.prod(geo.y_shape[2:]),
+                    (x, w, bias, y, *geo.x_shape[:2], geo.filters, *geo.x_shape[2:],
+                     *geo.y_shape[2:], *geo.kernel, *(lo for lo, _ in geo.padding),
+                     float(np.float32(1.0 if slope is None else slope))))
+    return y
+
+
+FILTER_GROUP = 16  # conv_direct.cu's filters per thread
+DIRECT_MAX_WEIGHTS = 6912  # its shared-memory array: 8 channels x 27 taps x 32 filters
+
+
+def direct_weights(w_shape: Sequence[int]) -> int:
+    """The floats ``conv_direct.cu`` stages for weights of ``w_shape`` (filters rounded
+    up to whole groups)."""
+    return -(-int(w_shape[0]) // FILTER_GROUP) * FILTER_GROUP * math.prod(w_shape[1:])
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,111 @@
+// Direct 3D convolution forward for few input channels (conv1: 4, or 8 when padded), stride
+// 1, any kernel size and (lo) padding, NCDHW, with the epilogue fused: bias (float32, or
+// none) and LeakyReLU (slope; 1 = none, as epilogue.cu), one rounding to the storage type.
+//
+// Why a kernel of our own (issue 35 item 5, docs/PERFORMANCE.md "GPU"): conv1 (4 -> 16 or
+// 32 channels at the full 128^3 volume) holds about 62% of the convolution time under
+// cuDNN and runs at about 1% of an H200's peak.  With 4 input channels there is almost no
+// reduction to feed tensor cores (K = 4 x 27 = 108 per output), and the volume is large:
+// the layer is a stream over memory (per sample 32 MiB in, 128-256 MiB out in fp32) with
+// 108 multiply-adds per output value.  The design for the H200 (132 SMs, 228 KB of shared
+// memory and L1 per SM, about 67 TFLOP/s of fp32 FMA, 4.8 TB/s):
+//
+// * Each thread computes one output voxel for a group of 16 filters (FILTER_GROUP): every
+//   input value it loads (27 taps x C channels, neighbours along W in neighbouring
+//   threads, so a warp's loads are coalesced and the taps' overlap hits L1) feeds 16 fused
+//   multiply-adds held in 16 registers; F = 32 makes two groups, the second one re-reading
+//   the input from L1, not from HBM.
+// * The weights (C x taps x F <= 6912 floats, 27 KiB) are staged once per block in shared
+//   memory, transposed to [channel][tap][filter] and padded to whole groups of 16, so the
+//   16 weights of one tap are contiguous and 64-byte aligned (vector loads; every thread
+//   of a warp reads the same address: a broadcast, no bank conflict).
+// * Outputs are written once, coalesced along W, after the bias and the LeakyReLU in
+//   registers: no pass of epilogue.cu over 128-256 MiB per sample.
+// * The grid is a grid-stride loop over (sample, filter group, voxel), voxel fastest; a
+//   block stages the weights before its first item (the one barrier: two phases, which
+//   the host shim runs one after the other, common.cuh).
+//
+// Arithmetic: float32 accumulation with fmaf (one rounding per product and sum, the same
+// on the host, whose fmaf is the correctly rounded one: the host build's bits are the
+// device's), in the order channel, kd, kh, kw; the CPU's convolutions sum in other orders,
+// so results agree within float32 summation error, not bit for bit.
+#include "common.cuh"
+
+#define FILTER_GROUP 16
+#define DIRECT_MAX_WEIGHTS 6912  // 8 channels x 27 taps x 32 filters (two groups)
+
+struct ConvShape {
+    int n, c, f;           // samples, input channels, filters
+    int d, h, w;           // input
+    int od, oh, ow;        // output
+    int kd, kh, kw;        // kernel
+    int pd, ph, pw;        // padding before each spatial dimension
+};
+
+template <class T>
+__device__ void stage_weights(float* ws, const T* w, const ConvShape& s, int groups) {
+    const int taps = s.kd * s.kh * s.kw;
+    const int rows = s.c * taps;  // [channel][tap], each row `groups` x 16 filters
+    for (int i = threadIdx.x; i < rows * groups * FILTER_GROUP; i += blockDim.x) {
+        const int row = i / (groups * FILTER_GROUP), f = i - row * groups * FILTER_GROUP;
+        ws[i] = f < s.f ? load_f(w, (i64)f * rows + row) : 0.0f;
+    }
+}
+
+template <class T>
+__device__ void conv_direct_forward_body(const T* __restrict__ x, const T* __restrict__ w,
+                                         const float* __restrict__ bias, T* __restrict__ y,
+                                         ConvShape s, float slope) {
+    alignas(16) __shared__ float ws[DIRECT_MAX_WEIGHTS];
+    const int groups = (s.f + FILTER_GROUP - 1) / FILTER_GROUP;
+    COSMO_PHASE(0) { stage_weights(ws, w, s, groups); }
+    COSMO_SYNC();
+    COSMO_PHASE(1) {
+        const i64 plane = (i64)s.h * s.w, volume = plane * s.d;
+        const i64 voxels = (i64)s.od * s.oh * s.ow;
+        GRID_STRIDE(i, (i64)s.n * groups * voxels) {
+            const i64 v = i % voxels, item = i / voxels;
+            const int g = (int)(item % groups), sample = (int)(item / groups);
+            const int ox = (int)(v % s.ow), oy = (int)((v / s.ow) % s.oh),
+                      oz = (int)(v / ((i64)s.ow * s.oh));
+            float acc[FILTER_GROUP];
+#pragma unroll
+            for (int j = 0; j < FILTER_GROUP; ++j) acc[j] = 0.0f;
+            for (int c = 0; c < s.c; ++c) {
+                const T* xc = x + ((i64)sample * s.c + c) * volume;
+                for (int a = 0; a < s.kd; ++a) {
+                    const int iz = oz - s.pd + a;
+                    if (iz < 0 || iz >= s.d) continue;
+                    for (int b = 0; b < s.kh; ++b) {
+                        const int iy = oy - s.ph + b;
+                        if (iy < 0 || iy >= s.h) continue;
+                        const int row = ((c * s.kd + a) * s.kh + b) * s.kw;
+                        for (int e = 0; e < s.kw; ++e) {
+                            const int ix = ox - s.pw + e;
+                            if (ix < 0 || ix >= s.w) continue;
+                            const float value = load_f(xc, iz * plane + (i64)iy * s.w + ix);
+                            const float* wt = ws + ((i64)(row + e) * groups + g) * FILTER_GROUP;
+#pragma unroll
+                            for (int j = 0; j < FILTER_GROUP; ++j)
+                                acc[j] = fmaf(value, wt[j], acc[j]);
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < FILTER_GROUP; ++j) {
+                const int f = g * FILTER_GROUP + j;
+                if (f >= s.f) break;
+                const float u = bias ? __fadd_rn(acc[j], bias[f]) : acc[j];
+                store_f(y, ((i64)sample * s.f + f) * voxels + v, u > 0.0f ? u : __fmul_rn(u, slope));
+            }
+        }
+    }
+}
+
+COSMO_BOTH(conv_direct_forward,
+           (const T* x, const T* w, const float* bias, T* y, int n, int c, int f, int d,
+            int h, int wd, int od, int oh, int ow, int kd, int kh, int kw, int pd, int ph,
+            int pw, float slope),
+           <T>(x, w, bias, y, ConvShape{n, c, f, d, h, wd, od, oh, ow, kd, kh, kw, pd, ph, pw},
+               slope))
