@@ -122,3 +122,136 @@ def test_padding_leaves_multiples_alone() -> None:
     assert conv1.run_padded("conv3d_backward_data", (np.zeros((1, 4, 2, 2, 2)), None), (),
                             settings, lambda *a: called.append(a)) is None
     assert not called
+
+
+# ---------------------------------------------------------------------------------------
+# On the stand-in cupy: the front door and a whole training step.
+
+DIRECT = ConvSettings(algorithm="gemm", conv1_algorithm="direct")
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fused", [(True, 0.3), (False, None), (True, None)])
+def test_the_front_door_sends_conv1_to_one_direct_launch(name: str, fused: tuple,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """``conv1_algorithm: direct``: the forward, its bias and the fused LeakyReLU are one
+    ``conv_direct_forward`` launch (no epilogue pass after it), bf16 read and written as
+    stored: the kernel's bits (whose accuracy the tests above check), and in float32 the
+    CPU front door's result within summation error."""
+    from standin import installed
+
+    from cosmotrain.device.xp import to_host
+
+    need_compiler()
+    dtype = bfloat16() if name == "bfloat16" else np.dtype(np.float32)
+    x, w = values((2, 4, 6, 5, 7), 1, dtype), values((16, 4, 3, 3, 3), 2, dtype)
+    bias = values((16,), 3, dtype) if fused[0] else None
+    want = conv3d.conv3d_forward(x, w, 1, 1, bias=bias, activation=fused[1])
+    with installed(monkeypatch) as cupy:
+        args = [None if a is None else cupy.asarray(a) for a in (x, w, bias)]
+        cupy.ledger.take()
+        got = conv3d.conv3d_forward(args[0], args[1], 1, 1, settings=DIRECT, bias=args[2],
+                                    activation=fused[1])
+        launches = [launch.kernel for launch in cupy.ledger.take().launches]
+        got = to_host(got)
+    suffix = "f32" if name == "float32" else "bf16"
+    bias_cast = ["astype"] if name == "bfloat16" and fused[0] else []  # (16,) to float32
+    assert launches == [*bias_cast, "empty", f"conv_direct_forward_{suffix}"], launches
+    assert got.dtype == dtype
+    bias32 = None if bias is None else widen(bias)
+    np.testing.assert_array_equal(  # the kernel's own bits: the arguments are passed right
+        widen(got), widen(raw_ops.conv_direct_forward(x, w, 1, bias32, fused[1],
+                                                      launch=HostLauncher())))
+    if name == "float32":
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def device_losses(monkeypatch: pytest.MonkeyPatch, extra: list[str], steps: int = 3
+                  ) -> tuple[list[float], list[Any]]:
+    """The paper network's losses over ``steps`` steps on the stand-in GPU (gemm
+    convolutions, ``extra`` device settings) and each step's ledger."""
+    from mpi4py import MPI
+    from standin import installed
+
+    from cosmotrain.comm.grid import ProcessGrid
+    from cosmotrain.config.layout import resolve_parallel
+    from cosmotrain.device.select import Device
+    from cosmotrain.engine.step import hybrid_step_from_config, job_runtime
+
+    cfg, (x, targets) = paper_config(extra), paper_batch()
+    with installed(monkeypatch) as cupy:
+        grid = ProcessGrid(MPI.COMM_SELF, resolve_parallel(cfg, 1))
+        device = Device("gpu", 0, cfg.device.precision, "staging", "gemm",
+                        conv1_channels_pad=cfg.device.conv1_channels_pad,
+                        conv1_algorithm=cfg.device.conv1_algorithm)
+        step = hybrid_step_from_config(cfg, grid, job_runtime(cfg, grid, device))
+        losses, ledgers = run_steps(step, cfg, x, targets, steps, cupy.ledger)
+        grid.free()
+    return losses, ledgers
+
+
+def paper_config(extra: list[str] = ()) -> Any:
+    from cosmotrain.config.load import load_config
+
+    return load_config(None, ["model.name=cosmoflow", "model.width=16", "train.batch_size=2",
+                              "optimizer.name=sgd", "optimizer.lr=0.002",
+                              "optimizer.momentum=0.9", *extra])
+
+
+def paper_batch() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(7)
+    return (rng.normal(size=(2, 4, 16, 16, 16)).astype(np.float32),
+            rng.normal(size=(2, 4)).astype(np.float32))
+
+
+def run_steps(step: Any, cfg: Any, x: np.ndarray, targets: np.ndarray, steps: int,
+              ledger: Any = None) -> tuple[list[float], list[Any]]:
+    from cosmotrain.nn.module import Context
+    from cosmotrain.tensor.dist_tensor import DistTensor
+
+    losses, ledgers = [], []
+    for it in range(steps):
+        dist, coord = step.model.input_distribution(x.shape)
+        if ledger is not None:
+            ledger.take()
+        out = step(DistTensor.scatter(x, dist, coord), targets,
+                   Context(step=it, seed=cfg.train.seed))
+        if ledger is not None:
+            ledgers.append(ledger.take())
+        losses.append(out.loss)
+    return losses, ledgers
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_training_step_with_the_conv1_settings_is_the_cpus(
+        direct: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The paper network's step on the stand-in GPU with conv1's channels padded to 8
+    and its forward on the direct kernel (the LeakyReLU fused) or on the padded library
+    path: the CPU step's losses, the same launches every steady step and no host read
+    inside one; the padded input made once per padded call (the weight gradient, and the
+    library forward), the padded weight once per run."""
+    from mpi4py import MPI
+
+    from cosmotrain.comm.grid import ProcessGrid
+    from cosmotrain.config.layout import resolve_parallel
+    from cosmotrain.engine.step import hybrid_step_from_config
+
+    need_compiler()
+    conv1._PADDED_WEIGHTS.clear()
+    algorithm = "direct" if direct else "default"
+    losses, ledgers = device_losses(monkeypatch, ["device.conv1_channels_pad=8",
+                                                  f"device.conv1_algorithm={algorithm}"])
+    cfg = paper_config()
+    grid = ProcessGrid(MPI.COMM_SELF, resolve_parallel(cfg, 1))
+    host, _ = run_steps(hybrid_step_from_config(cfg, grid), cfg, *paper_batch(), 3)
+    grid.free()
+    np.testing.assert_allclose(losses, host, rtol=1e-5)
+    first, second = ledgers[-2], ledgers[-1]
+    kernels = [launch.kernel for launch in second.launches]
+    assert kernels.count("conv_direct_forward_f32") == int(direct)
+    assert kernels == [launch.kernel for launch in first.launches]
+    assert not second.syncs and first.allocations == second.allocations
+    assert second.allocations.count(((2, 8, 16, 16, 16), "<f4")) == 1 + (not direct)
+    assert len(conv1._PADDED_WEIGHTS) == (not direct)
+    assert ((16, 8, 3, 3, 3), "<f4") not in second.allocations  # made at step 0 only

@@ -115,8 +115,10 @@ def direct_forward(x: Any, w: Any, padding: PaddingLike, bias: Any = None,
     ``conv_direct.cu``; w cast to x's storage dtype, the bias to float32 (a bf16 bias
     is the rounded copy of a float32 one: exact)."""
     xp = array_module(x)
-    x = xp.ascontiguousarray(x)  # a halo buffer's extended block may be a view
-    w = xp.ascontiguousarray(w.astype(x.dtype, copy=False))
+    if w.dtype != x.dtype:
+        w = w.astype(x.dtype)
+    x, w = (a if a.flags.c_contiguous else xp.ascontiguousarray(a)  # a halo block's view
+            for a in (x, w))
     if bias is not None and np.dtype(bias.dtype).name != "float32":
         bias = bias.astype(np.float32)
     return raw_ops.conv_direct_forward(x, w, padding, bias, slope)
