@@ -1,0 +1,58 @@
+"""benchmarks/bench_conv1.py: exit 2 naming what is missing without a device; every case
+it times run once on the CPU through the stand-in cupy (gemm standing in for cuDNN, our
+direct kernel through its host build), agreeing with the first setting's output."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, cuda_devices, subprocess_env
+from cuda_host import need_compiler
+from standin import installed
+
+SCRIPT = REPO / "benchmarks" / "bench_conv1.py"
+
+
+def bench_module():
+    spec = importlib.util.spec_from_file_location("bench_conv1", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_conv1_needs_a_device() -> None:
+    if cuda_devices():
+        pytest.skip("a CUDA device is here: benchmarks/gpu_check.sh bench-conv1 runs it")
+    done = subprocess.run([sys.executable, str(SCRIPT), "--width", "8", "--batch", "1"],
+                          capture_output=True, text=True, env=subprocess_env(), timeout=300,
+                          check=False)
+    assert done.returncode == 2 and "bench_conv1: needs cupy and a CUDA device" in done.stderr
+
+
+def test_every_case_runs_on_the_standin(monkeypatch: pytest.MonkeyPatch) -> None:
+    need_compiler()
+    bench = bench_module()
+    timed = []
+
+    def timer(fn, repeats: int) -> float:
+        fn()
+        timed.append(repeats)
+        return 0.5
+
+    rows = []
+    with installed(monkeypatch) as cupy:
+        for network in bench.NETWORKS:
+            for precision in ("fp32", "bf16"):
+                rows += bench.measure(cupy, network, 6, 1, precision, "gemm", 3, timer)
+    assert len(rows) == len(timed) == 4 * 5 and set(timed) == {3}
+    assert [(r["how"], r["pass"]) for r in rows[:5]] == [
+        ("gemm", "forward"), ("gemm", "wgrad"), ("gemm pad8", "forward"),
+        ("gemm pad8", "wgrad"), ("direct", "forward")]
+    for r in rows:
+        limit = 2.0 ** -7 if r["precision"] == "bf16" else 1e-5
+        assert r["rel_diff"] is None if r["pass"] == "wgrad" else r["rel_diff"] <= limit
+        assert r["tflops"] == pytest.approx(bench.flops(r["network"], 6, 1) / 0.5e9)
+    assert bench.table(rows).count("\n") == len(rows) + 1
