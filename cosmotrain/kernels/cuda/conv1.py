@@ -10,8 +10,9 @@ remedies, each a setting of the job's :class:`~.settings.ConvSettings`:
   channels up to one (8 is what cuDNN's tensor-core engines want), whatever the
   algorithm (:mod:`.conv` pads before it dispatches, so the gemm path, which the CPU
   tests run, pads too).  The function is the same: the zero channels add exact zeros to
-  every output (one more rounding of ``+0.0``: none), and the padded channels' weight
-  gradient, which is dropped, is the only thing computed in vain.  The data gradient is
+  every output, and the padded channels' weight gradient, which is dropped, is the only
+  thing computed in vain; the bits are the same within float32 rounding (a library
+  groups its sums by the reduction's length).  The data gradient is
   never padded (conv1 has none; another layer's is the unpadded one).  Costs: the padded
   input is a new array every call (written once: the copy of x and the zero channels; in
   the forward and again in the weight gradient, which must not keep it between them);
