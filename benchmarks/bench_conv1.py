@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import (gpu_median_ms, import_torch_cuda, rel_diff,  # noqa: E402
                        storage_dtype, torch_median_ms)
+from bench_raw_kernels import require_device  # noqa: E402
 from cosmotrain.device.xp import to_host  # noqa: E402
 from cosmotrain.kernels import conv3d  # noqa: E402
 from cosmotrain.kernels.cuda.settings import ConvSettings  # noqa: E402
@@ -50,19 +51,6 @@ from cosmotrain.kernels.cuda.settings import ConvSettings  # noqa: E402
 # network -> (filters, bias, LeakyReLU slope fused into the forward or None)
 NETWORKS = {"paper": (16, False, 0.01), "mlperf": (32, True, None)}
 Timer = Callable[[Callable[[], Any], int], float]
-
-
-def require_device() -> Any:
-    """cupy with a CUDA device, or exit 2 saying why not."""
-    try:
-        import cupy
-        if cupy.cuda.runtime.getDeviceCount() > 0:
-            return cupy
-        reason = "no CUDA device"
-    except Exception as error:  # noqa: BLE001 - no cupy, no driver: the same answer
-        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-    print(f"bench_conv1: needs cupy and a CUDA device ({reason})", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def settings(algorithm: str) -> dict[str, ConvSettings]:
@@ -97,11 +85,11 @@ def measure(xp: Any, network: str, width: int, batch: int, precision: str, algor
     slope = NETWORKS[network][2]
     rows, reference = [], None
     for name, chosen in settings(algorithm).items():
-        def forward() -> Any:
+        def forward(chosen: ConvSettings = chosen) -> Any:
             return conv3d.conv3d_forward(ops["x"], ops["w"], 1, 1, settings=chosen,
                                          bias=ops["bias"], activation=slope)
 
-        def wgrad() -> Any:
+        def wgrad(chosen: ConvSettings = chosen) -> Any:
             return conv3d.conv3d_backward_filter(ops["x"], ops["dy"], ops["w"].shape, 1, 1,
                                                  settings=chosen)
         out = to_host(forward()).astype(np.float32)
@@ -168,7 +156,7 @@ def main(argv: Any = None) -> int:
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    cupy = require_device()
+    cupy = require_device("bench_conv1")
     torch = None if args.no_torch else import_torch_cuda()
     rows = []
     for network in args.networks:

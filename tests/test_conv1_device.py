@@ -21,7 +21,7 @@ import pytest
 from cuda_host import HostLauncher, need_compiler
 
 from cosmotrain.kernels import conv3d
-from cosmotrain.kernels.cuda import conv as cuda_conv, conv1, raw, raw_ops
+from cosmotrain.kernels.cuda import conv as cuda_conv, conv1, raw_ops
 from cosmotrain.kernels.cuda.settings import ConvSettings
 from cosmotrain.kernels.geometry import ConvGeometry
 from cosmotrain.precision import bfloat16, widen
