@@ -13,14 +13,14 @@ and its weight gradient (:func:`conv3d_backward_filter`), under three settings:
 * ``cudnn``: ``device.conv_algorithm: cudnn``, 4 channels, as today;
 * ``cudnn pad8``: ``device.conv1_channels_pad: 8`` (zero channels for the tensor-core
   engines; the padding copies are timed with it);
-* ``direct``: ``device.conv1_algorithm: direct`` (``src/conv_direct.cu``; its weight
-  gradient is the library's, so only its forward is timed);
+* ``direct``: ``device.conv1_algorithm: direct`` (``src/conv_direct.cu``: the forward
+  with its epilogue in one launch, the weight gradient in two);
 
 and, when ``import torch`` works with CUDA, PyTorch eager's ``F.conv3d`` (+ bias and
 ``F.leaky_relu`` where the layer has them) and ``torch.nn.grad.conv3d_weight``.  Each
 figure is the median of ``--repeats`` runs (CUDA events) after two warm-up runs, with the
-TFLOP/s it makes and, for forwards, the largest difference from the ``cudnn`` row's
-output relative to its largest value (a check that the three agree on the device).
+TFLOP/s it makes and the largest difference from the ``cudnn`` row's result relative to
+its largest value (a check that the three agree on the device).
 
 Prints a markdown table; ``--out`` writes the rows as JSON.  Needs cupy and a CUDA device
 (exit code 2 with a message otherwise).  ``measure`` takes the array module, the
@@ -79,11 +79,11 @@ def flops(network: str, width: int, batch: int) -> float:
 
 def measure(xp: Any, network: str, width: int, batch: int, precision: str, algorithm: str,
             repeats: int, timer: Timer) -> list[dict]:
-    """One row per (setting, pass): ms, TFLOP/s and, for forwards, the difference from
-    the first setting's output."""
+    """One row per (setting, pass): ms, TFLOP/s and the difference from the first
+    setting's result."""
     ops = operands(xp, network, width, batch, storage_dtype(precision))
     slope = NETWORKS[network][2]
-    rows, reference = [], None
+    rows, reference = [], {}
     for name, chosen in settings(algorithm).items():
         def forward(chosen: ConvSettings = chosen) -> Any:
             return conv3d.conv3d_forward(ops["x"], ops["w"], 1, 1, settings=chosen,
@@ -92,14 +92,11 @@ def measure(xp: Any, network: str, width: int, batch: int, precision: str, algor
         def wgrad(chosen: ConvSettings = chosen) -> Any:
             return conv3d.conv3d_backward_filter(ops["x"], ops["dy"], ops["w"].shape, 1, 1,
                                                  settings=chosen)
-        out = to_host(forward()).astype(np.float32)
-        reference = out if reference is None else reference
-        passes = {"forward": forward} if name == "direct" else {"forward": forward,
-                                                                "wgrad": wgrad}
-        for kind, fn in passes.items():
+        for kind, fn in (("forward", forward), ("wgrad", wgrad)):
+            out = to_host(fn()).astype(np.float32)
+            reference.setdefault(kind, out)
             rows.append(row(network, width, batch, precision, name, kind,
-                            timer(fn, repeats), rel_diff(out, reference)
-                            if kind == "forward" else None))
+                            timer(fn, repeats), rel_diff(out, reference[kind])))
     return rows
 
 

@@ -6,6 +6,8 @@
   within one bf16 rounding of the exact result; bias and LeakyReLU fused.
 * The channel padding (``conv1_channels_pad``) on the gemm path: the same outputs and
   weight gradients as unpadded, the padded weight kept in one persistent buffer.
+* Its weight gradient (two launches: partial sums per chunk of output rows, then their
+  sum) against the CPU's, float32 within summation error, bf16 within one rounding.
 * The wiring on the stand-in cupy (tests/standin.py): ``conv1_algorithm: direct`` sends a
   layer's forward to one ``conv_direct_forward`` launch (no epilogue launch after it),
   with the CPU layer's results; a whole training step with both settings gives the CPU
@@ -21,7 +23,7 @@ import pytest
 from cuda_host import HostLauncher, need_compiler
 
 from cosmotrain.kernels import conv3d
-from cosmotrain.kernels.cuda import conv as cuda_conv, conv1, raw_ops
+from cosmotrain.kernels.cuda import conv as cuda_conv, conv1, raw, raw_ops
 from cosmotrain.kernels.cuda.settings import ConvSettings
 from cosmotrain.kernels.geometry import ConvGeometry
 from cosmotrain.precision import bfloat16, widen
@@ -73,18 +75,55 @@ def test_direct_kernel_matches_the_cpu_convolution(case: int, name: str) -> None
         assert np.all(np.abs(widen(got) - want) <= 2.0 ** -8 * np.abs(want) + 2 * error)
 
 
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("threads", [raw_ops.WGRAD_THREADS, 7])
+def test_direct_weight_gradient_matches_the_cpus(case: int, name: str, threads: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two launches' weight gradient against the CPU's and a float64 reference:
+    float32 within float32 summation error over every output voxel, bf16 (dw in bf16)
+    within one rounding of that; in chunks of one output row (the many threads asked
+    for at these sizes), whose partial sums the second launch adds, and in one chunk."""
+    need_compiler()
+    monkeypatch.setattr(raw_ops, "WGRAD_THREADS", threads)
+    dtype = bfloat16() if name == "bfloat16" else np.dtype(np.float32)
+    x_shape, w_shape, padding = CASES[case]
+    x = values(x_shape, 1, dtype)
+    geo = ConvGeometry.create(x_shape, w_shape, 1, padding)
+    dy = values(geo.y_shape, 5, dtype)
+    launcher = HostLauncher()
+    got = raw_ops.conv_direct_weight_grad(x, dy, w_shape, padding, launch=launcher)
+    x64, dy64 = widen(x).astype(np.float64), widen(dy).astype(np.float64)
+    want = conv3d.conv3d_backward_filter(x64, dy64, w_shape, 1, padding)
+    terms = conv3d.conv3d_backward_filter(np.abs(x64), np.abs(dy64), w_shape, 1, padding)
+    error = (np.prod(geo.y_shape) // geo.filters + 2) * EPS32 * terms
+    assert got.dtype == dtype and got.shape == tuple(w_shape)
+    assert [kernel for kernel, _ in launcher.launches] == [
+        f"conv_direct_wgrad_{raw.suffix(dtype)}", f"conv_direct_wgrad_reduce_{raw.suffix(dtype)}"]
+    if name == "float32":
+        assert np.all(np.abs(got - want) <= error)
+        cpu = conv3d.conv3d_backward_filter(x, dy, w_shape, 1, padding)
+        np.testing.assert_allclose(got, cpu, rtol=0, atol=2 * float(error.max()))
+    else:
+        assert np.all(np.abs(widen(got) - want) <= 2.0 ** -8 * np.abs(want) + 2 * error)
+
+
 def test_direct_kernel_refuses_weights_beyond_its_shared_memory() -> None:
     x = np.zeros((1, 8, 4, 4, 4), np.float32)
     with pytest.raises(ValueError, match="at most 6912 weights"):
         raw_ops.conv_direct_forward(x, np.zeros((33, 8, 3, 3, 3), np.float32), 1)
-    assert conv1.takes_direct(x, np.zeros((32, 8, 3, 3, 3)), 1,
-                              ConvSettings(conv1_algorithm="direct"))
-    for w, stride, settings in ((np.zeros((33, 8, 3, 3, 3)), 1, "direct"),
-                                (np.zeros((16, 8, 3, 3, 3)), 2, "direct"),
-                                (np.zeros((16, 8, 3, 3, 3)), 1, "default")):
-        assert not conv1.takes_direct(x, w, stride, ConvSettings(conv1_algorithm=settings))
-    assert not conv1.takes_direct(np.zeros((1, 9, 4, 4, 4)), np.zeros((16, 9, 3, 3, 3)), 1,
-                                  ConvSettings(conv1_algorithm="direct"))
+    direct = ConvSettings(conv1_algorithm="direct")
+    assert conv1.takes_direct(x, (32, 8, 3, 3, 3), 1, direct)
+    for w_shape, stride, settings in (((33, 8, 3, 3, 3), 1, "direct"),
+                                      ((16, 8, 3, 3, 3), 2, "direct"),
+                                      ((16, 8, 3, 3, 3), 1, "default")):
+        assert not conv1.takes_direct(x, w_shape, stride,
+                                      ConvSettings(conv1_algorithm=settings))
+    assert not conv1.takes_direct(np.zeros((1, 9, 4, 4, 4)), (16, 9, 3, 3, 3), 1, direct)
+    assert not conv1.takes_direct_wgrad(x, (16, 8, 3, 3, 3), 1, direct)  # numpy: no launch
+    with pytest.raises(ValueError, match="up to 3 wide"):
+        raw_ops.conv_direct_weight_grad(x, np.zeros((1, 16, 4, 4, 2), np.float32),
+                                        (16, 8, 3, 3, 5), 1)
 
 
 @pytest.mark.parametrize("pad", [8, 16, 3])
@@ -227,10 +266,11 @@ def run_steps(step: Any, cfg: Any, x: np.ndarray, targets: np.ndarray, steps: in
 def test_a_training_step_with_the_conv1_settings_is_the_cpus(
         direct: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The paper network's step on the stand-in GPU with conv1's channels padded to 8
-    and its forward on the direct kernel (the LeakyReLU fused) or on the padded library
-    path: the CPU step's losses, the same launches every steady step and no host read
-    inside one; the padded input made once per padded call (the weight gradient, and the
-    library forward), the padded weight once per run."""
+    and conv1 on the direct kernels (the LeakyReLU fused into the forward; the weight
+    gradient's two launches) or on the padded library path: the CPU step's losses, the
+    same launches every steady step and no host read inside one; on the library path
+    the padded input made by each call (forward, weight gradient), the padded weight
+    once per run."""
     from mpi4py import MPI
 
     from cosmotrain.comm.grid import ProcessGrid
@@ -249,9 +289,10 @@ def test_a_training_step_with_the_conv1_settings_is_the_cpus(
     np.testing.assert_allclose(losses, host, rtol=1e-5)
     first, second = ledgers[-2], ledgers[-1]
     kernels = [launch.kernel for launch in second.launches]
-    assert kernels.count("conv_direct_forward_f32") == int(direct)
+    for kernel in ("forward", "wgrad", "wgrad_reduce"):
+        assert kernels.count(f"conv_direct_{kernel}_f32") == int(direct)
     assert kernels == [launch.kernel for launch in first.launches]
     assert not second.syncs and first.allocations == second.allocations
-    assert second.allocations.count(((2, 8, 16, 16, 16), "<f4")) == 1 + (not direct)
+    assert second.allocations.count(((2, 8, 16, 16, 16), "<f4")) == 2 * (not direct)
     assert len(conv1._PADDED_WEIGHTS) == (not direct)
     assert ((16, 8, 3, 3, 3), "<f4") not in second.allocations  # made at step 0 only

@@ -111,7 +111,8 @@ def test_gpu_adam_multi_gives_the_cpu_bits_and_skips_on_the_flag() -> None:
 def test_gpu_direct_conv_gives_the_host_builds_bits(name: str) -> None:
     """conv_direct.cu on the device (its barrier real, its fmaf the hardware's) gives the
     bits of its host build (tests/test_conv1_device.py checks those against the CPU
-    convolution), for both conv1s: 16 filters with the LeakyReLU, 32 with a bias."""
+    convolution), forward and weight gradient, for both conv1s: 16 filters with the
+    LeakyReLU, 32 with a bias."""
     from cuda_host import HostLauncher, need_compiler
 
     need_compiler()
@@ -124,3 +125,6 @@ def test_gpu_direct_conv_gives_the_host_builds_bits(name: str) -> None:
         got = raw_ops.conv_direct_forward(cupy.asarray(x), cupy.asarray(w), 1,
                                           None if bias is None else cupy.asarray(bias), slope)
         _same(got, want)
+        dy = rng.normal(size=want.shape).astype(_dtype(name))
+        _same(raw_ops.conv_direct_weight_grad(cupy.asarray(x), cupy.asarray(dy), w.shape, 1),
+              raw_ops.conv_direct_weight_grad(x, dy, w.shape, 1, launch=HostLauncher()))

@@ -268,9 +268,10 @@ class DeviceConfig:
                                    "to one (8: conv1's 4 channels for cuDNN's tensor-core "
                                    "engines; the same function); 0: never",
                                    minimum=0, maximum=64)
-    conv1_algorithm: str = spec("default", "GPU: conv1's forward (at most 8 input "
-                                "channels, stride 1): direct (our kernel, bias and "
-                                "LeakyReLU fused) or default (as device.conv_algorithm)",
+    conv1_algorithm: str = spec("default", "GPU: conv1 (at most 8 input channels, "
+                                "stride 1): direct (our kernels: the forward with its "
+                                "bias and LeakyReLU fused, the weight gradient) or "
+                                "default (as device.conv_algorithm)",
                                 choices=CONV1_ALGORITHMS)
     communication: str = spec("staging", "how GPU buffers cross MPI: staging (through "
                               "pinned host memory; any MPI), cuda-aware (device pointers "

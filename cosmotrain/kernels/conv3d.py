@@ -97,7 +97,7 @@ def conv3d_forward(x: np.ndarray, w: np.ndarray, stride: "int | Sequence[int]" =
     where = route(x, w)
     if not where.cpu_float:
         require_cpu_out(out, where)
-        if where.device and cuda_conv1.takes_direct(x, w, stride, settings):
+        if where.device and cuda_conv1.takes_direct(x, w.shape, stride, settings):
             return cuda_conv1.direct_forward(x, w, padding, bias, activation)  # fused
         if where.device:
             y = cuda_conv.conv3d_forward(x, w, stride, padding, settings=settings)

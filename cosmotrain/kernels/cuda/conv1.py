@@ -24,8 +24,10 @@ remedies, each a setting of the job's :class:`~.settings.ConvSettings`:
 * ``conv1_algorithm`` (``device.conv1_algorithm``): ``direct`` sends the forward of a
   convolution with at most :data:`DIRECT_MAX_CHANNELS` input channels at stride 1 to
   ``src/conv_direct.cu`` (:func:`.raw_ops.conv_direct_forward`), with the bias and the
-  following LeakyReLU applied in the same kernel; its weight gradient stays on the
-  library path (padded when ``conv1_channels_pad`` says so).
+  following LeakyReLU applied in the same kernel (the front door,
+  ``kernels/conv3d.py``, asks), and its weight gradient (kernels at most 3 wide) to the
+  same file's two launches (:func:`.raw_ops.conv_direct_weight_grad`; :mod:`.conv`
+  asks); the bias gradient and a fused activation's backward stay the front door's.
 
 In the networks here only conv1 has fewer than 8 input channels, hence the names.
 """
@@ -98,7 +100,7 @@ def run_padded(op: str, operands: tuple, args: tuple, settings: ConvSettings,
     return array_module(dw).ascontiguousarray(dw[:, :channels])
 
 
-def takes_direct(x: Any, w: Any, stride: "int | Sequence[int]",
+def takes_direct(x: Any, w_shape: Sequence[int], stride: "int | Sequence[int]",
                  settings: Optional[ConvSettings]) -> bool:
     """Whether ``settings`` send this forward to the direct kernel, which takes it:
     stride 1, at most 8 input channels, its weights within the kernel's shared memory,
@@ -106,8 +108,26 @@ def takes_direct(x: Any, w: Any, stride: "int | Sequence[int]",
     return (settings is not None and settings.conv1_algorithm == "direct"
             and normalize_triple(stride, "stride") == (1, 1, 1)
             and x.ndim == 5 and x.shape[1] <= DIRECT_MAX_CHANNELS
-            and raw_ops.direct_weights(w.shape) <= raw_ops.DIRECT_MAX_WEIGHTS
+            and raw_ops.direct_weights(w_shape) <= raw_ops.DIRECT_MAX_WEIGHTS
             and np.dtype(x.dtype).name in STORAGE)
+
+
+def takes_direct_wgrad(x: Any, w_shape: Sequence[int], stride: "int | Sequence[int]",
+                       settings: Optional[ConvSettings]) -> bool:
+    """Whether ``settings`` send this weight gradient of device arrays to the direct
+    kernel: as :func:`takes_direct`, with kernels at most 3 wide."""
+    return (array_module(x) is not np and len(w_shape) == 5
+            and w_shape[4] <= raw_ops.WGRAD_MAX_KW
+            and takes_direct(x, w_shape, stride, settings))
+
+
+def direct_weight_grad(x: Any, dy: Any, w_shape: Sequence[int], padding: PaddingLike) -> Any:
+    """``dL/dw`` in two launches of ``conv_direct.cu``; dy cast to x's storage dtype."""
+    xp = array_module(x)
+    if dy.dtype != x.dtype:
+        dy = dy.astype(x.dtype)
+    x, dy = (a if a.flags.c_contiguous else xp.ascontiguousarray(a) for a in (x, dy))
+    return raw_ops.conv_direct_weight_grad(x, dy, w_shape, padding)
 
 
 def direct_forward(x: Any, w: Any, padding: PaddingLike, bias: Any = None,

@@ -223,8 +223,37 @@ def conv_direct_forward(x: Any, w: Any, padding: Any, bias: Any = None,
     return y
 
 
+def conv_direct_weight_grad(x: Any, dy: Any, w_shape: Sequence[int], padding: Any,
+                            launch: Optional[Launch] = None) -> Any:
+    """``dL/dw`` (shape ``w_shape``, x's storage dtype) of :func:`conv_direct_forward`
+    from x and dy (C-contiguous, one storage dtype), in two launches of
+    ``conv_direct.cu``: float32 partial sums per chunk of output rows, sized for about
+    :data:`WGRAD_THREADS` threads, then their sum in chunk order."""
+    geo = ConvGeometry.create(x.shape, w_shape, 1, padding)
+    geo.check("dy", dy.shape, geo.y_shape)
+    if geo.kernel[2] > WGRAD_MAX_KW:
+        raise ValueError(f"conv_direct.cu's weight gradient takes kernels up to "
+                         f"{WGRAD_MAX_KW} wide, not {geo.kernel[2]}")
+    xp = array_module(x)
+    taps = geo.channels * geo.kernel[0] * geo.kernel[1] * -(-geo.filters // FILTER_GROUP)
+    rows = geo.batch * geo.out[0] * geo.out[1]
+    per_chunk = max(1, -(-rows * taps // WGRAD_THREADS))
+    chunks = -(-rows // per_chunk)
+    partial = xp.empty((chunks, *geo.w_shape), dtype=np.float32)
+    dw = xp.empty(geo.w_shape, dtype=x.dtype)
+    suffix = raw.suffix(x.dtype)
+    _launch(launch)(f"conv_direct_wgrad_{suffix}", chunks * taps,
+                    (x, dy, partial, *geo.x_shape[:2], geo.filters, *geo.x_shape[2:],
+                     *geo.out, *geo.kernel, *(lo for lo, _ in geo.padding), per_chunk,
+                     chunks))
+    _launch(launch)(f"conv_direct_wgrad_reduce_{suffix}", dw.size, (partial, dw, chunks, dw.size))
+    return dw
+
+
 FILTER_GROUP = 16  # conv_direct.cu's filters per thread
 DIRECT_MAX_WEIGHTS = 6912  # its shared-memory array: 8 channels x 27 taps x 32 filters
+WGRAD_MAX_KW = 3  # its weight gradient's widest kernel
+WGRAD_THREADS = 1 << 18  # threads its weight gradient's first launch aims at
 
 
 def direct_weights(w_shape: Sequence[int]) -> int:

@@ -72,10 +72,11 @@ class ConvSettings:
     ``conv1_channels_pad``: ``device.conv1_channels_pad``: a forward or weight gradient
     whose input channels are not a multiple of it runs on operands padded with zero
     channels up to one (0: never), for cuDNN's tensor-core engines (:mod:`.conv1`).
-    ``conv1_algorithm``: ``device.conv1_algorithm``: ``direct`` sends the forward of a
-    convolution with at most 8 input channels at stride 1 (conv1) to our direct kernel
-    with its bias + LeakyReLU epilogue fused (``src/conv_direct.cu``); ``default``: the
-    ``algorithm`` above, as every other convolution.
+    ``conv1_algorithm``: ``device.conv1_algorithm``: ``direct`` sends the forward (with
+    its bias + LeakyReLU epilogue fused) and the weight gradient of a convolution with
+    at most 8 input channels at stride 1 (conv1) to our kernels
+    (``src/conv_direct.cu``); ``default``: the ``algorithm`` above, as every other
+    convolution.
     """
 
     algorithm: str = "auto"

@@ -109,3 +109,96 @@ COSMO_BOTH(conv_direct_forward,
             int pw, float slope),
            <T>(x, w, bias, y, ConvShape{n, c, f, d, h, wd, od, oh, ow, kd, kh, kw, pd, ph, pw},
                slope))
+
+// Weight gradient of the same convolution: dw[f, c, a, b, e] = sum over samples and
+// output voxels of x[c, voxel + tap] * dy[f, voxel], in two launches, deterministic (no
+// atomics):
+//
+// * conv_direct_wgrad: each thread owns one (channel, kd tap, kh tap) row of taps for a
+//   group of 16 filters and a chunk of output rows (sample, z, y), and walks each row
+//   along W: per voxel 16 dy values (the same addresses for the warp's threads of one
+//   chunk: broadcast) and one new x value feed kw x 16 fused multiply-adds in registers
+//   (kw <= WGRAD_MAX_KW).  It writes its chunk's partial sums, float32, to
+//   partial[chunk][f][c][kd][kh][kw].  The chunk size is chosen by the face so that the
+//   launch has about 2^18 threads: enough to fill an H200 at batch 1.
+// * conv_direct_wgrad_reduce: each weight adds its chunks' partial sums in chunk order
+//   and rounds once to the storage type (bf16 dw, as cuDNN returns for bf16 io).
+//
+// The bias gradient and a fused activation's backward stay with the front door
+// (kernels/conv3d.py: channel_sums, and epilogue.cu's backward pass on dy).
+#define WGRAD_MAX_KW 3
+
+template <class T>
+__device__ void conv_direct_wgrad_body(const T* __restrict__ x, const T* __restrict__ dy,
+                                       float* __restrict__ partial, ConvShape s,
+                                       int rows_per_chunk, i64 chunks) {
+    const int groups = (s.f + FILTER_GROUP - 1) / FILTER_GROUP;
+    const int rows_of_taps = s.c * s.kd * s.kh;
+    const i64 rows = (i64)s.n * s.od * s.oh, plane = (i64)s.h * s.w;
+    const i64 voxels = (i64)s.od * s.oh * s.ow;
+    GRID_STRIDE(i, chunks * groups * rows_of_taps) {
+        const int k = (int)(i % rows_of_taps);
+        const int g = (int)((i / rows_of_taps) % groups);
+        const i64 chunk = i / rows_of_taps / groups;
+        const int c = k / (s.kd * s.kh), a = (k / s.kh) % s.kd, b = k % s.kh;
+        float acc[WGRAD_MAX_KW][FILTER_GROUP];
+#pragma unroll
+        for (int e = 0; e < WGRAD_MAX_KW; ++e)
+#pragma unroll
+            for (int j = 0; j < FILTER_GROUP; ++j) acc[e][j] = 0.0f;
+        const i64 last = (chunk + 1) * rows_per_chunk < rows ? (chunk + 1) * rows_per_chunk : rows;
+        for (i64 r = chunk * rows_per_chunk; r < last; ++r) {
+            const int oy = (int)(r % s.oh), oz = (int)((r / s.oh) % s.od);
+            const i64 sample = r / s.oh / s.od;
+            const int iz = oz - s.pd + a, iy = oy - s.ph + b;
+            if (iz < 0 || iz >= s.d || iy < 0 || iy >= s.h) continue;
+            const T* xrow = x + (sample * s.c + c) * s.d * plane + iz * plane + (i64)iy * s.w;
+            const T* dyrow = dy + (sample * s.f + g * FILTER_GROUP) * voxels +
+                             ((i64)oz * s.oh + oy) * s.ow;
+            for (int ox = 0; ox < s.ow; ++ox) {
+                float grad[FILTER_GROUP];
+#pragma unroll
+                for (int j = 0; j < FILTER_GROUP; ++j)
+                    grad[j] = g * FILTER_GROUP + j < s.f ? load_f(dyrow, j * voxels + ox) : 0.0f;
+#pragma unroll
+                for (int e = 0; e < WGRAD_MAX_KW; ++e) {
+                    const int ix = ox - s.pw + e;
+                    if (e >= s.kw || ix < 0 || ix >= s.w) continue;
+                    const float value = load_f(xrow, ix);
+#pragma unroll
+                    for (int j = 0; j < FILTER_GROUP; ++j) acc[e][j] = fmaf(value, grad[j], acc[e][j]);
+                }
+            }
+        }
+        const i64 weights = (i64)s.f * rows_of_taps * s.kw;
+#pragma unroll
+        for (int j = 0; j < FILTER_GROUP; ++j) {
+            const int f = g * FILTER_GROUP + j;
+            if (f >= s.f) break;
+#pragma unroll
+            for (int e = 0; e < WGRAD_MAX_KW; ++e)
+                if (e < s.kw)
+                    partial[chunk * weights + ((i64)f * rows_of_taps + k) * s.kw + e] = acc[e][j];
+        }
+    }
+}
+
+COSMO_BOTH(conv_direct_wgrad,
+           (const T* x, const T* dy, float* partial, int n, int c, int f, int d, int h,
+            int wd, int od, int oh, int ow, int kd, int kh, int kw, int pd, int ph, int pw,
+            int rows_per_chunk, i64 chunks),
+           <T>(x, dy, partial, ConvShape{n, c, f, d, h, wd, od, oh, ow, kd, kh, kw, pd, ph, pw},
+               rows_per_chunk, chunks))
+
+template <class T>
+__device__ void conv_direct_wgrad_reduce_body(const float* __restrict__ partial, T* dw,
+                                              i64 chunks, i64 weights) {
+    GRID_STRIDE(i, weights) {
+        float sum = 0.0f;
+        for (i64 k = 0; k < chunks; ++k) sum = __fadd_rn(sum, partial[k * weights + i]);
+        store_f(dw, i, sum);
+    }
+}
+
+COSMO_BOTH(conv_direct_wgrad_reduce, (const float* partial, T* dw, i64 chunks, i64 weights),
+           <T>(partial, dw, chunks, weights))
