@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -77,15 +78,19 @@ def test_direct_kernel_matches_the_cpu_convolution(case: int, name: str) -> None
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("name", ["float32", "bfloat16"])
-@pytest.mark.parametrize("threads", [raw_ops.WGRAD_THREADS, 7])
+@pytest.mark.parametrize("threads, fan", [(raw_ops.WGRAD_THREADS, 64),
+                                          (raw_ops.WGRAD_THREADS, 4), (7, 64)])
 def test_direct_weight_gradient_matches_the_cpus(case: int, name: str, threads: int,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """The two launches' weight gradient against the CPU's and a float64 reference:
+                                                 fan: int, monkeypatch: pytest.MonkeyPatch
+                                                 ) -> None:
+    """The weight gradient's launches against the CPU's and a float64 reference:
     float32 within float32 summation error over every output voxel, bf16 (dw in bf16)
     within one rounding of that; in chunks of one output row (the many threads asked
-    for at these sizes), whose partial sums the second launch adds, and in one chunk."""
+    for at these sizes), whose partial sums one reduction adds, or (``fan`` 4) several
+    in turn; and in one chunk."""
     need_compiler()
     monkeypatch.setattr(raw_ops, "WGRAD_THREADS", threads)
+    monkeypatch.setattr(raw_ops, "REDUCE_FAN", fan)
     dtype = bfloat16() if name == "bfloat16" else np.dtype(np.float32)
     x_shape, w_shape, padding = CASES[case]
     x = values(x_shape, 1, dtype)
@@ -98,8 +103,13 @@ def test_direct_weight_gradient_matches_the_cpus(case: int, name: str, threads: 
     terms = conv3d.conv3d_backward_filter(np.abs(x64), np.abs(dy64), w_shape, 1, padding)
     error = (np.prod(geo.y_shape) // geo.filters + 2) * EPS32 * terms
     assert got.dtype == dtype and got.shape == tuple(w_shape)
+    chunks = math.prod(geo.y_shape[:1] + geo.out[:2]) if threads > 7 else 1
+    levels = 0
+    while chunks > fan:  # the float32 reductions before the last
+        chunks, levels = -(-chunks // fan), levels + 1
     assert [kernel for kernel, _ in launcher.launches] == [
-        f"conv_direct_wgrad_{raw.suffix(dtype)}", f"conv_direct_wgrad_reduce_{raw.suffix(dtype)}"]
+        f"conv_direct_wgrad_{raw.suffix(dtype)}", *["conv_direct_wgrad_reduce_f32"] * levels,
+        f"conv_direct_wgrad_reduce_{raw.suffix(dtype)}"]
     if name == "float32":
         assert np.all(np.abs(got - want) <= error)
         cpu = conv3d.conv3d_backward_filter(x, dy, w_shape, 1, padding)
@@ -289,8 +299,9 @@ def test_a_training_step_with_the_conv1_settings_is_the_cpus(
     np.testing.assert_allclose(losses, host, rtol=1e-5)
     first, second = ledgers[-2], ledgers[-1]
     kernels = [launch.kernel for launch in second.launches]
-    for kernel in ("forward", "wgrad", "wgrad_reduce"):
+    for kernel in ("forward", "wgrad"):
         assert kernels.count(f"conv_direct_{kernel}_f32") == int(direct)
+    assert kernels.count("conv_direct_wgrad_reduce_f32") == 2 * direct  # 512 chunks
     assert kernels == [launch.kernel for launch in first.launches]
     assert not second.syncs and first.allocations == second.allocations
     assert second.allocations.count(((2, 8, 16, 16, 16), "<f4")) == 2 * (not direct)

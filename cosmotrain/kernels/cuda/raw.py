@@ -63,7 +63,7 @@ KERNELS: dict[str, tuple[str, str]] = {
     **_both("linear.cu", "linear_wgrad", "pppplll"),
     **_both("conv_direct.cu", "conv_direct_forward", "pppp" + "i" * 15 + "f"),
     **_both("conv_direct.cu", "conv_direct_wgrad", "ppp" + "i" * 16 + "l"),
-    **_both("conv_direct.cu", "conv_direct_wgrad_reduce", "ppll"),
+    **_both("conv_direct.cu", "conv_direct_wgrad_reduce", "pplll"),
     "sgd_momentum_multi": ("optim.cu", "ppipp"),
     "adam_multi": ("optim.cu", "ppipp"),
     "nonfinite_flag": ("optim.cu", "plp"),

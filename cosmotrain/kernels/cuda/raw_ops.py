@@ -226,9 +226,10 @@ def conv_direct_forward(x: Any, w: Any, padding: Any, bias: Any = None,
 def conv_direct_weight_grad(x: Any, dy: Any, w_shape: Sequence[int], padding: Any,
                             launch: Optional[Launch] = None) -> Any:
     """``dL/dw`` (shape ``w_shape``, x's storage dtype) of :func:`conv_direct_forward`
-    from x and dy (C-contiguous, one storage dtype), in two launches of
-    ``conv_direct.cu``: float32 partial sums per chunk of output rows, sized for about
-    :data:`WGRAD_THREADS` threads, then their sum in chunk order."""
+    from x and dy (C-contiguous, one storage dtype), in launches of ``conv_direct.cu``:
+    float32 partial sums per chunk of output rows, sized for about
+    :data:`WGRAD_THREADS` threads, then their sums in chunk order, :data:`REDUCE_FAN`
+    chunks a thread, until one is left (two launches up to that many chunks)."""
     geo = ConvGeometry.create(x.shape, w_shape, 1, padding)
     geo.check("dy", dy.shape, geo.y_shape)
     if geo.kernel[2] > WGRAD_MAX_KW:
@@ -246,7 +247,14 @@ def conv_direct_weight_grad(x: Any, dy: Any, w_shape: Sequence[int], padding: An
                     (x, dy, partial, *geo.x_shape[:2], geo.filters, *geo.x_shape[2:],
                      *geo.out, *geo.kernel, *(lo for lo, _ in geo.padding), per_chunk,
                      chunks))
-    _launch(launch)(f"conv_direct_wgrad_reduce_{suffix}", dw.size, (partial, dw, chunks, dw.size))
+    while chunks > REDUCE_FAN:  # float32 sums of REDUCE_FAN chunks each
+        groups = -(-chunks // REDUCE_FAN)
+        fewer = xp.empty((groups, *geo.w_shape), dtype=np.float32)
+        _launch(launch)("conv_direct_wgrad_reduce_f32", fewer.size,
+                        (partial, fewer, chunks, REDUCE_FAN, dw.size))
+        partial, chunks = fewer, groups
+    _launch(launch)(f"conv_direct_wgrad_reduce_{suffix}", dw.size,
+                    (partial, dw, chunks, chunks, dw.size))
     return dw
 
 
@@ -254,6 +262,7 @@ FILTER_GROUP = 16  # conv_direct.cu's filters per thread
 DIRECT_MAX_WEIGHTS = 6912  # its shared-memory array: 8 channels x 27 taps x 32 filters
 WGRAD_MAX_KW = 3  # its weight gradient's widest kernel
 WGRAD_THREADS = 1 << 18  # threads its weight gradient's first launch aims at
+REDUCE_FAN = 64  # partial sums one thread of its reduction adds
 
 
 def direct_weights(w_shape: Sequence[int]) -> int:

@@ -121,8 +121,9 @@ COSMO_BOTH(conv_direct_forward,
 //   (kw <= WGRAD_MAX_KW).  It writes its chunk's partial sums, float32, to
 //   partial[chunk][f][c][kd][kh][kw].  The chunk size is chosen by the face so that the
 //   launch has about 2^18 threads: enough to fill an H200 at batch 1.
-// * conv_direct_wgrad_reduce: each weight adds its chunks' partial sums in chunk order
-//   and rounds once to the storage type (bf16 dw, as cuDNN returns for bf16 io).
+// * conv_direct_wgrad_reduce: the chunks' partial sums added in chunk order, `fan` at a
+//   time per thread, launched again on its float32 result until one sum per weight is
+//   left, rounded once to the storage type (bf16 dw, as cuDNN returns for bf16 io).
 //
 // The bias gradient and a fused activation's backward stay with the front door
 // (kernels/conv3d.py: channel_sums, and epilogue.cu's backward pass on dy).
@@ -190,15 +191,23 @@ COSMO_BOTH(conv_direct_wgrad,
            <T>(x, dy, partial, ConvShape{n, c, f, d, h, wd, od, oh, ow, kd, kh, kw, pd, ph, pw},
                rows_per_chunk, chunks))
 
+// out[group][weight] = the sum of partial[chunk][weight] over the group's `fan` chunks,
+// in chunk order: the face repeats it (float32 out) until one group is left, which it
+// writes in the storage type, so that thousands of chunks are added by many threads.
 template <class T>
-__device__ void conv_direct_wgrad_reduce_body(const float* __restrict__ partial, T* dw,
-                                              i64 chunks, i64 weights) {
-    GRID_STRIDE(i, weights) {
+__device__ void conv_direct_wgrad_reduce_body(const float* __restrict__ partial, T* out,
+                                              i64 chunks, i64 fan, i64 weights) {
+    const i64 groups = (chunks + fan - 1) / fan;
+    GRID_STRIDE(i, groups * weights) {
+        const i64 group = i / weights, weight = i % weights;
+        const i64 last = (group + 1) * fan < chunks ? (group + 1) * fan : chunks;
         float sum = 0.0f;
-        for (i64 k = 0; k < chunks; ++k) sum = __fadd_rn(sum, partial[k * weights + i]);
-        store_f(dw, i, sum);
+        for (i64 k = group * fan; k < last; ++k)
+            sum = __fadd_rn(sum, partial[k * weights + weight]);
+        store_f(out, i, sum);
     }
 }
 
-COSMO_BOTH(conv_direct_wgrad_reduce, (const float* partial, T* dw, i64 chunks, i64 weights),
-           <T>(partial, dw, chunks, weights))
+COSMO_BOTH(conv_direct_wgrad_reduce,
+           (const float* partial, T* out, i64 chunks, i64 fan, i64 weights),
+           <T>(partial, out, chunks, fan, weights))
