@@ -3,6 +3,8 @@
     python benchmarks/bench_conv1.py [--width 128] [--batch 1 8] [--precisions fp32 bf16]
         [--networks paper mlperf] [--repeats 10] [--no-torch] [--out results.json]
 
+(``--precisions`` also takes ``tf32``: float32 storage with TF32 tensor-core math.)
+
 What is timed (issue 35 item 5; docs/GPU_KERNELS.md, "conv1"): each network's first
 convolution at width W (paper: 4 -> 16, no bias, the LeakyReLU(0.01) after it fused;
 MLPerf: 4 -> 32 with bias, the max pooling after it), through the front door the layers
@@ -53,11 +55,14 @@ NETWORKS = {"paper": (16, False, 0.01), "mlperf": (32, True, None)}
 Timer = Callable[[Callable[[], Any], int], float]
 
 
-def settings(algorithm: str) -> dict[str, ConvSettings]:
-    """The three ways of running conv1 on ``algorithm`` (cudnn; gemm in the tests)."""
-    return {algorithm: ConvSettings(algorithm=algorithm),
-            f"{algorithm} pad8": ConvSettings(algorithm=algorithm, conv1_channels_pad=8),
-            "direct": ConvSettings(algorithm=algorithm, conv1_algorithm="direct")}
+def settings(algorithm: str, precision: str) -> dict[str, ConvSettings]:
+    """The three ways of running conv1 on ``algorithm`` (cudnn; gemm in the tests); TF32
+    math under ``tf32`` (float32 storage: the only way fp32 reaches tensor cores)."""
+    math = "tf32" if precision == "tf32" else "fp32"
+    return {algorithm: ConvSettings(algorithm=algorithm, math=math),
+            f"{algorithm} pad8": ConvSettings(algorithm=algorithm, math=math,
+                                              conv1_channels_pad=8),
+            "direct": ConvSettings(algorithm=algorithm, math=math, conv1_algorithm="direct")}
 
 
 def operands(xp: Any, network: str, width: int, batch: int, dtype: Any) -> dict[str, Any]:
@@ -84,7 +89,7 @@ def measure(xp: Any, network: str, width: int, batch: int, precision: str, algor
     ops = operands(xp, network, width, batch, storage_dtype(precision))
     slope = NETWORKS[network][2]
     rows, reference = [], {}
-    for name, chosen in settings(algorithm).items():
+    for name, chosen in settings(algorithm, precision).items():
         def forward(chosen: ConvSettings = chosen) -> Any:
             return conv3d.conv3d_forward(ops["x"], ops["w"], 1, 1, settings=chosen,
                                          bias=ops["bias"], activation=slope)
@@ -114,7 +119,7 @@ def torch_rows(torch: Any, network: str, width: int, batch: int, precision: str,
     functional = torch.nn.functional
     filters, has_bias, slope = NETWORKS[network]
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = precision == "tf32"
     gen = torch.Generator(device="cuda").manual_seed(0)
     x, w, dy = (torch.randn(shape, generator=gen, device="cuda", dtype=dtype) for shape in
                 ((batch, 4, width, width, width), (filters, 4, 3, 3, 3),
@@ -142,33 +147,45 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Any = None) -> int:
+def parse(argv: Any = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"],
-                        choices=["fp32", "bf16"])
+                        choices=["fp32", "tf32", "bf16"])
     parser.add_argument("--networks", nargs="+", default=list(NETWORKS), choices=NETWORKS)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--out", type=Path)
-    args = parser.parse_args(argv)
-    cupy = require_device("bench_conv1")
-    torch = None if args.no_torch else import_torch_cuda()
+    return parser.parse_args(argv)
+
+
+def run(xp: Any, args: argparse.Namespace, algorithm: str, timer: Timer,
+        torch: Any = None) -> list[dict]:
+    """Every row the arguments ask for, PyTorch's beside ours when ``torch`` is given;
+    the table printed and, with ``--out``, written as JSON."""
     rows = []
     for network in args.networks:
         for batch in args.batch:
             for precision in args.precisions:
-                rows += measure(cupy, network, args.width, batch, precision, "cudnn",
-                                args.repeats, lambda fn, n: gpu_median_ms(cupy, fn, n))
+                rows += measure(xp, network, args.width, batch, precision, algorithm,
+                                args.repeats, timer)
                 if torch is not None:
                     rows += torch_rows(torch, network, args.width, batch, precision,
                                        args.repeats)
-                cupy.get_default_memory_pool().free_all_blocks()
+                xp.get_default_memory_pool().free_all_blocks()
     print(table(rows))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"rows": rows}, indent=1))
+    return rows
+
+
+def main(argv: Any = None) -> int:
+    args = parse(argv)
+    cupy = require_device("bench_conv1")
+    torch = None if args.no_torch else import_torch_cuda()
+    run(cupy, args, "cudnn", lambda fn, n: gpu_median_ms(cupy, fn, n), torch)
     return 0
 
 

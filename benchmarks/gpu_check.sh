@@ -109,8 +109,8 @@ run_stage() {
             --out "$OUT/dense_w128.json" ;;
     bench-conv1)  # issue 35 item 5: conv1 under cuDNN (4 channels, padded to 8), our direct
         # kernel (conv_direct.cu) and PyTorch eager, forward and weight gradient, W = 128
-        stage bench-conv1 150 python3 benchmarks/bench_conv1.py --width 128 --batch 1 8 \
-            --precisions fp32 bf16 --repeats 10 --out "$OUT/conv1_w128.json" ;;
+        stage bench-conv1 180 python3 benchmarks/bench_conv1.py --width 128 --batch 1 8 \
+            --precisions fp32 tf32 bf16 --repeats 10 --out "$OUT/conv1_w128.json" ;;
     bench-layers)
         stage bench-layers 180 python3 benchmarks/bench_gpu.py --width 128 --batch 8 \
             --precisions bf16 --out "$OUT/layers_w128.json" ;;

@@ -5,8 +5,11 @@ direct kernel through its host build), agreeing with the first setting's output.
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
+import types
+from pathlib import Path
 
 import pytest
 from conftest import REPO, cuda_devices, subprocess_env
@@ -32,7 +35,8 @@ def test_bench_conv1_needs_a_device() -> None:
     assert done.returncode == 2 and "bench_conv1: needs cupy and a CUDA device" in done.stderr
 
 
-def test_every_case_runs_on_the_standin(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_case_runs_on_the_standin(monkeypatch: pytest.MonkeyPatch,
+                                        tmp_path: Path) -> None:
     need_compiler()
     bench = bench_module()
     timed = []
@@ -42,12 +46,15 @@ def test_every_case_runs_on_the_standin(monkeypatch: pytest.MonkeyPatch) -> None
         timed.append(repeats)
         return 0.5
 
-    rows = []
+    out = tmp_path / "conv1.json"
+    args = bench.parse(["--width", "6", "--batch", "1", "--precisions", "fp32", "tf32",
+                        "bf16", "--repeats", "3", "--out", str(out)])
     with installed(monkeypatch) as cupy:
-        for network in bench.NETWORKS:
-            for precision in ("fp32", "bf16"):
-                rows += bench.measure(cupy, network, 6, 1, precision, "gemm", 3, timer)
-    assert len(rows) == len(timed) == 4 * 6 and set(timed) == {3}
+        monkeypatch.setattr(cupy, "get_default_memory_pool", lambda: types.SimpleNamespace(
+            free_all_blocks=lambda: None), raising=False)
+        rows = bench.run(cupy, args, "gemm", timer)
+    assert json.loads(out.read_text())["rows"] == rows
+    assert len(rows) == len(timed) == 6 * 6 and set(timed) == {3}
     assert [(r["how"], r["pass"]) for r in rows[:6]] == [
         (how, kind) for how in ("gemm", "gemm pad8", "direct") for kind in ("forward", "wgrad")]
     for r in rows:
