@@ -215,8 +215,8 @@ def conv_direct_forward(x: Any, w: Any, padding: Any, bias: Any = None,
                          f"not those of {tuple(w.shape)}")
     y = array_module(x).empty(geo.y_shape, dtype=x.dtype)
     groups = -(-geo.filters // FILTER_GROUP)
-    _launch(launch)(f"conv_direct_forward_{raw.suffix(x.dtype)}",
-                    geo.y_shape[0] * groups * math.prod(geo.y_shape[2:]),
+    _launch(launch)(f"conv_direct_forward_{raw.suffix(x.dtype)}",  # voxel pairs along W
+                    geo.y_shape[0] * groups * geo.out[0] * geo.out[1] * -(-geo.out[2] // 2),
                     (x, w, bias, y, *geo.x_shape[:2], geo.filters, *geo.x_shape[2:],
                      *geo.y_shape[2:], *geo.kernel, *(lo for lo, _ in geo.padding),
                      float(np.float32(1.0 if slope is None else slope))))

@@ -10,20 +10,24 @@
 // 108 multiply-adds per output value.  The design for the H200 (132 SMs, 228 KB of shared
 // memory and L1 per SM, about 67 TFLOP/s of fp32 FMA, 4.8 TB/s):
 //
-// * Each thread computes one output voxel for a group of 16 filters (FILTER_GROUP): every
-//   input value it loads (27 taps x C channels, neighbours along W in neighbouring
-//   threads, so a warp's loads are coalesced and the taps' overlap hits L1) feeds 16 fused
-//   multiply-adds held in 16 registers; F = 32 makes two groups, the second one re-reading
-//   the input from L1, not from HBM.
+// * Each thread computes two neighbouring output voxels along W for a group of 16 filters
+//   (FILTER_GROUP), 32 accumulators in registers: every weight it reads from shared
+//   memory feeds two fused multiply-adds, and along a row of kw taps the two outputs share
+//   kw - 1 inputs (kw + 1 loads, neighbours along W in neighbouring threads, so a warp's
+//   loads are coalesced and the taps' overlap hits L1).  Per tap row of 3: 4 input loads
+//   and 12 vector loads of weights for 96 FMAs, so the FMA pipe, not the load/store
+//   units, sets the pace.  F = 32 makes two groups, the second re-reading the input from
+//   L1 or L2, not from HBM.
 // * The weights (C x taps x F <= 6912 floats, 27 KiB) are staged once per block in shared
 //   memory, transposed to [channel][tap][filter] and padded to whole groups of 16, so the
 //   16 weights of one tap are contiguous and 64-byte aligned (vector loads; every thread
 //   of a warp reads the same address: a broadcast, no bank conflict).
 // * Outputs are written once, coalesced along W, after the bias and the LeakyReLU in
 //   registers: no pass of epilogue.cu over 128-256 MiB per sample.
-// * The grid is a grid-stride loop over (sample, filter group, voxel), voxel fastest; a
-//   block stages the weights before its first item (the one barrier: two phases, which
-//   the host shim runs one after the other, common.cuh).
+// * The grid is a grid-stride loop over (sample, filter group, output row, voxel pair),
+//   pairs fastest; a block stages the weights before its first item (the one barrier:
+//   two phases, which the host shim runs one after the other, common.cuh).  Taps in the
+//   zero padding along W read 0 (a product of zero), along D and H they are skipped.
 //
 // Arithmetic: float32 accumulation with fmaf (one rounding per product and sum, the same
 // on the host, whose fmaf is the correctly rounded one: the host build's bits are the
@@ -63,14 +67,16 @@ __device__ void conv_direct_forward_body(const T* __restrict__ x, const T* __res
     COSMO_PHASE(1) {
         const i64 plane = (i64)s.h * s.w, volume = plane * s.d;
         const i64 voxels = (i64)s.od * s.oh * s.ow;
-        GRID_STRIDE(i, (i64)s.n * groups * voxels) {
-            const i64 v = i % voxels, item = i / voxels;
+        const int pairs = (s.ow + 1) / 2;  // VOXELS = 2 neighbours along W per thread
+        const i64 rows = (i64)s.od * s.oh;
+        GRID_STRIDE(i, (i64)s.n * groups * rows * pairs) {
+            const int ox = (int)(i % pairs) * 2;
+            const i64 row_item = i / pairs, r = row_item % rows, item = row_item / rows;
             const int g = (int)(item % groups), sample = (int)(item / groups);
-            const int ox = (int)(v % s.ow), oy = (int)((v / s.ow) % s.oh),
-                      oz = (int)(v / ((i64)s.ow * s.oh));
-            float acc[FILTER_GROUP];
+            const int oy = (int)(r % s.oh), oz = (int)(r / s.oh);
+            float acc[2][FILTER_GROUP];
 #pragma unroll
-            for (int j = 0; j < FILTER_GROUP; ++j) acc[j] = 0.0f;
+            for (int j = 0; j < FILTER_GROUP; ++j) acc[0][j] = acc[1][j] = 0.0f;
             for (int c = 0; c < s.c; ++c) {
                 const T* xc = x + ((i64)sample * s.c + c) * volume;
                 for (int a = 0; a < s.kd; ++a) {
@@ -79,25 +85,37 @@ __device__ void conv_direct_forward_body(const T* __restrict__ x, const T* __res
                     for (int b = 0; b < s.kh; ++b) {
                         const int iy = oy - s.ph + b;
                         if (iy < 0 || iy >= s.h) continue;
-                        const int row = ((c * s.kd + a) * s.kh + b) * s.kw;
+                        const T* xrow = xc + iz * plane + (i64)iy * s.w;
+                        const int tap_row = ((c * s.kd + a) * s.kh + b) * s.kw;
+                        // the two outputs' taps share kw - 1 inputs: kw + 1 loads, not 2 kw
+                        int ix = ox - s.pw;
+                        float left = ix >= 0 && ix < s.w ? load_f(xrow, ix) : 0.0f;
                         for (int e = 0; e < s.kw; ++e) {
-                            const int ix = ox - s.pw + e;
-                            if (ix < 0 || ix >= s.w) continue;
-                            const float value = load_f(xc, iz * plane + (i64)iy * s.w + ix);
-                            const float* wt = ws + ((i64)(row + e) * groups + g) * FILTER_GROUP;
+                            ++ix;
+                            const float right = ix >= 0 && ix < s.w ? load_f(xrow, ix) : 0.0f;
+                            const float* wt = ws + ((i64)(tap_row + e) * groups + g) * FILTER_GROUP;
 #pragma unroll
-                            for (int j = 0; j < FILTER_GROUP; ++j)
-                                acc[j] = fmaf(value, wt[j], acc[j]);
+                            for (int j = 0; j < FILTER_GROUP; ++j) {
+                                acc[0][j] = fmaf(left, wt[j], acc[0][j]);
+                                acc[1][j] = fmaf(right, wt[j], acc[1][j]);
+                            }
+                            left = right;
                         }
                     }
                 }
             }
+            const i64 at = r * s.ow + ox;
 #pragma unroll
-            for (int j = 0; j < FILTER_GROUP; ++j) {
-                const int f = g * FILTER_GROUP + j;
-                if (f >= s.f) break;
-                const float u = bias ? __fadd_rn(acc[j], bias[f]) : acc[j];
-                store_f(y, ((i64)sample * s.f + f) * voxels + v, u > 0.0f ? u : __fmul_rn(u, slope));
+            for (int q = 0; q < 2; ++q) {
+                if (ox + q >= s.ow) break;
+#pragma unroll
+                for (int j = 0; j < FILTER_GROUP; ++j) {
+                    const int f = g * FILTER_GROUP + j;
+                    if (f >= s.f) break;
+                    const float u = bias ? __fadd_rn(acc[q][j], bias[f]) : acc[q][j];
+                    store_f(y, ((i64)sample * s.f + f) * voxels + at + q,
+                            u > 0.0f ? u : __fmul_rn(u, slope));
+                }
             }
         }
     }
