@@ -11,7 +11,7 @@
 * The wiring on the stand-in cupy (tests/standin.py): ``conv1_algorithm: direct`` sends a
   layer's forward to one ``conv_direct_forward`` launch (no epilogue launch after it),
   with the CPU layer's results; a whole training step with both settings gives the CPU
-  step's loss.
+  step's loss, and its CUDA graph (engine/cuda_graph.py) replays it bit for bit.
 """
 
 from __future__ import annotations
@@ -307,3 +307,32 @@ def test_a_training_step_with_the_conv1_settings_is_the_cpus(
     assert second.allocations.count(((2, 8, 16, 16, 16), "<f4")) == 2 * (not direct)
     assert len(conv1._PADDED_WEIGHTS) == (not direct)
     assert ((16, 8, 3, 3, 3), "<f4") not in second.allocations  # made at step 0 only
+
+
+@pytest.mark.parametrize("conv1_settings", [{"conv1_algorithm": "direct"},
+                                            {"conv1_channels_pad": 8}])
+def test_conv1_settings_replay_in_a_cuda_graph(conv1_settings: dict,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine/cuda_graph.py captures a step with conv1's direct kernels or its padded
+    operands (the persistent padded weight made in the warm-up, the padded input in
+    the graph's pool) and its replays train as the eager step, bit for bit
+    (tests/test_cuda_graph.py's runner, its device given these settings)."""
+    import functools
+
+    import test_cuda_graph
+    from test_gpu_step_counts import batch
+
+    from cosmotrain.device.select import Device
+
+    need_compiler()
+    conv1._PADDED_WEIGHTS.clear()
+    monkeypatch.setattr(test_cuda_graph, "Device", functools.partial(Device, **conv1_settings))
+    batches = [batch("cosmoflow")] * 5
+    eager = test_cuda_graph.run(monkeypatch, "false", batches)
+    graphed = test_cuda_graph.run(monkeypatch, "true", batches)
+    assert graphed["captures"] == 1
+    test_cuda_graph.assert_same_training(eager, graphed)
+    launched = {launch.kernel for ledger in graphed["ledgers"] for launch in ledger.launches}
+    direct = "conv1_algorithm" in conv1_settings
+    assert ("conv_direct_forward_f32" in launched) == direct
+    assert len(conv1._PADDED_WEIGHTS) == (not direct)
