@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import abort_on_error
 from cuda_host import HostLauncher, need_compiler
 
 from cosmotrain.kernels import conv3d
@@ -336,3 +337,39 @@ def test_conv1_settings_replay_in_a_cuda_graph(conv1_settings: dict,
     direct = "conv1_algorithm" in conv1_settings
     assert ("conv_direct_forward_f32" in launched) == direct
     assert len(conv1._PADDED_WEIGHTS) == (not direct)
+
+
+@pytest.mark.parallel(nprocs=[2])
+@abort_on_error
+def test_conv1_direct_on_a_spatial_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """D2 (two ranks, staging transport): conv1's input blocks are views of their halo
+    buffers, its interior and shell computed by separate calls, padded on the global
+    boundary only (asymmetric); on the direct kernels (and the padding setting, which
+    they make moot) the paper network's steps give the CPU's losses on the same layout,
+    with no host read in a steady step but the transport's."""
+    import functools
+
+    import test_gpu_step_counts as counts
+    from mpi4py import MPI
+
+    from cosmotrain.comm.grid import ProcessGrid
+    from cosmotrain.config.layout import resolve_parallel
+    from cosmotrain.device.select import Device
+    from cosmotrain.engine.step import hybrid_step_from_config
+
+    need_compiler()
+    assert MPI.COMM_WORLD.Get_size() == 2
+    monkeypatch.setattr(counts, "Device", functools.partial(
+        Device, conv1_algorithm="direct", conv1_channels_pad=8))
+    ledgers, _, losses = counts.counted_steps(MPI.COMM_WORLD, monkeypatch, "cosmoflow",
+                                              counts.D2)
+    cfg = counts.config("cosmoflow", counts.D2)
+    grid = ProcessGrid(MPI.COMM_WORLD, resolve_parallel(cfg, 2))
+    host, _ = run_steps(hybrid_step_from_config(cfg, grid), cfg, *counts.batch("cosmoflow"),
+                        counts.STEPS)
+    grid.free()
+    np.testing.assert_allclose(losses, host, rtol=1e-5)
+    counts.check_steady_state(ledgers)
+    kernels = [launch.kernel for launch in ledgers[-1].launches]
+    assert kernels.count("conv_direct_wgrad_f32") == 1
+    assert kernels.count("conv_direct_forward_f32") >= 2  # the interior, then the shell
