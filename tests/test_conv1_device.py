@@ -10,8 +10,12 @@
   sum) against the CPU's, float32 within summation error, bf16 within one rounding.
 * The wiring on the stand-in cupy (tests/standin.py): ``conv1_algorithm: direct`` sends a
   layer's forward to one ``conv_direct_forward`` launch (no epilogue launch after it),
-  with the CPU layer's results; a whole training step with both settings gives the CPU
-  step's loss, and its CUDA graph (engine/cuda_graph.py) replays it bit for bit.
+  with the CPU layer's results; as the engine's distributed layer on D2 and W2 (two
+  ranks: halo views, interior and shell calls, asymmetric boundary padding) each rank's
+  block and the summed weight gradient are the serial layer's; a whole training step
+  with both settings gives the CPU step's losses (which hardly depend on conv1 at
+  initialisation: they check the wiring, the tests above the numbers), and its CUDA
+  graph (engine/cuda_graph.py) replays it bit for bit.
 """
 
 from __future__ import annotations
@@ -341,35 +345,59 @@ def test_conv1_settings_replay_in_a_cuda_graph(conv1_settings: dict,
 
 @pytest.mark.parallel(nprocs=[2])
 @abort_on_error
-def test_conv1_direct_on_a_spatial_layout(monkeypatch: pytest.MonkeyPatch) -> None:
-    """D2 (two ranks, staging transport): conv1's input blocks are views of their halo
-    buffers, its interior and shell computed by separate calls, padded on the global
-    boundary only (asymmetric); on the direct kernels (and the padding setting, which
-    they make moot) the paper network's steps give the CPU's losses on the same layout,
-    with no host read in a steady step but the transport's."""
-    import functools
-
-    import test_gpu_step_counts as counts
+def test_conv1_direct_on_spatial_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """D2 and W2 (two ranks): conv1 as the engine's distributed layer on the stand-in
+    GPU, on the direct kernels.  Its blocks are views of their halo buffers, its
+    interior and shell separate calls, padded on the global boundary only (asymmetric);
+    each rank's output block (bias and fused LeakyReLU included) and the weight
+    gradient summed over the ranks equal the serial float64 layer's, within float32
+    error.  Verdict allreduced."""
+    from conv_reference import serial_conv_run
     from mpi4py import MPI
+    from standin import installed
 
     from cosmotrain.comm.grid import ProcessGrid
-    from cosmotrain.config.layout import resolve_parallel
+    from cosmotrain.config.layout import Layout
     from cosmotrain.device.select import Device
-    from cosmotrain.engine.step import hybrid_step_from_config
+    from cosmotrain.device.xp import to_host
+    from cosmotrain.layers.conv import spatial_conv
+    from cosmotrain.nn import factory
+    from cosmotrain.runtime.job_runtime import build_runtime
+    from cosmotrain.nn.module import Context
+    from cosmotrain.tensor.dist_tensor import DistTensor
+    from cosmotrain.tensor.distribution import Distribution
 
     need_compiler()
-    assert MPI.COMM_WORLD.Get_size() == 2
-    monkeypatch.setattr(counts, "Device", functools.partial(
-        Device, conv1_algorithm="direct", conv1_channels_pad=8))
-    ledgers, _, losses = counts.counted_steps(MPI.COMM_WORLD, monkeypatch, "cosmoflow",
-                                              counts.D2)
-    cfg = counts.config("cosmoflow", counts.D2)
-    grid = ProcessGrid(MPI.COMM_WORLD, resolve_parallel(cfg, 2))
-    host, _ = run_steps(hybrid_step_from_config(cfg, grid), cfg, *counts.batch("cosmoflow"),
-                        counts.STEPS)
-    grid.free()
-    np.testing.assert_allclose(losses, host, rtol=1e-5)
-    counts.check_steady_state(ledgers)
-    kernels = [launch.kernel for launch in ledgers[-1].launches]
-    assert kernels.count("conv_direct_wgrad_f32") == 1
-    assert kernels.count("conv_direct_forward_f32") >= 2  # the interior, then the shell
+    world, ok = MPI.COMM_WORLD, True
+
+    def make() -> Any:
+        layer = factory.conv("conv1", 4, 16, 3, 1, 1, bias=True)
+        layer.needs_input_grad = False
+        return layer
+
+    serial, x, y, dy, _ = serial_conv_run(make, 4, (8, 6, 10), seed=3)
+    want, dw = np.maximum(y, 0.3 * y), serial.params["weight"].grad
+    with installed(monkeypatch) as cupy:
+        for layout in (Layout(1, depth=2), Layout(1, width=2)):
+            grid = ProcessGrid(world, layout)
+            device = Device("gpu", 0, conv_algorithm="gemm", conv1_algorithm="direct")
+            layer = spatial_conv(make(), grid, build_runtime(device, grid.cart))
+            for key, param in layer.params.items():
+                param.data = cupy.asarray(serial.params[key].data.astype(np.float32))
+            dist = Distribution(x.shape, (1, 1, *layout.spatial))
+            coord = (0, 0, *grid.spatial_coords)
+            block = DistTensor.scatter(x.astype(np.float32), dist, coord)
+            layer.take_activation(0.3)
+            cupy.ledger.take()
+            out = layer.forward(DistTensor(cupy.asarray(block.data), dist, coord), Context())
+            grads = DistTensor.scatter(dy.astype(np.float32), out.dist, coord)
+            layer.backward(DistTensor(cupy.asarray(grads.data), out.dist, coord), Context())
+            kernels = [launch.kernel for launch in cupy.ledger.take().launches]
+            ok &= kernels.count("conv_direct_forward_f32") >= 1
+            ok &= kernels.count("conv_direct_wgrad_f32") == 1
+            ok &= np.allclose(to_host(out.data), want[out.dist.block(coord)], rtol=1e-5,
+                              atol=1e-4)
+            total = world.allreduce(to_host(layer.params["weight"].grad).astype(np.float64))
+            ok &= np.allclose(total, dw, rtol=1e-5, atol=1e-3)
+            grid.free()
+    assert world.allreduce(int(not ok)) == 0
