@@ -5,10 +5,12 @@
 // Why a kernel of our own (issue 35 item 5, docs/PERFORMANCE.md "GPU"): conv1 (4 -> 16 or
 // 32 channels at the full 128^3 volume) holds about 62% of the convolution time under
 // cuDNN and runs at about 1% of an H200's peak.  With 4 input channels there is almost no
-// reduction to feed tensor cores (K = 4 x 27 = 108 per output), and the volume is large:
-// the layer is a stream over memory (per sample 32 MiB in, 128-256 MiB out in fp32) with
-// 108 multiply-adds per output value.  The design for the H200 (132 SMs, 228 KB of shared
-// memory and L1 per SM, about 67 TFLOP/s of fp32 FMA, 4.8 TB/s):
+// reduction to feed tensor cores (K = 4 x 27 = 108 per output), and the volume is large
+// (per sample 32 MiB in, 128-256 MiB out in fp32): 1,728 multiply-adds per voxel for 16
+// filters against 40 bytes moved in bf16, so on CUDA cores the FMA rate bounds it, not
+// HBM (paper conv1, batch 8: at least 0.87 ms a pass against 0.14 ms of traffic).  The
+// design for the H200 (132 SMs, 228 KB of shared memory and L1 per SM, about 67 TFLOP/s
+// of fp32 FMA, 4.8 TB/s):
 //
 // * Each thread computes two neighbouring output voxels along W for a group of 16 filters
 //   (FILTER_GROUP), 32 accumulators in registers: every weight it reads from shared
