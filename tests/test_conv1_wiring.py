@@ -130,7 +130,7 @@ def test_a_training_step_with_the_conv1_settings_is_the_cpus(
         direct: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The paper network's step on the stand-in GPU with conv1's channels padded to 8
     and conv1 on the direct kernels (the LeakyReLU fused into the forward; the weight
-    gradient's two launches) or on the padded library path: the CPU step's losses, the
+    gradient's launches) or on the padded library path: the CPU step's losses, the
     same launches every steady step and no host read inside one; on the library path
     the padded input made by each call (forward, weight gradient), the padded weight
     once per run."""

@@ -26,7 +26,7 @@ remedies, each a setting of the job's :class:`~.settings.ConvSettings`:
   ``src/conv_direct.cu`` (:func:`.raw_ops.conv_direct_forward`), with the bias and the
   following LeakyReLU applied in the same kernel (the front door,
   ``kernels/conv3d.py``, asks), and its weight gradient (kernels at most 3 wide) to the
-  same file's two launches (:func:`.raw_ops.conv_direct_weight_grad`; :mod:`.conv`
+  same file's launches (:func:`.raw_ops.conv_direct_weight_grad`; :mod:`.conv`
   asks); the bias gradient and a fused activation's backward stay the front door's.
 
 In the networks here only conv1 has fewer than 8 input channels, hence the names.
@@ -122,7 +122,7 @@ def takes_direct_wgrad(x: Any, w_shape: Sequence[int], stride: "int | Sequence[i
 
 
 def direct_weight_grad(x: Any, dy: Any, w_shape: Sequence[int], padding: PaddingLike) -> Any:
-    """``dL/dw`` in two launches of ``conv_direct.cu``; dy cast to x's storage dtype."""
+    """``dL/dw`` in the launches of ``conv_direct.cu``; dy cast to x's storage dtype."""
     xp = array_module(x)
     if dy.dtype != x.dtype:
         dy = dy.astype(x.dtype)

@@ -131,7 +131,7 @@ COSMO_BOTH(conv_direct_forward,
                slope))
 
 // Weight gradient of the same convolution: dw[f, c, a, b, e] = sum over samples and
-// output voxels of x[c, voxel + tap] * dy[f, voxel], in two launches, deterministic (no
+// output voxels of x[c, voxel + tap] * dy[f, voxel], in two kernels, deterministic (no
 // atomics):
 //
 // * conv_direct_wgrad: each thread owns one (channel, kd tap, kh tap) row of taps for a
