@@ -181,7 +181,7 @@ def test_conv1_settings_replay_in_a_cuda_graph(conv1_settings: dict,
     conv1._PADDED_WEIGHTS.clear()
     monkeypatch.setattr(test_cuda_graph, "Device", functools.partial(Device, **conv1_settings))
     batches = [batch("cosmoflow")] * 5
-    eager = test_cuda_graph.run(monkeypatch, "false", batches)
+    eager = test_cuda_graph.run(monkeypatch, "eager", batches)  # the same job, uncaptured
     graphed = test_cuda_graph.run(monkeypatch, "true", batches)
     assert graphed["captures"] == 1
     test_cuda_graph.assert_same_training(eager, graphed)
