@@ -10,6 +10,7 @@
 #   TESTS_LIMIT=230 bash benchmarks/gpu_check.sh info bench-quick tests
 #   STEPS=5 WARMUP=2 BENCH_LIMIT=190 bash benchmarks/gpu_check.sh tests bench-paper bench-mlperf
 #   STEPS=4 WARMUP=1 BENCH_LIMIT=45 bash benchmarks/gpu_check.sh test-ir bench-b32-bf16 memory
+# Issue 35 item 5 (conv1), a minute or two: bash benchmarks/gpu_check.sh bench-conv1
 # Environment: STEPS, WARMUP, INPUT (host|stored|device), AUTOTUNE (true|false: cuDNN plans),
 # TESTS_LIMIT, BENCH_LIMIT, OUT.
 #
@@ -106,6 +107,10 @@ run_stage() {
         # can capture) against cuBLAS, both heads, W = 128, batch 1 8 32, fp32 and bf16
         stage bench-dense 90 python3 benchmarks/bench_dense.py --width 128 --batch 1 8 32 \
             --out "$OUT/dense_w128.json" ;;
+    bench-conv1)  # issue 35 item 5: conv1 under cuDNN (4 channels, padded to 8), our direct
+        # kernel (conv_direct.cu) and PyTorch eager, forward and weight gradient, W = 128
+        stage bench-conv1 180 python3 benchmarks/bench_conv1.py --width 128 --batch 1 8 \
+            --precisions fp32 tf32 bf16 --repeats 10 --out "$OUT/conv1_w128.json" ;;
     bench-layers)
         stage bench-layers 180 python3 benchmarks/bench_gpu.py --width 128 --batch 8 \
             --precisions bf16 --out "$OUT/layers_w128.json" ;;

@@ -5,7 +5,8 @@ compiler behind ``src/host_shim.h`` into a shared library, loaded with ctypes.
 Python faces (:mod:`cosmotrain.kernels.cuda.raw_ops`) run on numpy arrays through it:
 same grids' arithmetic, same argument packing.  The grid is shrunk to a few blocks of a
 few threads (every kernel is a grid-stride loop, so any grid gives the same results;
-several threads still exercise the stride), each thread one ctypes call.
+several threads still exercise the stride), each thread one ctypes call; a kernel with
+a barrier (``raw.PHASES``) runs phase by phase over each block's threads.
 
 Builds are cached under the temp folder, keyed by the hash of the source, the headers
 and the compiler command, so the suite compiles each source once per change.
@@ -88,11 +89,15 @@ class HostLauncher:
                 for name in ("blockIdx", "threadIdx", "blockDim", "gridDim")}
         dims["gridDim"][:] = [self.grid, 1, 1]
         dims["blockDim"][:] = [self.block, 1, 1]
+        phases = raw.PHASES.get(kernel, 1)
         for b in range(self.grid):
-            for t in range(self.block):
-                dims["blockIdx"][:] = [b, 0, 0]
-                dims["threadIdx"][:] = [t, 0, 0]
-                function(*values)
+            for phase in range(phases):  # a barrier: every thread of the block, in turn
+                if phases > 1:
+                    ctypes.c_int.in_dll(lib, "cosmo_phase").value = phase
+                for t in range(self.block):
+                    dims["blockIdx"][:] = [b, 0, 0]
+                    dims["threadIdx"][:] = [t, 0, 0]
+                    function(*values)
         self.launches.append((kernel, size))
 
 

@@ -192,6 +192,8 @@ RULES: dict[str, Rule] = {
     "device.precision": _allow("the device's arithmetic"),
     "device.conv_algorithm": _allow("the device"),
     "device.cudnn_autotune": _allow("the device"),
+    "device.conv1_channels_pad": _allow("the device"),
+    "device.conv1_algorithm": _allow("the device"),
     "device.communication": _allow("the device"),
     "device.gpus_per_node": _allow("the device"),
     "device.reuse_freed_memory": _allow("the host allocator"),

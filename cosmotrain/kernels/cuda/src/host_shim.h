@@ -49,3 +49,14 @@ inline double atomicAdd(double* p, double v) { double old = *p; *p = old + v; re
 inline int atomicOr(int* p, int v) { int old = *p; *p = old | v; return old; }
 using std::isfinite;
 using std::isnan;
+
+// Phases (common.cuh): the launcher sets cosmo_phase and calls every thread of a block
+// once per phase; __shared__ memory is one static array per kernel, which the block's
+// threads share because the host runs one block at a time.
+extern "C" {
+int cosmo_phase = 0;
+}
+#define COSMO_PHASE(k) if (cosmo_phase == (k))
+#define COSMO_SYNC()
+#define __shared__ static
+using std::fmaf;
