@@ -23,8 +23,9 @@ from cosmotrain.device.xp import array_module
 from cosmotrain.kernels import conv3d, pool3d
 from cosmotrain.kernels.geometry import Padding, Triple, output_size
 from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
-from cosmotrain.kernels.batchnorm import (bn_backward_apply, bn_backward_local_sums,
-                                          bn_local_sums, bn_normalize, bn_statistics)
+from cosmotrain.kernels.batchnorm import (bn_backward_apply, bn_backward_local_sums, bn_count,
+                                          bn_local_sums, bn_normalize, bn_statistics,
+                                          bn_unbiased_factor)
 from cosmotrain.kernels.cuda.settings import ConvSettings
 from cosmotrain.kernels.dropout import dropout_backward, dropout_forward, dropout_mask
 from cosmotrain.kernels.linear import (linear_backward_data, linear_backward_weight,
@@ -222,11 +223,11 @@ class BatchNorm3d(Layer):
         if not ctx.training:
             y, _, _ = bn_normalize(x, self.buffers["running_mean"],
                                    self.buffers["running_var"], self.params["weight"].data,
-                                   self.params["bias"].data, self.eps)
+                                   self.params["bias"].data, self.eps, keep_xhat=False)
             return y
         sums = self.reduce_sums(bn_local_sums(x))
         mean, var = bn_statistics(sums)
-        self._count = float(sums[2][0])
+        self._count = bn_count(sums)
         self._update_running(mean, var)
         y, self._xhat, self._inv_std = bn_normalize(x, mean, var, self.params["weight"].data,
                                                     self.params["bias"].data, self.eps)
@@ -234,7 +235,7 @@ class BatchNorm3d(Layer):
 
     def _update_running(self, mean: Any, var: Any) -> None:
         """PyTorch's rule: unbiased variance, exponential average with ``momentum``."""
-        unbiased = var * (self._count / max(self._count - 1.0, 1.0))
+        unbiased = var * bn_unbiased_factor(self._count)
         m = self.momentum
         dtype = self.buffers["running_mean"].dtype
         self.buffers["running_mean"] = ((1 - m) * self.buffers["running_mean"]

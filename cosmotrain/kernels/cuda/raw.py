@@ -10,7 +10,8 @@ NVRTC without a GPU in CI (:func:`nvrtc_compile`, tests/test_cuda_sources.py) an
 the host C++ compiler behind ``src/host_shim.h``, which runs them on the CPU against
 the numpy kernels (tests/cuda_host.py).  See docs/GPU_KERNELS.md, "Our own kernels".
 
-Every kernel is a grid-stride loop without block-level synchronisation: any grid gives
+Every kernel is a grid-stride loop, without block-level synchronisation but for
+batchnorm.cu's per-channel sums (a shared-memory reduction per block): any grid gives
 the same results, so a launcher picks the grid freely (:func:`grid_for`).
 """
 
@@ -57,6 +58,9 @@ KERNELS: dict[str, tuple[str, str]] = {
     **_both("maxpool.cu", "maxpool2_backward", "pppliii"),
     **_both("dropout.cu", "dropout", "pppudf"),
     **_both("loss.cu", "mse", "ppplfpp"),
+    **_both("batchnorm.cu", "channel_sums", "ppplilii"),
+    **_both("batchnorm.cu", "bn_forward", "ppppppplil"),
+    **_both("batchnorm.cu", "bn_backward_apply", "pppppplil"),
     "sgd_momentum_multi": ("optim.cu", "ppipp"),
     "adam_multi": ("optim.cu", "ppipp"),
     "nonfinite_flag": ("optim.cu", "plp"),

@@ -1,0 +1,117 @@
+// Batch norm's passes over the activations (kernels/batchnorm.py's device route), each
+// reading the storage dtype (float32, or bf16) once, as stored: no widening pass.
+//
+// channel_sums: per channel, sum(a) and sum(a * b) in float64 (b null: sum(a * a)), the
+// forward's [sum x, sum x^2] and the backward's [sum dy, sum dy * xhat].  Each block
+// reduces one slice of one channel (the channel's samples x voxels dealt out over
+// `slices` blocks, consecutive threads on consecutive voxels), tree-sums its threads'
+// partials in shared memory and adds the block's two sums into out[c] and
+// out[channels + c] with float64 atomics: out must start at zero.  The products are
+// exact in float64 (two 24-bit significands), so the sums differ from numpy's pairwise
+// float64 order only by float64 rounding, and between two device runs in their last
+// bits (the atomics' order).  With a count row (out has three) out[2 * channels + c]
+// is set to the elements per channel, bn_local_sums' third row.
+//
+// bn_forward: xhat = (x - mean[c]) * inv_std[c], y = xhat * gamma[c] + beta[c], the CPU's
+// float32 operations in its order (mean float64, rounded to float32 as the CPU rounds
+// it); xhat is written only when asked (training keeps it for the backward).
+//
+// bn_backward_apply: dx = (dy - (xhat * mean_dy_xhat[c] + mean_dy[c])) * scale[c]
+// (scale = gamma * inv_std), kernels/batchnorm.py's bn_backward_apply in its order.
+//
+// bf16: float32 arithmetic on the widened values and one rounding of what is stored,
+// the CPU bf16 path's bits.
+#include "common.cuh"
+
+// Threads a block may have: the shared-memory tree holds two sums per thread.
+#define BN_MAX_THREADS 1024
+
+// Sum of every thread's (s, q) into thread 0's, through shared memory: a pairwise tree
+// over any block size (the host shim runs blocks of 4 threads, the device 256).
+__device__ __forceinline__ void block_sums(double& s, double& q, double* shared) {
+    const unsigned t = threadIdx.x, n = blockDim.x;
+    shared[t] = s;
+    shared[n + t] = q;
+    __syncthreads();
+    for (unsigned stride = 1; stride < n; stride *= 2) {
+        if (t % (2 * stride) == 0 && t + stride < n) {
+            shared[t] += shared[t + stride];
+            shared[n + t] += shared[n + t + stride];
+        }
+        __syncthreads();
+    }
+    s = shared[0];
+    q = shared[n];
+    __syncthreads();  // every thread has read them before the next slice writes
+}
+
+template <class T>
+__device__ void channel_sums_body(const T* __restrict__ a, const T* __restrict__ b,
+                                  double* out, i64 samples, int channels, i64 spatial,
+                                  int slices, int with_count) {
+    __shared__ double shared[2 * BN_MAX_THREADS];
+    const i64 items = (i64)channels * slices;
+    for (i64 item = blockIdx.x; item < items; item += gridDim.x) {  // uniform per block
+        const int c = (int)(item / slices), g = (int)(item % slices);
+        double s = 0.0, q = 0.0;
+        for (i64 n = 0; n < samples; ++n) {
+            const i64 base = (n * channels + c) * spatial;
+            for (i64 v = (i64)g * blockDim.x + threadIdx.x; v < spatial;
+                 v += (i64)slices * blockDim.x) {
+                const double x = (double)load_f(a, base + v);
+                s += x;
+                q += x * (b ? (double)load_f(b, base + v) : x);
+            }
+        }
+        block_sums(s, q, shared);
+        if (threadIdx.x == 0) {
+            atomicAdd(out + c, s);
+            atomicAdd(out + channels + c, q);
+            if (with_count && g == 0) out[2 * channels + c] = (double)(samples * spatial);
+        }
+    }
+}
+
+COSMO_BOTH(channel_sums,
+           (const T* a, const T* b, double* out, i64 samples, int channels, i64 spatial,
+            int slices, int with_count),
+           <T>(a, b, out, samples, channels, spatial, slices, with_count))
+
+template <class T>
+__device__ void bn_forward_body(const T* __restrict__ x, T* __restrict__ y,
+                                T* __restrict__ xhat, const double* __restrict__ mean,
+                                const float* __restrict__ inv_std,
+                                const float* __restrict__ gamma,
+                                const float* __restrict__ beta, i64 samples, int channels,
+                                i64 spatial) {
+    GRID_STRIDE(i, samples * channels * spatial) {
+        const int c = (int)((i / spatial) % channels);
+        const float h = __fmul_rn(__fsub_rn(load_f(x, i), (float)mean[c]), inv_std[c]);
+        if (xhat) store_f(xhat, i, h);
+        store_f(y, i, __fadd_rn(__fmul_rn(h, gamma[c]), beta[c]));
+    }
+}
+
+COSMO_BOTH(bn_forward,
+           (const T* x, T* y, T* xhat, const double* mean, const float* inv_std,
+            const float* gamma, const float* beta, i64 samples, int channels, i64 spatial),
+           <T>(x, y, xhat, mean, inv_std, gamma, beta, samples, channels, spatial))
+
+template <class T>
+__device__ void bn_backward_apply_body(const T* __restrict__ dy, const T* __restrict__ xhat,
+                                       T* __restrict__ dx, const float* __restrict__ mean_dy,
+                                       const float* __restrict__ mean_dy_xhat,
+                                       const float* __restrict__ scale, i64 samples,
+                                       int channels, i64 spatial) {
+    GRID_STRIDE(i, samples * channels * spatial) {
+        const int c = (int)((i / spatial) % channels);
+        const float shift = __fadd_rn(__fmul_rn(load_f(xhat, i), mean_dy_xhat[c]), mean_dy[c]);
+        store_f(dx, i, __fmul_rn(__fsub_rn(load_f(dy, i), shift), scale[c]));
+    }
+}
+
+COSMO_BOTH(bn_backward_apply,
+           (const T* dy, const T* xhat, T* dx, const float* mean_dy,
+            const float* mean_dy_xhat, const float* scale, i64 samples, int channels,
+            i64 spatial),
+           <T>(dy, xhat, dx, mean_dy, mean_dy_xhat, scale, samples, channels, spatial))
