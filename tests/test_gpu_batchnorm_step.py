@@ -1,0 +1,98 @@
+"""The 3D ResNet's training step on the stand-in GPU (tests/standin.py): batch norm
+takes our kernels (kernels/cuda/src/batchnorm.cu) and the step makes the host wait for
+nothing.  The engine's real step runs through tests/test_gpu_step_counts.py's
+``training`` helper, the ResNet added to its table of networks here.
+
+What it pins (docs/GPU.md, "What the CPU verifies"):
+
+* every batch-norm layer's forward and backward are three launches of ours each way
+  (the per-channel sums, the normalisation, the backward's sums and apply) on the
+  activations' storage dtype, and none of the fused cupy batch-norm kernels runs;
+* no host read inside a steady-state step (the count of the batch statistics stays on
+  the device: ``kernels.batchnorm.bn_count``), one deferred read per step, and the same
+  launches and allocations in two steady steps;
+* the CPU path's losses to float32 rounding (fp32), and bf16's within its tolerance.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+import test_gpu_step_counts as counts
+
+from cosmotrain.comm.grid import ProcessGrid
+from cosmotrain.config.layout import resolve_parallel
+from cosmotrain.engine.step import hybrid_step_from_config
+from cosmotrain.nn.module import Context
+from cosmotrain.tensor.dist_tensor import DistTensor
+
+# A ResNet-10 with batch norm after every convolution, at the smallest width it takes.
+RESNET = ["model.name=resnet3d", "model.depth=10", "model.width=16", "model.base_channels=4",
+          "model.batchnorm=true"]
+OURS = ("channel_sums", "bn_forward", "bn_backward_apply")
+FUSED_BN = ("cosmotrain_sum_squares", "cosmotrain_sum_products", "cosmotrain_bn_forward",
+            "cosmotrain_bn_backward")
+
+
+@pytest.fixture
+def resnet(monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setitem(counts.NETWORKS, "resnet", RESNET)
+    return "resnet"
+
+
+def batch_norms(network: str) -> int:
+    cfg = counts.config(network)
+    return sum(1 for name, _ in _serial_model(cfg).named_parameters()
+               if name.endswith("weight") and ("bn" in name or "downsample.1" in name))
+
+
+def _serial_model(cfg: Any) -> Any:
+    from cosmotrain.models import build_model
+
+    return build_model(cfg.model, seed=0)
+
+
+def cpu_losses(network: str, extra: list[str]) -> list[float]:
+    from mpi4py import MPI
+
+    cfg = counts.config(network, extra)
+    grid = ProcessGrid(MPI.COMM_SELF, resolve_parallel(cfg, 1))
+    step = hybrid_step_from_config(cfg, grid)
+    x, targets = counts.batch(network)
+    dist, coord = step.model.input_distribution(x.shape)
+    losses = [step(DistTensor.scatter(x, dist, coord), targets,
+                   Context(step=it, seed=cfg.train.seed)).loss for it in range(counts.STEPS)]
+    grid.free()
+    return losses
+
+
+@pytest.mark.parametrize("precision, rtol", [("fp32", 1e-5), ("bf16", 1e-2)])
+def test_resnet_step_runs_batch_norm_on_our_kernels_without_a_host_read(
+        resnet: str, precision: str, rtol: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpi4py import MPI
+
+    extra = [f"device.precision={precision}"]
+    ledgers, reads, losses = counts.counted_steps(MPI.COMM_SELF, monkeypatch, resnet, extra)
+    counts.check_steady_state(ledgers)
+    assert reads == [["asnumpy"]] * counts.STEPS  # the loss and votes, after the step
+    suffix = "bf16" if precision == "bf16" else "f32"
+    launched = Counter(launch.kernel for launch in ledgers[-1].launches)
+    layers = batch_norms(resnet)
+    assert layers >= 10
+    # forward: the sums and the normalisation; backward: the sums and the apply
+    assert launched[f"channel_sums_{suffix}"] == 2 * layers
+    assert launched[f"bn_forward_{suffix}"] == launched[f"bn_backward_apply_{suffix}"] == layers
+    assert not set(FUSED_BN) & set(launched), launched
+    # the activations are read as stored: no widening of a batch-sized 5-D block (but
+    # the global average pool's (N, C, 1, 1, 1) output, cast for the dense head)
+    batch_shape = counts.batch(resnet)[0].shape
+    casts = [(launch.signature[0][0], launch.signature[2][0][1])
+             for launch in ledgers[-1].launches if launch.kernel == "astype"]
+    assert not [(shape, dtype, out) for (shape, dtype), out in casts
+                if len(shape) == 5 and shape[0] == batch_shape[0] and dtype != out
+                and shape != batch_shape and shape[2:] != (1, 1, 1)]
+    np.testing.assert_allclose(losses, cpu_losses(resnet, extra), rtol=rtol)
+    print(precision, counts.trace_report(ledgers))
