@@ -95,6 +95,10 @@ run_stage() {
     bench-raw)  # our own CUDA kernels (kernels/cuda/src): ms and GB/s against the peak
         stage bench-raw 90 python3 benchmarks/bench_raw_kernels.py --width 128 --batch 8 \
             --out "$OUT/raw_kernels_w128_b8.json" ;;
+    bench-bn)  # issue 35 item 3: batch norm on batchnorm.cu against the cupy path it
+        # replaced, the 3D ResNet's four stages at W = 128, batch 8, fp32 and bf16
+        stage bench-bn 90 python3 benchmarks/bench_batchnorm.py --width 128 --batch 8 \
+            --repeats 10 --out "$OUT/batchnorm_w128_b8.json" ;;
     bench-layers)
         stage bench-layers 180 python3 benchmarks/bench_gpu.py --width 128 --batch 8 \
             --precisions bf16 --out "$OUT/layers_w128.json" ;;
