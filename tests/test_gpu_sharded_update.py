@@ -5,7 +5,8 @@ multi-tensor launch that skips on the step's device flag
 ``parallel.shard_optimizer`` runs through tests/test_gpu_step_counts.py's ``training``.
 
 Pinned here, for SGD with momentum and for Adam: ``sgd_momentum_multi`` (``adam_multi``)
-launched once per steady step and no ``copyto`` of the guard; the parameters after three
+launched once per steady step, no ``copyto`` of the guard, and its address table
+uploaded at the first step only; the parameters after three
 steps equal, bit for bit, the unsharded device step's (two ranks add their halves in
 either order alike) and the CPU's sharded run's (Adam's to float32 rounding: its step
 divides by the gradient's size, so the last bits in which the stand-in's gemm
@@ -103,6 +104,8 @@ def test_sharded_update_is_one_launch_that_skips_on_the_flag(
         counts.check_steady_state(ledgers)
         launched = [launch.kernel for launch in ledgers[-1].launches]
         assert launched.count(kernel) == 1 and "copyto" not in launched, kernel
+        # the address table stays put (the same arrays every step): uploaded once
+        assert not [upload for upload in ledgers[-1].uploads if upload[1] == "<u8"]
         params = parameters(step)
         _same(params, parameters(counts.training(comm, monkeypatch, "cosmoflow", unsharded,
                                                  [good])[0]))

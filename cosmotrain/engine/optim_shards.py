@@ -33,8 +33,7 @@ from cosmotrain.layers.hybrid import HybridModel
 from cosmotrain.nn.module import Parameter
 from cosmotrain.engine.grad_sync import Bucket, GradientReducer
 from cosmotrain.engine.optim import Optimizer
-from cosmotrain.engine.optim_device import MultiUpdate
-from cosmotrain.engine.optim_shards_device import update_shards
+from cosmotrain.engine.optim_shards_device import ShardUpdate
 
 State = dict[str, dict[str, Any]]
 
@@ -45,7 +44,7 @@ class OptimizerShards:
 
     model: HybridModel
     reducer: GradientReducer
-    _multi: MultiUpdate = field(default_factory=MultiUpdate, repr=False)  # device_step's
+    _device: ShardUpdate = field(default_factory=ShardUpdate, repr=False)  # device_step's
 
     def __post_init__(self) -> None:
         if not self.reducer.shard:
@@ -85,13 +84,14 @@ class OptimizerShards:
         """:meth:`step` on a device, applied or skipped on the device flag ``skip`` in one
         multi-tensor launch (``engine/optim_shards_device.py``); False, nothing updated
         or sent, where those kernels do not fit (then the guarded update)."""
-        return update_shards(self, self._multi, optimizer, list(params), lr, skip)
+        return self._device(self, optimizer, list(params), lr, skip)
 
     @staticmethod
-    def current_values(bucket: Bucket) -> Any:
-        """The current values of this rank's range of ``bucket``'s parameters (a copy)."""
+    def current_values(bucket: Bucket, out: Any = None) -> Any:
+        """The current values of this rank's range of ``bucket``'s parameters (a copy;
+        into ``out`` when given, an array of the range's size)."""
         a, b = bucket.span
-        values = bucket.xp.empty(b - a, dtype=bucket.dtype)
+        values = bucket.xp.empty(b - a, dtype=bucket.dtype) if out is None else out
         for piece in bucket.pieces():
             values[piece.span] = piece.param.data.reshape(-1)[piece.lo:piece.hi]
         return values

@@ -18,13 +18,14 @@ rank's range), so the update is ``OptimizerShards.step``'s element for element a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cosmotrain.engine.optim import Optimizer
 from cosmotrain.engine.optim_device import MultiUpdate
 
 if TYPE_CHECKING:
+    from cosmotrain.engine.grad_sync import Bucket
     from cosmotrain.engine.optim_shards import OptimizerShards
 
 
@@ -36,22 +37,41 @@ class ShardPiece:
     grad: Any
 
 
-def update_shards(shards: OptimizerShards, multi: MultiUpdate, optimizer: Optimizer,
-                  params: list, lr: float | None, skip: Any) -> bool:
-    """One launch updating this rank's pieces and unbucketed parameters, skipped on the
-    device where ``skip`` is set, then the all-gathers of every bucket; False, nothing
-    updated or sent, where the multi-tensor kernels do not fit (the caller
-    falls back to the guarded update)."""
-    buckets = shards.buckets()
-    values = [shards.current_values(bucket) for bucket in buckets]
-    named = [(n, p) for n, p in params if not shards.reducer.owns(p)]
-    for bucket, flat in zip(buckets, values):
-        named += [(shards.name_of(piece.param),
-                   ShardPiece(flat[piece.span], bucket.shard[piece.span]))
-                  for piece in bucket.pieces()]
-    if not multi.apply(optimizer, named, lr, skip):
-        return False
-    for bucket, flat in zip(buckets, values):
-        shards.reducer.start_gather(bucket, flat)
-    shards.reducer.finish_gather()
-    return True
+@dataclass
+class ShardUpdate:
+    """The device update of :class:`OptimizerShards`, with what it keeps between steps:
+    the multi-tensor table and one array per bucket for this rank's values.
+
+    Why keep the value arrays: with them every array of the table (values, the shards'
+    gradients, the slots) stays where it is from step to step, so the table is built
+    and uploaded once, and a captured CUDA graph would find the same addresses."""
+
+    multi: MultiUpdate = field(default_factory=MultiUpdate)
+    values: dict[int, Any] = field(default_factory=dict)  # by id of the bucket
+
+    def __call__(self, shards: OptimizerShards, optimizer: Optimizer, params: list,
+                 lr: float | None, skip: Any) -> bool:
+        """One launch updating this rank's pieces and unbucketed parameters, skipped on
+        the device where ``skip`` is set, then the all-gathers of every bucket; False,
+        nothing updated or sent, where the multi-tensor kernels do not fit (the caller
+        falls back to the guarded update)."""
+        buckets = shards.buckets()
+        values = [shards.current_values(bucket, self._kept(bucket)) for bucket in buckets]
+        named = [(n, p) for n, p in params if not shards.reducer.owns(p)]
+        for bucket, flat in zip(buckets, values):
+            named += [(shards.name_of(piece.param),
+                       ShardPiece(flat[piece.span], bucket.shard[piece.span]))
+                      for piece in bucket.pieces()]
+        if not self.multi.apply(optimizer, named, lr, skip):
+            return False
+        for bucket, flat in zip(buckets, values):
+            shards.reducer.start_gather(bucket, flat)
+        shards.reducer.finish_gather()
+        return True
+
+    def _kept(self, bucket: Bucket) -> Any:
+        """This rank's value array of ``bucket``, allocated at its first step."""
+        if id(bucket) not in self.values:
+            a, b = bucket.span
+            self.values[id(bucket)] = bucket.xp.empty(b - a, dtype=bucket.dtype)
+        return self.values[id(bucket)]
