@@ -26,11 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 __import__("cosmotrain")  # before numpy: sets OpenBLAS's idle spin (cosmotrain/__init__.py)
 import numpy as np
 
+from cosmotrain.device.xp import array_module, to_host
 from cosmotrain.kernels import batchnorm as bn
 from cosmotrain.kernels.cuda import fused
 from cosmotrain.precision import bfloat16, is_bf16, narrow, widen
@@ -50,12 +53,12 @@ def _per_channel(v: Any) -> Any:
 
 def cupy_forward(x: Any, gamma: Any, beta: Any) -> tuple[Any, Any, Any, Any]:
     """The device route before batchnorm.cu: ``(y, xhat, inv_std, sums)``."""
-    wide = widen(x)
+    wide, xp = widen(x), array_module(x)
     sums = wide.sum(axis=fused.AXES, dtype=np.float64)
-    count = wide.size // wide.shape[1]
-    stacked = _stack(sums, fused.channel_sum_squares(wide), count)
+    stacked = xp.stack([sums, fused.channel_sum_squares(wide),
+                        xp.full_like(sums, wide.size // wide.shape[1])])
     mean, var = bn.bn_statistics(stacked)
-    inv_std = (1.0 / _sqrt(var + EPS)).astype(np.float32)
+    inv_std = (1.0 / xp.sqrt(var + EPS)).astype(np.float32)
     xhat, y = fused.bn_forward(wide, *(_per_channel(v.astype(np.float32))
                                        for v in (mean, inv_std, gamma, beta)))
     if is_bf16(x):
@@ -74,20 +77,6 @@ def cupy_backward(dy: Any, xhat: Any, gamma: Any, inv_std: Any, count: float) ->
     return narrow(dx) if is_bf16(dy) else dx
 
 
-def _xp(a: Any) -> Any:
-    from cosmotrain.device.xp import array_module
-    return array_module(a)
-
-
-def _stack(sums: Any, squares: Any, count: int) -> Any:
-    xp = _xp(sums)
-    return xp.stack([sums, squares, xp.full_like(sums, count)])
-
-
-def _sqrt(v: Any) -> Any:
-    return _xp(v).sqrt(v)
-
-
 def ours_forward(x: Any, gamma: Any, beta: Any) -> tuple[Any, Any, Any, Any]:
     """``kernels/batchnorm.py``'s forward on the device: ``(y, xhat, inv_std, sums)``."""
     sums = bn.bn_local_sums(x)
@@ -103,7 +92,6 @@ def ours_backward(dy: Any, xhat: Any, gamma: Any, inv_std: Any, count: float) ->
 
 def _gap(a: Any, b: Any) -> float:
     """Largest absolute difference of two device arrays (read once, outside timing)."""
-    from cosmotrain.device.xp import to_host
     return float(np.max(np.abs(widen(to_host(a)) - widen(to_host(b))), initial=0.0))
 
 
@@ -129,9 +117,9 @@ def rows(cupy: Any, width: int, batch: int, base: int, precisions: list[str], re
                 dx = backward(dy, xhat, gamma, inv_std, count)
                 results[route] = (y, dx)
                 for name, run, moved in (
-                        ("forward", lambda f=forward: f(x, gamma, beta), 4 * size * item),
-                        ("backward", lambda b=backward, h=xhat, s=inv_std:
-                         b(dy, h, gamma, s, count), 5 * size * item)):
+                        ("forward", partial(forward, x, gamma, beta), 4 * size * item),
+                        ("backward", partial(backward, dy, xhat, gamma, inv_std, count),
+                         5 * size * item)):
                     ms = timer(cupy, run, repeats)
                     out.append({"shape": list(shape), "precision": precision, "pass": name,
                                 "route": route, "ms": ms, "bytes": moved,
@@ -144,7 +132,8 @@ def rows(cupy: Any, width: int, batch: int, base: int, precisions: list[str], re
 
 def pairs(table: list[dict[str, Any]]) -> list[tuple[dict, dict]]:
     """``(ours, cupy)`` rows of the same shape, precision and pass."""
-    key = lambda row: (tuple(row["shape"]), row["precision"], row["pass"])  # noqa: E731
+    def key(row: dict) -> tuple:
+        return tuple(row["shape"]), row["precision"], row["pass"]
     theirs = {key(row): row for row in table if row["route"] == "cupy"}
     return [(row, theirs[key(row)]) for row in table if row["route"] == "ours"]
 

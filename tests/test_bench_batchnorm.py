@@ -9,7 +9,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from conftest import REPO, cuda_devices, subprocess_env

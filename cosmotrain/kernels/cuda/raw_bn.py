@@ -12,7 +12,8 @@ float32 in the kernel as the CPU rounds it).
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -26,7 +27,7 @@ TARGET_BLOCKS = 1024
 MIN_PER_THREAD = 32
 
 
-def _launch(launch: Optional[Launch]) -> Launch:
+def _launch(launch: Launch | None) -> Launch:
     return launch or raw.cupy_launch  # looked up at each call: the stand-in swaps it
 
 
@@ -44,7 +45,7 @@ def slices_for(samples: int, channels: int, spatial: int, block: int = raw.BLOCK
 
 
 def channel_sums(a: Any, b: Any = None, count: bool = False,
-                 launch: Optional[Launch] = None) -> Any:
+                 launch: Launch | None = None) -> Any:
     """Per channel, float64 ``[sum(a), sum(a * b)]`` (``b`` None: ``sum(a * a)``), and
     with ``count`` a third row, the elements per channel: shape (2 or 3, C)."""
     xp = array_module(a)
@@ -59,7 +60,7 @@ def channel_sums(a: Any, b: Any = None, count: bool = False,
 
 
 def bn_forward(x: Any, mean: Any, inv_std: Any, gamma: Any, beta: Any,
-               keep_xhat: bool = True, launch: Optional[Launch] = None) -> tuple[Any, Any]:
+               keep_xhat: bool = True, launch: Launch | None = None) -> tuple[Any, Any]:
     """``(y, xhat)``: ``xhat = (x - mean) * inv_std``, ``y = xhat * gamma + beta`` per
     channel, in ``x``'s storage dtype; ``xhat`` None unless ``keep_xhat``."""
     xp = array_module(x)
@@ -71,7 +72,7 @@ def bn_forward(x: Any, mean: Any, inv_std: Any, gamma: Any, beta: Any,
 
 
 def bn_backward_apply(dy: Any, xhat: Any, mean_dy: Any, mean_dy_xhat: Any, scale: Any,
-                      launch: Optional[Launch] = None) -> Any:
+                      launch: Launch | None = None) -> Any:
     """``dx = (dy - (xhat * mean_dy_xhat + mean_dy)) * scale`` per channel, in ``dy``'s
     storage dtype."""
     dx = array_module(dy).empty_like(dy)
