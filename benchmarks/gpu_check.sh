@@ -67,7 +67,7 @@ run_stage() {
     tests)
         stage tests "${TESTS_LIMIT:-300}" python3 -m pytest -p no:cacheprovider -q -rfEs \
             --timeout=150 tests/test_gpu_engine.py tests/test_gpu_conv.py \
-            tests/test_gpu_raw_kernels.py ;;
+            tests/test_gpu_raw_kernels.py tests/test_cuda_batchnorm_host.py ;;
     bench-quick)
         stage bench-quick 120 python3 benchmarks/bench_step.py --width 128 --batch 8 \
             --precisions fp32 bf16 --steps 5 --warmup 2 --out "$OUT/step_quick.json" ;;

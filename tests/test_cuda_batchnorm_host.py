@@ -4,12 +4,15 @@ threads run concurrently, so the shared-memory reduction's barriers are real), a
 the CPU batch-norm kernels (kernels/batchnorm.py on numpy): the float64 sums to float64
 rounding (another adding order), the applies bit for bit, in float32 and in bf16
 storage (the CPU bf16 path widens, computes in float32 and rounds once, as the kernels
-do)."""
+do).  Where cupy sees a CUDA device the same checks run a second time on it, the
+kernels compiled by NVRTC and launched through cupy (``benchmarks/gpu_check.sh``'s
+``tests`` stage); elsewhere that case is skipped."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import cuda_devices
 from cuda_host import HostLauncher, need_compiler
 
 from cosmotrain.kernels import batchnorm
@@ -23,9 +26,47 @@ SHAPES = [(2, 3, 4, 5, 6), (3, 5, 7, 1, 3), (0, 2, 3, 3, 3)]
 GRIDS = [(3, 4), (1, 1), (2, 3)]
 
 
-@pytest.fixture(autouse=True)
-def compiler() -> None:
-    need_compiler()
+class Host:
+    """The host build: numpy arrays, a small grid of ``grid`` (blocks, threads)."""
+
+    def __init__(self, grid: tuple[int, int] = (3, 4)) -> None:
+        need_compiler()
+        self.grid = grid
+
+    def launch(self) -> HostLauncher:
+        return HostLauncher(*self.grid)
+
+    @staticmethod
+    def put(a: np.ndarray) -> np.ndarray:
+        return a
+
+    @staticmethod
+    def get(a: np.ndarray) -> np.ndarray:
+        return a
+
+
+class Device(Host):
+    """The device: cupy arrays, the kernels' own launch (the grid is cupy_launch's)."""
+
+    def __init__(self, grid: tuple[int, int] = (3, 4)) -> None:
+        if cuda_devices() == 0:
+            pytest.skip("no CUDA device visible")
+        import cupy
+        self.cupy, self.grid = cupy, grid
+
+    def launch(self) -> None:
+        return None
+
+    def put(self, a: np.ndarray) -> object:  # type: ignore[override]
+        return self.cupy.asarray(a)
+
+    def get(self, a: object) -> np.ndarray:  # type: ignore[override]
+        return self.cupy.asnumpy(a)
+
+
+@pytest.fixture(params=[Host, Device], ids=["host", "device"])
+def where(request: pytest.FixtureRequest) -> type[Host]:
+    return request.param
 
 
 def _values(name: str, shape: tuple, seed: int, shift: float = 0.0) -> np.ndarray:
@@ -49,13 +90,17 @@ def _float64_close(got: np.ndarray, want: np.ndarray, terms: int) -> None:
 @pytest.mark.parametrize("name", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("grid", GRIDS)
-def test_channel_sums_are_the_cpus_to_float64_rounding(name: str, shape: tuple, grid: tuple,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_channel_sums_are_the_cpus_to_float64_rounding(
+        name: str, shape: tuple, grid: tuple, where: type[Host],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    run = where(grid)
+    if isinstance(run, Device) and grid != GRIDS[0]:
+        pytest.skip("the device's grid is cupy_launch's: one run suffices")
     x, dy = _values(name, shape, 1, shift=3.0), _values(name, shape, 2)
     terms = shape[0] * int(np.prod(shape[2:]))
     for slices in (1, 2):  # one block per channel, and each channel over two blocks
         monkeypatch.setattr(raw_bn, "slices_for", lambda *_, s=slices: s)
-        got = raw_bn.channel_sums(x, count=True, launch=HostLauncher(*grid))
+        got = run.get(raw_bn.channel_sums(run.put(x), count=True, launch=run.launch()))
         want = batchnorm.bn_local_sums(x)
         assert got.shape == want.shape == (3, shape[1]) and got.dtype == np.float64
         _float64_close(got, want, terms)
@@ -63,37 +108,40 @@ def test_channel_sums_are_the_cpus_to_float64_rounding(name: str, shape: tuple, 
         xhat = batchnorm.bn_normalize(x, *batchnorm.bn_statistics(want),
                                       np.ones(shape[1], np.float32),
                                       np.zeros(shape[1], np.float32), 1e-5)[1]
-        got = raw_bn.channel_sums(dy, xhat, launch=HostLauncher(*grid))
+        got = run.get(raw_bn.channel_sums(run.put(dy), run.put(xhat), launch=run.launch()))
         _float64_close(got, batchnorm.bn_backward_local_sums(dy, xhat), terms)
 
 
 @pytest.mark.parametrize("name", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES[:2])
-def test_normalize_and_backward_apply_are_the_cpus_bits(name: str, shape: tuple) -> None:
-    channels = shape[1]
+def test_normalize_and_backward_apply_are_the_cpus_bits(name: str, shape: tuple,
+                                                         where: type[Host]) -> None:
+    run, channels = where(), shape[1]
     rng = np.random.default_rng(3)
     x, dy = _values(name, shape, 4, shift=-1.5), _values(name, shape, 5)
     gamma = rng.normal(size=channels).astype(np.float32)
     beta = rng.normal(size=channels).astype(np.float32)
     mean, var = batchnorm.bn_statistics(batchnorm.bn_local_sums(x))
     y, xhat, inv_std = batchnorm.bn_normalize(x, mean, var, gamma, beta, 1e-5)
-    got_y, got_xhat = raw_bn.bn_forward(x, mean, inv_std, gamma, beta, launch=HostLauncher())
-    _same(got_y, y)
-    _same(got_xhat, xhat)
-    alone, none = raw_bn.bn_forward(x, mean, inv_std, gamma, beta, keep_xhat=False,
-                                    launch=HostLauncher())
+    put = run.put
+    got_y, got_xhat = raw_bn.bn_forward(put(x), put(mean), put(inv_std), put(gamma), put(beta),
+                                        launch=run.launch())
+    _same(run.get(got_y), y)
+    _same(run.get(got_xhat), xhat)
+    alone, none = raw_bn.bn_forward(put(x), put(mean), put(inv_std), put(gamma), put(beta),
+                                    keep_xhat=False, launch=run.launch())
     assert none is None
-    _same(alone, y)
+    _same(run.get(alone), y)
     sums = batchnorm.bn_backward_local_sums(dy, xhat)
     count = batchnorm.bn_count(batchnorm.bn_local_sums(x))
     want = batchnorm.bn_backward_apply(dy, xhat, gamma, inv_std, sums, count)
     mean_dy, mean_dy_xhat = ((sums[k] / count).astype(np.float32) for k in (0, 1))
-    got = raw_bn.bn_backward_apply(dy, xhat, mean_dy, mean_dy_xhat, gamma * inv_std,
-                                   launch=HostLauncher())
-    _same(got, want)
+    got = raw_bn.bn_backward_apply(put(dy), put(xhat), put(mean_dy), put(mean_dy_xhat),
+                                   put(gamma * inv_std), launch=run.launch())
+    _same(run.get(got), want)
     if name == "bfloat16":  # the one rounding: of the float32 result, as stored
         wide = batchnorm.bn_normalize(widen(x), mean, var, gamma, beta, 1e-5)[0]
-        _same(got_y, narrow(wide))
+        _same(run.get(got_y), narrow(wide))
 
 
 def test_slices_fill_the_device_and_keep_work_per_thread() -> None:
