@@ -11,7 +11,12 @@ What it pins (docs/GPU.md, "What the CPU verifies"):
 * no host read inside a steady-state step (the count of the batch statistics stays on
   the device: ``kernels.batchnorm.bn_count``), one deferred read per step, and the same
   launches and allocations in two steady steps;
-* the CPU path's losses to float32 rounding (fp32), and bf16's within its tolerance.
+* the CPU path's losses to float32 rounding (fp32), and bf16's within its tolerance;
+* the front doors of kernels/batchnorm.py on the stand-in against the CPU path: the
+  applies' bits (bf16 too: both round the same float32 value once), the sums to float64
+  rounding, the count kept on the device, ``xhat`` not written in evaluation, and a
+  strided view kept off our storage-dtype kernels (float32: the fused kernels, which
+  take strides; bf16: widened into a contiguous copy first, as before).
 """
 
 from __future__ import annotations
@@ -22,11 +27,15 @@ from typing import Any
 import numpy as np
 import pytest
 import test_gpu_step_counts as counts
+from standin import installed
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.layout import resolve_parallel
+from cosmotrain.device.xp import to_host
 from cosmotrain.engine.step import hybrid_step_from_config
+from cosmotrain.kernels import batchnorm as bn
 from cosmotrain.nn.module import Context
+from cosmotrain.precision import bfloat16, widen
 from cosmotrain.tensor.dist_tensor import DistTensor
 
 # A ResNet-10 with batch norm after every convolution, at the smallest width it takes.
@@ -96,3 +105,59 @@ def test_resnet_step_runs_batch_norm_on_our_kernels_without_a_host_read(
                 and shape != batch_shape and shape[2:] != (1, 1, 1)]
     np.testing.assert_allclose(losses, cpu_losses(resnet, extra), rtol=rtol)
     print(precision, counts.trace_report(ledgers))
+
+
+def front_door_results(xp: Any, x: np.ndarray, dy: np.ndarray, gamma: np.ndarray,
+                       beta: np.ndarray) -> list[Any]:
+    """A batch-norm layer's kernels in training order on ``xp``'s copies of the values:
+    sums, normalisation (with and without ``xhat``), backward sums, input gradient."""
+    put = (lambda a: a) if xp is np else xp.asarray
+    x, dy, gamma, beta = (put(a) for a in (x, dy, gamma, beta))
+    sums = bn.bn_local_sums(x)
+    count = bn.bn_count(sums)
+    mean, var = bn.bn_statistics(sums)
+    y, xhat, inv_std = bn.bn_normalize(x, mean, var, gamma, beta, 1e-5)
+    y_eval, no_xhat, _ = bn.bn_normalize(x, mean, var, gamma, beta, 1e-5, keep_xhat=False)
+    back = bn.bn_backward_local_sums(dy, xhat)
+    dx = bn.bn_backward_apply(dy, xhat, gamma, inv_std, back, count)
+    return [sums, y, xhat, y_eval, no_xhat, back, dx, count]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_norm_front_doors_on_the_device_route(dtype: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    storage = bfloat16() if dtype == "bfloat16" else np.dtype(np.float32)
+    rng = np.random.default_rng(5)
+    shape = (2, 3, 4, 5, 6)
+    x = (rng.normal(size=shape) * 2 + 1).astype(np.float32).astype(storage)
+    dy = rng.normal(size=shape).astype(np.float32).astype(storage)
+    gamma, beta = (rng.normal(size=3).astype(np.float32) for _ in range(2))
+    host = front_door_results(np, x, dy, gamma, beta)
+    with installed(monkeypatch) as cupy:
+        cupy.ledger.take()
+        device = front_door_results(cupy, x, dy, gamma, beta)
+        ledger = cupy.ledger.take()
+        assert isinstance(device[-1], cupy.ndarray) and not ledger.syncs  # count stays
+        with ledger.paused():
+            device = [None if a is None else to_host(a) for a in device]
+        strided = cupy.asarray(np.repeat(x, 2, axis=2))[:, :, ::2]  # x, not contiguous
+        cupy.ledger.take()
+        fallback = to_host(bn.bn_local_sums(strided))
+        launched = {launch.kernel for launch in cupy.ledger.take().launches}
+    if dtype == "float32":  # a strided view: the fused kernels, which take strides
+        assert "cosmotrain_sum_squares" in launched and "channel_sums_f32" not in launched
+    else:  # bf16 widened first (a contiguous float32 copy), then ours
+        assert {"astype", "channel_sums_f32"} <= launched and "channel_sums_bf16" not in launched
+    np.testing.assert_allclose(fallback[:2], host[0][:2], rtol=1e-12)
+    kernels = [launch.kernel for launch in ledger.launches]
+    suffix = "bf16" if dtype == "bfloat16" else "f32"
+    assert kernels.count(f"channel_sums_{suffix}") == 2
+    assert kernels.count(f"bn_forward_{suffix}") == 2
+    assert kernels.count(f"bn_backward_apply_{suffix}") == 1
+    sums, y, xhat, y_eval, no_xhat, back, dx, count = device
+    assert no_xhat is None and float(count) == host[-1]
+    np.testing.assert_allclose(sums, host[0], rtol=1e-14)
+    np.testing.assert_allclose(back, host[5], rtol=1e-13, atol=1e-13)
+    for got, want in ((y, host[1]), (xhat, host[2]), (y_eval, host[3]), (dx, host[6])):
+        assert got.dtype == storage
+        np.testing.assert_array_equal(widen(got), widen(want), strict=True)
