@@ -161,3 +161,35 @@ def test_batch_norm_front_doors_on_the_device_route(dtype: str,
     for got, want in ((y, host[1]), (xhat, host[2]), (y_eval, host[3]), (dx, host[6])):
         assert got.dtype == storage
         np.testing.assert_array_equal(widen(got), widen(want), strict=True)
+
+
+def test_running_statistics_of_an_empty_group_stay_on_the_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bn_statistics: local`` can leave a sample group empty (count 0): its running
+    statistics must stay as they were.  On a device the count is a device scalar, so the
+    layer selects instead of branching: the CPU's running statistics in both cases,
+    and no host read."""
+    from cosmotrain.layers.batchnorm import dist_batchnorm
+    from cosmotrain.nn.factory import batchnorm as serial_batchnorm
+    from cosmotrain.runtime.timers import PhaseTimers
+
+    mean = np.asarray([0.5, -1.0, 2.0])
+    var = np.asarray([1.5, 0.25, 3.0])
+    want = {}
+    for count in (0.0, 7.0):
+        layer = dist_batchnorm(serial_batchnorm("bn", 3), None, PhaseTimers(), False)
+        layer._count = count
+        layer._update_running(mean, var)
+        want[count] = {k: np.array(v) for k, v in layer.buffers.items()}
+    with installed(monkeypatch) as cupy:
+        for count, expected in want.items():
+            layer = dist_batchnorm(serial_batchnorm("bn", 3), None, PhaseTimers(), False)
+            layer.buffers = {k: cupy.asarray(v) for k, v in layer.buffers.items()}
+            layer._count = cupy.asarray(np.asarray(count))
+            cupy.ledger.take()
+            layer._update_running(cupy.asarray(mean), cupy.asarray(var))
+            assert not cupy.ledger.take().syncs
+            with cupy.ledger.paused():
+                for key, value in expected.items():
+                    np.testing.assert_array_equal(to_host(layer.buffers[key]), value,
+                                                  err_msg=f"{key} at count {count}")
