@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 from standin_bytes import operand_traffic, raw_traffic
+from standin_graph import MemoryPool, Recorder, replay_of
 from standin_ledger import (Launch, Ledger, addresses_of, array_bytes, describe, flat,
                             plain_arrays)
 from standin_streams import Streams
@@ -58,6 +59,11 @@ class StandIn(types.ModuleType):
         self.__version__ = "standin"
         self.ndarray = _array_class(self)
         self.cuda = _cuda(ledger)
+        self.graphs = Recorder(ledger, self.cuda.streams.is_pinned)
+        self.cuda.streams.recorder = self.graphs
+        self.cuda.MemoryPool = MemoryPool
+        self.cuda.using_allocator = lambda malloc=None: self.graphs.using_allocator(malloc)
+        ledger.on_sync = lambda why: self.graphs.refuse(f"a host wait ({why})")
         self._core = types.SimpleNamespace()  # no _routines_linalg: no TF32 switch
         self.ElementwiseKernel = lambda *a: _FusedKernel(self, a[-1])
         self.ReductionKernel = lambda *a: _FusedKernel(self, a[-1])
@@ -78,11 +84,13 @@ class StandIn(types.ModuleType):
                     isinstance(i, np.ndarray) and np.shares_memory(base, i)
                     for i in flat(inputs)):
                 self.ledger.allocations.append((result.shape, result.dtype.str))
+                self.graphs.track(base)
         return result.view(self.ndarray) if type(result) is np.ndarray else result
 
     def launch(self, name: str, function: Callable, args: tuple, kwargs: dict,
                traffic: tuple[int, int] | None = None) -> Any:
         """One launch; ``traffic`` (bytes read, written) when its operands overstate it."""
+        self.graphs.check_launch(name)
         plain = plain_arrays(args)
         plain_kwargs = {k: plain_arrays(v) for k, v in kwargs.items()}
         result = self.wrap(function(*plain, **plain_kwargs), (*plain, *plain_kwargs.values()))
@@ -90,8 +98,9 @@ class StandIn(types.ModuleType):
         operands = (plain, tuple(plain_kwargs.items()), outputs)
         if traffic is None:
             traffic = operand_traffic(name, plain, plain_kwargs, outputs)
-        self.ledger.launches.append(Launch(name, describe(operands), addresses_of(operands),
-                                           *traffic))
+        record = Launch(name, describe(operands), addresses_of(operands), *traffic)
+        self.ledger.launches.append(record)
+        self.graphs.record(record, replay_of(function, plain, plain_kwargs, outputs))
         return result
 
     def asarray(self, a: Any, dtype: Any = None, order: Any = None) -> Any:
@@ -99,10 +108,13 @@ class StandIn(types.ModuleType):
             if dtype is None or np.dtype(dtype) == a.dtype:
                 return a
             return self.launch("astype", lambda v: v.astype(dtype), (a,), {})
+        self.graphs.refuse("a copy from pageable host memory (asarray)")
         host = np.asarray(a, dtype=dtype)
         self.ledger.uploads.append((host.shape, host.dtype.str))
         self.ledger.allocations.append((host.shape, host.dtype.str))
-        return np.array(host).view(self.ndarray)
+        buffer = np.array(host)
+        self.graphs.track(buffer)
+        return buffer.view(self.ndarray)
 
     def array(self, a: Any, dtype: Any = None, copy: bool = True, order: str = "K") -> Any:
         if not isinstance(a, self.ndarray):
@@ -165,10 +177,14 @@ def _array_class(module: StandIn) -> type:
 
         def set(self, host: Any, stream: Any = None) -> None:
             """Queued on ``stream`` (tests/standin_streams.py: it may lag)."""
+            module.graphs.check_copy(host)
             ledger.uploads.append((self.shape, self.dtype.str))
             target = self.view(np.ndarray)
             (stream or module.cuda.streams.current).enqueue(
                 lambda: np.copyto(target, host), target.__array_interface__["data"][0])
+            module.graphs.record(Launch("memcpy.htod", describe((target,)),
+                                        addresses_of((target,)), target.nbytes,
+                                        target.nbytes), lambda: np.copyto(target, host))
 
         def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
             ledger.sync("__array__")
@@ -189,9 +205,13 @@ def _array_class(module: StandIn) -> type:
             return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
 
         def __getitem__(self, key: Any) -> Any:
-            """A view, 0-d for a single element (as cupy: no numpy scalar, no read)."""
+            """A view, 0-d for a single element (as cupy: no numpy scalar, no read); a
+            copy (advanced indexing) is a launch."""
             plain = self.view(np.ndarray)
-            found = plain[key]
+            found = plain[plain_arrays(key)]
+            if isinstance(found, np.ndarray) and found.size and \
+                    not np.shares_memory(found, plain):
+                return module.launch("getitem", lambda v: v[plain_arrays(key)], (self,), {})
             if isinstance(found, np.generic):
                 found = plain[(*(key if isinstance(key, tuple) else (key,)), Ellipsis)]
             return found.view(type(self)) if type(found) is np.ndarray else found
@@ -211,6 +231,9 @@ def _array_class(module: StandIn) -> type:
 
         def copy(self, order: str = "C") -> Any:
             return module.launch("copy", lambda v: v.copy(order), (self,), {})
+
+        def fill(self, value: Any) -> None:
+            module.launch("fill", lambda v: v.fill(value), (self,), {})
 
         def sum(self, *args: Any, **kwargs: Any) -> Any:
             return module.launch("sum", np.sum, (self, *args), kwargs)
@@ -298,13 +321,17 @@ def installed(monkeypatch: Any) -> Iterator[StandIn]:
     module = shared()
     module.ledger.clear()
     module.cuda.streams.reset()
+    module.graphs.entries, module.graphs.allocator, module.graphs.captures = None, None, 0
+    module.graphs.blas_sites.clear()
     host = HostLauncher()
 
     def raw_launch(kernel: str, size: int, args: Any) -> None:
         plain = plain_arrays(tuple(args))
-        module.ledger.launches.append(Launch(kernel, (size, *describe(plain)),
-                                             addresses_of(plain), *raw_traffic(kernel, plain)))
+        record = Launch(kernel, (size, *describe(plain)), addresses_of(plain),
+                        *raw_traffic(kernel, plain))
+        module.ledger.launches.append(record)
         host(kernel, size, list(plain))
+        module.graphs.record(record, lambda: host(kernel, size, list(plain)))
 
     monkeypatch.setitem(sys.modules, "cupy", module)
     monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(

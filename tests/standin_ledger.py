@@ -23,17 +23,20 @@ class Ledger:
     uploads: list[tuple] = field(default_factory=list)
     downloads: list[tuple] = field(default_factory=list)
     sync_sites: list[str] = field(default_factory=list)  # module:function of each sync
+    graphs: list[tuple] = field(default_factory=list)  # graph launches: (first, count)
     counting: bool = True
+    on_sync: Any = None  # called with each sync's reason (a capture refuses it)
 
     def clear(self) -> None:
         for entries in (self.syncs, self.launches, self.allocations, self.uploads,
-                        self.downloads, self.sync_sites):
+                        self.downloads, self.sync_sites, self.graphs):
             entries.clear()
 
     def take(self) -> Ledger:
         """What was recorded since the last take (a copy), and start afresh."""
         taken = Ledger(list(self.syncs), list(self.launches), list(self.allocations),
-                       list(self.uploads), list(self.downloads), list(self.sync_sites))
+                       list(self.uploads), list(self.downloads), list(self.sync_sites),
+                       list(self.graphs))
         self.clear()
         return taken
 
@@ -43,6 +46,8 @@ class Ledger:
         return sum(launch.read + launch.written for launch in self.launches)
 
     def sync(self, why: str) -> None:
+        if self.on_sync is not None:
+            self.on_sync(why)
         if self.counting:
             self.syncs.append(why)
             self.sync_sites.append(caller())

@@ -31,6 +31,7 @@ class Streams:
         self.lagging = False
         self.slow_events = False
         self.current: Any = None
+        self.recorder: Any = None  # the stand-in's capture state (tests/standin_graph.py)
         self.pinned: list[np.ndarray] = []
         # in order: ("copy", stream, target address) and ("wait", waiting stream, the
         # event's stream): what a test checks the device-side order of a stage against
@@ -106,6 +107,24 @@ class Streams:
             def synchronize(self) -> None:
                 streams.ledger.sync("stream.synchronize")
                 self.run_until(self.queued)
+
+            def __enter__(self) -> Any:
+                """``with stream:``: the current stream inside."""
+                self.before = streams.current
+                streams.current = self
+                return self
+
+            def __exit__(self, *exc: Any) -> None:
+                streams.current = self.before
+
+            def begin_capture(self, mode: Any = None) -> None:
+                streams.recorder.begin()
+
+            def end_capture(self) -> Any:
+                return streams.recorder.end()
+
+            def is_capturing(self) -> bool:
+                return streams.recorder.capturing
 
         return Stream
 

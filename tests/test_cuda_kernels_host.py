@@ -197,7 +197,7 @@ def test_dropout_draws_the_cpu_mask_on_any_block(name: str, local, offset, total
     p, seed, step, salt = 0.3, 1234, 17, 2
     keep = dropout.dropout_keep_mask(local, offset, total, p, seed, step, salt)
     assert 0 < keep.mean() < 1
-    got = raw_ops.dropout(x, offset, total, p, int(dropout.stream_key(seed, step, salt)),
+    got = raw_ops.dropout(x, offset, total, p, seed, salt, np.asarray([float(step)]),
                           launch=HostLauncher())
     _same(got, dropout.dropout_forward(x, keep, p))
 
@@ -267,3 +267,29 @@ def test_nonfinite_flag_and_any_grid() -> None:
     _same(raw_ops.avg_pool_forward(v, pool, launch=HostLauncher(grid=1, block=1)),
           raw_ops.avg_pool_forward(v, pool, launch=HostLauncher(grid=5, block=7)))
 
+
+
+def test_dropout_reads_the_step_from_device_memory_with_any_seed() -> None:
+    """The kernel works the stream key out from the step count it reads (a float64 in
+    device memory) as ``dropout.stream_key`` does, for a seed past 2^63 too; a new step
+    written into the same memory draws that step's mask (a replayed graph's case)."""
+    x = np.random.default_rng(8).normal(size=(2, 3, 4, 4, 4)).astype(np.float32)
+    step = np.zeros(1)
+    shape = x.shape
+    for seed, at in ((2**64 - 5, 3), (7, 40)):
+        step[0] = at
+        got = raw_ops.dropout(x, (0,) * 5, shape, 0.4, seed, 11, step,
+                              launch=HostLauncher())
+        keep = dropout.dropout_keep_mask(shape, (0,) * 5, shape, 0.4, seed, at, 11)
+        _same(got, dropout.dropout_forward(x, keep, 0.4))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_put_values_writes_the_arguments_into_device_memory(dtype) -> None:
+    target = np.full(10, -1.0, dtype=dtype)
+    raw_ops.put_values(target, [1.5, 2.0, 3.25], launch=HostLauncher())
+    np.testing.assert_array_equal(target, [1.5, 2.0, 3.25] + [-1.0] * 7)
+    raw_ops.put_values(target, list(range(8)), launch=HostLauncher())
+    np.testing.assert_array_equal(target[:8], np.arange(8))
+    with pytest.raises(ValueError, match="up to 8"):
+        raw_ops.put_values(target, list(range(9)))

@@ -21,6 +21,8 @@ def check_cpu_settings(cfg: DeviceConfig, why: str = "") -> None:
                  f"{cfg.conv_algorithm} selects GPU convolutions", "leave it auto"),
                 ("device.cudnn_autotune", cfg.cudnn_autotune,
                  "cudnn_autotune times GPU convolutions", "leave it false"),
+                ("device.cuda_graph", cfg.cuda_graph is True,
+                 "cuda_graph captures GPU steps", "leave it auto"),
                 ("device.communication", cfg.communication != "staging",
                  f"{cfg.communication} moves GPU buffers", "leave it staging"))
     for key, wrong, problem, fix in gpu_only:

@@ -275,6 +275,15 @@ class DeviceConfig:
                                     "last instead of faulting fresh ones in (about 20% of "
                                     "a CPU step at W=128); the process then stays at its "
                                     "peak between steps. false: glibc's default")
+    cuda_graph: bool | str = spec(AUTO, "GPU: capture the steady-state training step once "
+                                  "as a CUDA graph and replay it (no per-kernel launch "
+                                  "cost); auto captures where the step can be captured "
+                                  "and logs why not otherwise; true fails at start-up "
+                                  "naming what prevents it (docs/GPU.md, 'CUDA graph')",
+                                  auto=True)
+    cuda_graph_warmup: int = spec(3, "GPU: eager steps before the capture (the first "
+                                  "creates the optimizer's slots, cuDNN plans are tuned "
+                                  "on their first call)", minimum=2)
     plan_step_memory: bool = spec(True, "with reuse_freed_memory: place the large host "
                                   "arrays (1 MiB and up) of every training and "
                                   "validation step at the offsets planned from the step "

@@ -48,12 +48,18 @@ class DeferredSums:
         return float(self._host[0]) / self.global_count, self.votes.summed(self._host[1:])
 
 
-def vote_vector(total: Any, votes: Votes, bad_gradients: Any) -> Any:
+def vote_vector(total: Any, votes: Votes, bad_gradients: Any, base: Any = None) -> Any:
     """``[total, *votes]`` as one float64 device vector: ``total`` (the loss sum, a
-    device scalar), ``votes`` as cast on the host (uploaded: a few doubles) but for
-    ``bad_gradients``, which comes from the device flag of the previous step."""
+    device scalar), ``votes`` as cast on the host but for ``bad_gradients``, which comes
+    from the device flag of the previous step.  ``base``: ``[0, *votes]`` already in
+    device memory (``engine/step_scalars.py``), copied on the device, which a captured
+    graph replays with each step's votes; without it the votes are uploaded (a few
+    doubles)."""
     xp = array_module(total)
-    values = xp.asarray(np.asarray((0.0, *votes.values()), dtype=np.float64))
+    if base is not None:
+        values = base.copy()
+    else:
+        values = xp.asarray(np.asarray((0.0, *votes.values()), dtype=np.float64))
     values[0] = total
     if bad_gradients is not None:
         where = 1 + [f.name for f in fields(votes)].index("bad_gradients")

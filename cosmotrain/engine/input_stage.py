@@ -56,16 +56,18 @@ class InputStage:
         self.turn = 0
         self.table: Any = None
 
-    def __call__(self, counts: np.ndarray, transform: DeviceTransform, dtype: Any) -> Any:
-        """``counts`` (int16, N C D H W, on the host) as a device array of ``dtype``."""
+    def __call__(self, counts: np.ndarray, transform: DeviceTransform, dtype: Any,
+                 out: Any = None) -> Any:
+        """``counts`` (int16, N C D H W, on the host) as a device array of ``dtype``
+        (written into ``out`` when given: a captured graph's fixed input)."""
         if counts.size == 0:
-            return self.xp.empty(counts.shape, dtype=dtype)
+            return self.xp.empty(counts.shape, dtype=dtype) if out is None else out
         slot = self._next_slot(counts.shape)
         self._upload(slot, counts, transform)
         compute = self.xp.cuda.get_current_stream()
         compute.wait_event(slot.copied)
         y = raw_ops.input_transform(slot.device, dtype, transform.name, False,
-                                    table=self._table(), divisor=slot.divisors)
+                                    table=self._table(), divisor=slot.divisors, out=out)
         slot.consumed = compute.record()
         return y
 

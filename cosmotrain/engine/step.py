@@ -29,6 +29,7 @@ from cosmotrain.layers.loss import loss_and_sums, loss_sums_on_device
 from cosmotrain.models import build_model
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
+from cosmotrain.engine.cuda_graph import graph_for
 from cosmotrain.engine.device_verdict import (DeferredSums, apply_flag, gradients_nonfinite,
                                               guarded_update, vote_vector)
 from cosmotrain.engine.grad_sync import GradientReducer
@@ -37,6 +38,7 @@ from cosmotrain.data.readers.transform import DeviceTransform, host_transform
 from cosmotrain.engine.input_stage import InputStage, device_stage
 from cosmotrain.engine.optim_device import MultiUpdate
 from cosmotrain.engine.optim_shards import OptimizerShards
+from cosmotrain.engine.step_scalars import StepScalars, pinned_upload
 from cosmotrain.engine.votes import Votes
 
 
@@ -95,6 +97,9 @@ class HybridStep:
     applies: Any = None  # device step: the flag "the step may be applied" (no host read)
     multi: MultiUpdate = field(default_factory=MultiUpdate)  # device step: one-launch update
     stage: InputStage | None = None  # device step: int16 batches in (engine/input_stage.py)
+    scalars: StepScalars | None = None  # device step: step count, votes, hyperparameters
+    graph: Any = None  # device step: the CUDA graph runner (engine/cuda_graph.py), or None
+    _bad_flag: Any = None  # device step: where each step leaves ``gradients_bad``
 
     @property
     def grid(self) -> ProcessGrid:
@@ -106,8 +111,8 @@ class HybridStep:
         settings, kernel threads."""
         return self.model.runtime
 
-    def place_input(self, x: DistTensor, transform: DeviceTransform | None = None
-                    ) -> DistTensor:
+    def place_input(self, x: DistTensor, transform: DeviceTransform | None = None,
+                    out: Any = None) -> DistTensor:
         """The reader's host block on this rank's device: the one host -> device copy of
         a batch, cast to bf16 under ``precision: bf16`` (other dtypes are kept: float64
         in the tests).  The block itself when nothing changes (the CPU in float32).
@@ -124,8 +129,8 @@ class HybridStep:
         return x if data is x.data else DistTensor(data, x.dist, x.coord)
 
     def gradients(self, x: DistTensor, targets: Any, ctx: Context,
-                  votes: Votes | None = None, transform: DeviceTransform | None = None
-                  ) -> StepOutput:
+                  votes: Votes | None = None, transform: DeviceTransform | None = None,
+                  prepared: bool = False) -> StepOutput:
         """Forward and backward; afterwards every ``param.grad`` is the full gradient
         (with ``shards``: this rank holds its shard of each bucket's reduced gradient,
         ``Bucket.shard``, and the gradients of unbucketed parameters).
@@ -133,9 +138,15 @@ class HybridStep:
         ``votes`` (this rank's; the step casts ``bad_gradients`` itself, its verdict on the
         previous step's gradients) ride in the loss allreduce, and the output holds their
         sums.  When the loss or those gradients are non-finite, backward is skipped on
-        every rank alike and the output says so.
+        every rank alike and the output says so.  On a device the step count and votes
+        are written into device memory first (:meth:`write_scalars`; ``prepared``: the
+        graph runner did, before a captured launch).
         """
         x = self.place_input(x, transform)
+        if self.device.is_gpu:
+            if not prepared:
+                self.write_scalars(ctx, votes)
+            ctx = replace(ctx, device_step=self.scalars.step)
         ctx = replace(ctx, on_grad_ready=self.reducer.on_grad_ready)
         self.reducer.prepare(self.model.reduction_groups())
         pred = self.model.forward(x, ctx)
@@ -164,18 +175,38 @@ class HybridStep:
         flags that :meth:`update` applies or skips on."""
         mine = replace(votes if votes is not None else Votes(), bad_gradients=0)
         previous = self.gradients_bad if is_device_array(self.gradients_bad) else None
+        base = self.scalars.sums_base
         sums, dpred = loss_sums_on_device(
             pred, targets[rows[0]:rows[1]], targets.size,
-            lambda total: vote_vector(total, mine, previous), self.grid,
+            lambda total: vote_vector(total, mine, previous, base), self.grid,
             self.runtime.transport, self.runtime.timers, self.loss)
         self.applies = apply_flag(sums, mine)
         self.model.backward(dpred, ctx)
         self.reducer.finish()
-        self.gradients_bad = gradients_nonfinite(self.reducer.reduced_gradients(
-            p for _, p in self.model.named_parameters()))
+        self._keep_bad_flag(gradients_nonfinite(self.reducer.reduced_gradients(
+            p for _, p in self.model.named_parameters())))
         return StepOutput(pred, rows, DeferredSums(sums, targets.size, mine))
 
-    def update(self, lr: float | None = None) -> None:
+    def write_scalars(self, ctx: Context, votes: Votes | None) -> None:
+        """The step count and this rank's votes into device memory (one launch): what
+        dropout's kernel and the loss and vote vector read (``engine/step_scalars.py``)."""
+        mine = votes if votes is not None else Votes()
+        if self.scalars is None:
+            self.scalars = StepScalars.allocate(self.device.xp, mine)
+        self.scalars.write(ctx.step, mine)
+
+    def _keep_bad_flag(self, bad: Any) -> None:
+        """This step's verdict on its gradients into the one flag every step writes, so
+        that the next step (or a replayed graph) reads it where the last one left it."""
+        if bad is None:
+            self.gradients_bad = None
+            return
+        if self._bad_flag is None:
+            self._bad_flag = self.device.xp.zeros((), dtype=bool)
+        self._bad_flag[...] = bad
+        self.gradients_bad = self._bad_flag
+
+    def update(self, lr: float | None = None, prepared: bool = False) -> None:
         """Apply the optimizer and clear the gradients.
 
         A rank whose gradients are non-finite keeps its parameters (sharded: its shards
@@ -183,15 +214,20 @@ class HybridStep:
         before anything is stored.  On a device the verdicts are device flags, and the
         update applies or skips on them without the host looking (a step that may not be
         applied, or this rank's non-finite gradients): one multi-tensor launch
-        (``engine/optim_device.py``), or else the update run and undone there."""
+        (``engine/optim_device.py``; ``prepared``: its hyperparameters already written,
+        by the graph runner), or else the update run and undone there."""
         params = list(self.model.named_parameters())
         skip = self._device_skip()
         if skip is None:
             self._apply(params, lr, bool(self.gradients_bad))
-        elif self.shards is not None or not self.multi.apply(self.optimizer, params, lr, skip):
+        elif self.shards is not None or not self._multi_apply(params, lr, skip, prepared):
             guarded_update(lambda: self._updated_arrays(params), skip,
                            lambda: self._apply(params, lr, False))
         self.optimizer.zero_grad(params)
+
+    def _multi_apply(self, params: list, lr: float | None, skip: Any, prepared: bool) -> bool:
+        self.multi.upload = self.multi.upload or pinned_upload
+        return self.multi.apply(self.optimizer, params, lr, skip, self.scalars.hyper, prepared)
 
     def _apply(self, params: list, lr: float | None, skip: bool) -> None:
         if self.shards is not None:
@@ -219,9 +255,17 @@ class HybridStep:
         """One training step; its large host arrays are placed by the plan learnt from
         the steps before (:mod:`cosmotrain.device.step_memory`, once installed)."""
         with step_memory.phase("train"):
-            out = self.gradients(x, targets, ctx, votes, transform)
-            if out.deferred or out.finite:  # deferred: the device flags decide
-                self.update(lr)
+            if self.graph is not None:
+                return self.graph(self, x, targets, ctx, lr, votes, transform)
+            return self.eager(x, targets, ctx, lr, votes, transform)
+
+    def eager(self, x: DistTensor, targets: Any, ctx: Context, lr: float | None = None,
+              votes: Votes | None = None, transform: DeviceTransform | None = None,
+              prepared: bool = False) -> StepOutput:
+        """One step as issued, kernel by kernel (what a CUDA graph captures)."""
+        out = self.gradients(x, targets, ctx, votes, transform, prepared)
+        if out.deferred or out.finite:  # deferred: the device flags decide
+            self.update(lr, prepared)
         return out
 
     def non_finite_ranks(self) -> int:
@@ -278,8 +322,10 @@ def hybrid_step_from_config(cfg: Config, grid: ProcessGrid,
     reducer = GradientReducer(runtime.timers, par.bucket_mb, transport=runtime.transport,
                               shard=par.shard_optimizer)
     shards = OptimizerShards(hybrid, reducer) if par.shard_optimizer else None
-    return HybridStep(hybrid, build_optimizer(cfg.optimizer), reducer, device=device,
+    step = HybridStep(hybrid, build_optimizer(cfg.optimizer), reducer, device=device,
                       shards=shards)
+    step.graph = graph_for(cfg, step, {type(layer).__name__ for layer in model.layers()})
+    return step
 
 
 def _default_device(cfg: DeviceConfig, grid: ProcessGrid) -> Device:

@@ -8,7 +8,8 @@ finaliser) evaluated on the global linear index: no state, no sequence to keep i
 On a device, contiguous float32 and bfloat16 arrays keep no mask at all: :func:`dropout_mask`
 returns the mask's :class:`StreamMask` and ``kernels/cuda/src/dropout.cu`` recomputes the
 same bits in the one pass that applies it, forward and backward (bf16 read and written as
-stored).  The step then launches one kernel each way instead of the mask's dozen integer
+stored).  The kernel reads the step count from device memory (the training step's
+``Context.device_step``), so a captured CUDA graph draws a new mask at every replay.  The step then launches one kernel each way instead of the mask's dozen integer
 passes and a select, and holds no boolean activation between forward and backward.
 """
 
@@ -80,9 +81,14 @@ class StreamMask:
     seed: int
     step: int
     salt: int
+    device_step: Any = None  # ``step`` in device memory (float64), when the step keeps it
 
-    def key(self) -> int:
-        return int(stream_key(self.seed, self.step, self.salt))
+    def step_on(self, xp: Any) -> Any:
+        """The step count as the kernel reads it: the step's device scalar, else this
+        mask's ``step`` uploaded (a layer run outside the training step)."""
+        if self.device_step is not None:
+            return self.device_step
+        return xp.asarray(np.asarray([float(self.step)]))
 
     def keep(self, x: Any, p: float) -> Any:
         """The boolean mask for an array of the block's shape (a strided gradient)."""
@@ -91,11 +97,12 @@ class StreamMask:
 
 
 def dropout_mask(x: Any, offset: Sequence[int], global_shape: Sequence[int], p: float,
-                 seed: int, step: int, salt: int) -> Any:
+                 seed: int, step: int, salt: int, device_step: Any = None) -> Any:
     """What :func:`dropout_forward` and :func:`dropout_backward` take for the block ``x``:
-    a :class:`StreamMask` where the device kernel applies it, else the boolean mask."""
+    a :class:`StreamMask` where the device kernel applies it (``device_step``: ``step``
+    in device memory), else the boolean mask."""
     if route(x).device and device_kernel(x) and x.ndim <= 5:
-        return StreamMask(tuple(offset), tuple(global_shape), seed, step, salt)
+        return StreamMask(tuple(offset), tuple(global_shape), seed, step, salt, device_step)
     return dropout_keep_mask(x.shape, offset, global_shape, p, seed, step, salt,
                              array_module(x))
 
@@ -105,7 +112,8 @@ def dropout_forward(x: Any, keep: Any, p: float) -> Any:
     ``keep``: the boolean mask, or a :class:`StreamMask` (:func:`dropout_mask`)."""
     if isinstance(keep, StreamMask):
         if device_kernel(x):
-            return raw_ops.dropout(x, keep.offset, keep.global_shape, p, keep.key())
+            return raw_ops.dropout(x, keep.offset, keep.global_shape, p, keep.seed,
+                                   keep.salt, keep.step_on(array_module(x)))
         keep = keep.keep(x, p)
     where = route(x)
     if where.bf16:

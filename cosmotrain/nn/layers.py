@@ -278,7 +278,7 @@ class Dropout(Layer):
             return x
         offset, global_shape = self.block_geometry(x, ctx)
         self._keep = dropout_mask(x, offset, global_shape, self.p, ctx.seed, ctx.step,
-                                  self._salt())
+                                  self._salt(), ctx.device_step)
         return dropout_forward(x, self._keep, self.p)
 
     def backward(self, dy: Any, ctx: Context) -> Any:

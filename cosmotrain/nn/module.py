@@ -74,6 +74,10 @@ class Context:
     sample_offset: int = 0
     global_batch: int | None = None
     on_grad_ready: Callable[[Layer], None] | None = None
+    # ``step`` in device memory (a training step on a device, engine/step_scalars.py):
+    # what dropout's kernel reads, so that a captured CUDA graph replays with each step's
+    # own masks
+    device_step: Any = None
 
 
 @dataclass

@@ -56,7 +56,7 @@ KERNELS: dict[str, tuple[str, str]] = {
     **_both("avgpool.cu", "avgpool_backward", "ppplpfiff"),
     **_both("maxpool.cu", "maxpool2_forward", "pppliii"),
     **_both("maxpool.cu", "maxpool2_backward", "pppliii"),
-    **_both("dropout.cu", "dropout", "pppudf"),
+    **_both("dropout.cu", "dropout", "pppuupdf"),
     **_both("loss.cu", "mse", "ppplfpp"),
     **_both("batchnorm.cu", "channel_sums", "ppplilii"),
     **_both("batchnorm.cu", "bn_forward", "ppppppplil"),
@@ -64,6 +64,8 @@ KERNELS: dict[str, tuple[str, str]] = {
     "sgd_momentum_multi": ("optim.cu", "ppipp"),
     "adam_multi": ("optim.cu", "ppipp"),
     "nonfinite_flag": ("optim.cu", "plp"),
+    "put_f64x8": ("scalars.cu", "pidddddddd"),
+    "put_f32x8": ("scalars.cu", "piffffffff"),
 }
 
 

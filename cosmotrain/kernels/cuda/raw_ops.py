@@ -53,15 +53,19 @@ def _split(shape: Sequence[int]) -> tuple[int, int, int]:
 
 def input_transform(counts: Any, dtype: Any, transform: str, channels_last: bool,
                     table: Any = None, divisor: Any = None,
-                    launch: Optional[Launch] = None) -> Any:
+                    launch: Optional[Launch] = None, out: Any = None) -> Any:
     """int16 ``counts`` (NDHWC when ``channels_last``, else NCDHW) -> NCDHW in ``dtype``.
 
     ``table``: the float32 log1p of every int16 (``data.transform.int16_log1p_table``,
-    on the device) for ``log1p``; ``divisor``: float32, one per sample, for ``mean``."""
+    on the device) for ``log1p``; ``divisor``: float32, one per sample, for ``mean``;
+    ``out``: the array to write (that shape and dtype), else a new one."""
     xp = array_module(counts)
     n, *rest = counts.shape
     shape = (n, rest[-1], *rest[:-1]) if channels_last else tuple(counts.shape)
-    y = xp.empty(shape, dtype=dtype)
+    y = xp.empty(shape, dtype=dtype) if out is None else out
+    if y.shape != shape or y.dtype != np.dtype(dtype):
+        raise ValueError(f"input_transform writes {shape} {np.dtype(dtype)}, "
+                         f"not into {y.shape} {y.dtype}")
     samples, channels, spatial = _split(shape)
     _launch(launch)(f"input_transform_{raw.suffix(dtype)}", y.size,
                     (counts, y, table, divisor, samples, channels, spatial,
@@ -154,18 +158,36 @@ def dropout_shape(local_shape: Sequence[int], offset: Sequence[int],
                  + list(global_shape))
 
 
-def dropout(x: Any, offset: Sequence[int], global_shape: Sequence[int], p: float, key: int,
-            launch: Optional[Launch] = None) -> Any:
+def dropout(x: Any, offset: Sequence[int], global_shape: Sequence[int], p: float, seed: int,
+            salt: int, step: Any, launch: Optional[Launch] = None) -> Any:
     """Inverted dropout with :func:`cosmotrain.kernels.dropout.dropout_keep_mask`'s mask
-    for the stream ``key`` (``kernels.dropout.stream_key(seed, step, salt)``, which the
-    caller works out); forward, and the backward as the same call on the gradient."""
+    for the stream of (``seed``, the step count, ``salt``); forward, and the backward as
+    the same call on the gradient.  ``step``: the step count in device memory (a float64
+    array of one element, ``engine/step_scalars.py``), read by the kernel, so that a
+    captured graph draws each replay's own mask."""
     xp = array_module(x)
     y = xp.empty_like(x)
     _launch(launch)(f"dropout_{raw.suffix(x.dtype)}", x.size,
                     (x, y, constant(dropout_shape(x.shape, offset, global_shape), np.int64, xp),
-                     int(key), float(p),
+                     _u64(seed), _u64(salt), step, float(p),
                      float(np.float32(1.0 / (1.0 - p)))))
     return y
+
+
+def _u64(value: int) -> int:
+    """``value`` as the kernel's unsigned 64-bit word (``stream_key`` masks the seed so)."""
+    return int(value) & (2**64 - 1)
+
+
+def put_values(target: Any, values: Sequence[float], launch: Optional[Launch] = None) -> None:
+    """Write up to eight ``values`` into the float64 or float32 device array ``target``
+    (``scalars.cu``): one launch whose arguments carry them, no copy from the host."""
+    if len(values) > 8 or len(values) > target.size:
+        raise ValueError(f"put_values writes up to 8 values into {target.size}, "
+                         f"not {len(values)}")
+    kernel = {"float64": "put_f64x8", "float32": "put_f32x8"}[np.dtype(target.dtype).name]
+    padded = [float(v) for v in values] + [0.0] * (8 - len(values))
+    _launch(launch)(kernel, len(values), (target, len(values), *padded))
 
 
 def mse(pred: Any, target: Any, total_count: int, total: Any, nonfinite: Any,
@@ -192,18 +214,24 @@ class TensorTable:
 
 
 def tensor_table(roles: Sequence[Sequence[Any]], address: Callable[[Any], int],
-                 xp: Any = np) -> TensorTable:
+                 xp: Any = np, upload: Optional[Callable[[Any, np.ndarray], Any]] = None
+                 ) -> TensorTable:
     """The table for the multi-tensor kernels, built once per bucket list: ``roles[r][t]``
     is role ``r`` (data, grad, then the state) of tensor ``t``, all float32 of matching
-    sizes; ``address`` gives an array's device address."""
+    sizes; ``address`` gives an array's device address.  ``upload(xp, host)`` puts a
+    host array on the device and returns what must live as long as the table (default:
+    ``xp.asarray``); the step passes a copy through pinned memory, which a graph can
+    capture."""
     sizes = [a.size for a in roles[0]]
     for arrays in roles:
         if [a.size for a in arrays] != sizes or any(a.dtype != np.float32 for a in arrays):
             raise ValueError("every role needs float32 arrays of the parameters' sizes")
     pointers = np.asarray([address(a) for arrays in roles for a in arrays], dtype=np.uint64)
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    return TensorTable(xp.asarray(pointers), xp.asarray(offsets), int(offsets[-1]),
-                       tuple(a for arrays in roles for a in arrays))
+    put = upload or (lambda xp_, host: (xp_.asarray(host),))
+    (pointers_on, *keep), (offsets_on, *keep_too) = put(xp, pointers), put(xp, offsets)
+    return TensorTable(pointers_on, offsets_on, int(offsets[-1]),
+                       (*(a for arrays in roles for a in arrays), *keep, *keep_too))
 
 
 def sgd_hyper(momentum: float, lr: float, first: bool, weight_decay: float = 0.0
