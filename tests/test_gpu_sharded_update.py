@@ -38,16 +38,16 @@ SGD: list[str] = []  # the table's SGD with momentum
 ADAM = ["optimizer.name=adam", "optimizer.lr=0.001"]
 
 
-def _update(self: HybridStep, lr: float | None = None) -> None:
+def _update(self: HybridStep, lr: float | None = None, prepared: bool = False) -> None:
     """``HybridStep.update`` with the sharded device update wired in: the call the lead
     adds to engine/step.py (used only until step.py has it, see :func:`wired`)."""
     params = list(self.model.named_parameters())
     skip = self._device_skip()
     if skip is None:
         self._apply(params, lr, bool(self.gradients_bad))
-    elif not (self.shards.device_step(self.optimizer, params, lr, skip)
-              if self.shards is not None
-              else self.multi.apply(self.optimizer, params, lr, skip)):
+    elif not (self.shards.device_step(self.optimizer, params, lr, skip, self.scalars.hyper,
+                                      prepared)
+              if self.shards is not None else self._multi_apply(params, lr, skip, prepared)):
         guarded_update(lambda: self._updated_arrays(params), skip,
                        lambda: self._apply(params, lr, False))
     self.optimizer.zero_grad(params)

@@ -80,11 +80,12 @@ class OptimizerShards:
         self.reducer.finish_gather()
 
     def device_step(self, optimizer: Optimizer, params: Iterable[tuple[str, Parameter]],
-                    lr: float | None, skip: Any) -> bool:
+                    lr: float | None, skip: Any, hyper: Any, prepared: bool = False) -> bool:
         """:meth:`step` on a device, applied or skipped on the device flag ``skip`` in one
-        multi-tensor launch (``engine/optim_shards_device.py``); False, nothing updated
-        or sent, where those kernels do not fit (then the guarded update)."""
-        return self._device(self, optimizer, list(params), lr, skip)
+        multi-tensor launch reading its hyperparameters from the device buffer ``hyper``
+        (``engine/optim_shards_device.py``); False, nothing updated or sent, where those
+        kernels do not fit (then the guarded update)."""
+        return self._device(self, optimizer, list(params), lr, skip, hyper, prepared)
 
     @staticmethod
     def current_values(bucket: Bucket, out: Any = None) -> Any:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from cosmotrain.engine.optim import Optimizer
 from cosmotrain.engine.optim_device import MultiUpdate
+from cosmotrain.engine.step_scalars import pinned_upload
 
 if TYPE_CHECKING:
     from cosmotrain.engine.grad_sync import Bucket
@@ -50,11 +51,12 @@ class ShardUpdate:
     values: dict[int, Any] = field(default_factory=dict)  # by id of the bucket
 
     def __call__(self, shards: OptimizerShards, optimizer: Optimizer, params: list,
-                 lr: float | None, skip: Any) -> bool:
+                 lr: float | None, skip: Any, hyper: Any, prepared: bool = False) -> bool:
         """One launch updating this rank's pieces and unbucketed parameters, skipped on
         the device where ``skip`` is set, then the all-gathers of every bucket; False,
         nothing updated or sent, where the multi-tensor kernels do not fit (the caller
-        falls back to the guarded update)."""
+        falls back to the guarded update).  ``hyper`` and ``prepared`` as for
+        :meth:`MultiUpdate.apply` (the step's device buffer of hyperparameters)."""
         buckets = shards.buckets()
         values = [shards.current_values(bucket, self._kept(bucket)) for bucket in buckets]
         named = [(n, p) for n, p in params if not shards.reducer.owns(p)]
@@ -62,7 +64,8 @@ class ShardUpdate:
             named += [(shards.name_of(piece.param),
                        ShardPiece(flat[piece.span], bucket.shard[piece.span]))
                       for piece in bucket.pieces()]
-        if not self.multi.apply(optimizer, named, lr, skip):
+        self.multi.upload = self.multi.upload or pinned_upload
+        if not self.multi.apply(optimizer, named, lr, skip, hyper, prepared):
             return False
         for bucket, flat in zip(buckets, values):
             shards.reducer.start_gather(bucket, flat)
