@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cosmotrain.device.xp import array_module
 from cosmotrain.runtime.timers import PhaseTimers
 from cosmotrain.comm.transport import Transport, make_transport
 from cosmotrain.layers.blockwise import OnBlocks
@@ -48,16 +47,12 @@ class DistBatchNorm3d(BatchNorm3d):
 
         Only ``bn_statistics: local`` meets it, on a sample group left empty by a short
         batch (fewer samples than groups); the global statistics always count a sample.
-        On a device the count is a device scalar (``bn_count``): the rule is applied and
-        the old statistics selected back where it is 0, without the host reading it.
+        On a device the count is a device scalar (``bn_count``): the new statistics are
+        stored only where it is not 0, without the host reading it.
         """
         if not isinstance(self._count, float):
-            kept = {key: self.buffers[key] for key in ("running_mean", "running_var")}
-            super()._update_running(mean, var)
-            seen = self._count > 0
-            xp = array_module(mean)
-            for key, old in kept.items():
-                self.buffers[key] = xp.where(seen, self.buffers[key], old)
+            self._store_running(self._running_values(mean, var), where=self._count > 0)
+            self.buffers["num_batches_tracked"] = self.buffers["num_batches_tracked"] + 1
         elif self._count > 0:
             super()._update_running(mean, var)
         else:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cosmotrain.device.xp import array_module
+from cosmotrain.device.xp import array_module, is_device_array
 from cosmotrain.kernels import conv3d, pool3d
 from cosmotrain.kernels.geometry import Padding, Triple, output_size
 from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
@@ -235,14 +235,28 @@ class BatchNorm3d(Layer):
 
     def _update_running(self, mean: Any, var: Any) -> None:
         """PyTorch's rule: unbiased variance, exponential average with ``momentum``."""
+        self._store_running(self._running_values(mean, var))
+        self.buffers["num_batches_tracked"] = self.buffers["num_batches_tracked"] + 1
+
+    def _running_values(self, mean: Any, var: Any) -> dict[str, Any]:
+        """The running statistics after this batch (not yet stored)."""
         unbiased = var * bn_unbiased_factor(self._count)
         m = self.momentum
         dtype = self.buffers["running_mean"].dtype
-        self.buffers["running_mean"] = ((1 - m) * self.buffers["running_mean"]
-                                        + m * mean).astype(dtype)
-        self.buffers["running_var"] = ((1 - m) * self.buffers["running_var"]
-                                       + m * unbiased).astype(dtype)
-        self.buffers["num_batches_tracked"] = self.buffers["num_batches_tracked"] + 1
+        return {"running_mean": ((1 - m) * self.buffers["running_mean"] + m * mean).astype(dtype),
+                "running_var": ((1 - m) * self.buffers["running_var"] + m * unbiased
+                                ).astype(dtype)}
+
+    def _store_running(self, values: dict[str, Any], where: Any = True) -> None:
+        """Store :meth:`_running_values`: on the CPU as new arrays; on a device into the
+        buffers in place (a captured CUDA graph replays into the buffers it captured),
+        only where the device flag ``where`` is set."""
+        for key, value in values.items():
+            held = self.buffers[key]
+            if is_device_array(held):
+                array_module(held).copyto(held, value, where=where)
+            else:
+                self.buffers[key] = value
 
     def backward(self, dy: Any, ctx: Context) -> Any:
         xhat, self._xhat = self._xhat, None
