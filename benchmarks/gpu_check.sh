@@ -67,7 +67,8 @@ run_stage() {
     tests)
         stage tests "${TESTS_LIMIT:-300}" python3 -m pytest -p no:cacheprovider -q -rfEs \
             --timeout=150 tests/test_gpu_engine.py tests/test_gpu_conv.py \
-            tests/test_gpu_raw_kernels.py tests/test_cuda_batchnorm_host.py ;;
+            tests/test_gpu_raw_kernels.py tests/test_gpu_dense_device.py \
+            tests/test_cuda_batchnorm_host.py ;;
     bench-quick)
         stage bench-quick 120 python3 benchmarks/bench_step.py --width 128 --batch 8 \
             --precisions fp32 bf16 --steps 5 --warmup 2 --out "$OUT/step_quick.json" ;;
@@ -95,6 +96,10 @@ run_stage() {
     bench-raw)  # our own CUDA kernels (kernels/cuda/src): ms and GB/s against the peak
         stage bench-raw 90 python3 benchmarks/bench_raw_kernels.py --width 128 --batch 8 \
             --out "$OUT/raw_kernels_w128_b8.json" ;;
+    bench-dense)  # issue 35: the dense head on our kernels (linear.cu, what a CUDA graph
+        # can capture) against cuBLAS, both heads, W = 128, batch 1 8 32, fp32 and bf16
+        stage bench-dense 90 python3 benchmarks/bench_dense.py --width 128 --batch 1 8 32 \
+            --out "$OUT/dense_w128.json" ;;
     bench-bn)  # issue 35 item 3: batch norm on batchnorm.cu against the cupy path it
         # replaced, the 3D ResNet's four stages at W = 128, batch 8, fp32 and bf16
         stage bench-bn 90 python3 benchmarks/bench_batchnorm.py --width 128 --batch 8 \

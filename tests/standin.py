@@ -235,10 +235,28 @@ def _array_class(module: StandIn) -> type:
         def fill(self, value: Any) -> None:
             module.launch("fill", lambda v: v.fill(value), (self,), {})
 
+        ravel = _copying(module, "ravel")
+        flatten = _copying(module, "flatten")
+        reshape = _copying(module, "reshape")
+
         def sum(self, *args: Any, **kwargs: Any) -> Any:
             return module.launch("sum", np.sum, (self, *args), kwargs)
 
     return DeviceArray
+
+
+def _copying(module: StandIn, method: str) -> Callable:
+    """An ndarray method that returns a view when it can and a copy otherwise: the copy
+    is a launch (cupy runs a kernel for it; uncounted, a captured graph would replay a
+    stale copy)."""
+    def call(self: np.ndarray, *args: Any, **kwargs: Any) -> Any:
+        plain = self.view(np.ndarray)
+        found = getattr(plain, method)(*args, **kwargs)
+        if found.size == 0 or np.shares_memory(found, plain):
+            return found.view(type(self))
+        return module.launch(method, lambda v: getattr(v, method)(*args, **kwargs),
+                             (self,), {})
+    return call
 
 
 def _cuda(ledger: Ledger) -> types.SimpleNamespace:

@@ -27,9 +27,13 @@ from cosmotrain.kernels.cuda import raw
 
 # (network, precision) -> (bytes moved / compulsory, launches) of a steady-state step at
 # W = 32, batch 1, measured 2026-11-29; a change that moves more bytes or launches more
-# kernels fails here: lower these when a change improves them.
-RECORDED = {("cosmoflow", "fp32"): (1.268, 117), ("cosmoflow", "bf16"): (2.096, 174),
-            ("mlperf", "fp32"): (1.212, 142), ("mlperf", "bf16"): (1.838, 205)}
+# kernels fails here: lower these when a change improves them.  The six launches added
+# for the CUDA graph (the step count and hyperparameters written by launches, the vote
+# vector copied from them, the gradient flag kept in place, copies by ravel now counted)
+# are what makes the step capturable; a captured step issues them around one graph
+# launch (tests/test_cuda_graph.py).
+RECORDED = {("cosmoflow", "fp32"): (1.268, 123), ("cosmoflow", "bf16"): (2.096, 180),
+            ("mlperf", "fp32"): (1.212, 148), ("mlperf", "bf16"): (1.838, 211)}
 MARGIN = 1.02
 
 

@@ -26,7 +26,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import abort_on_error
 from standin import installed
+from standin_nccl import installed_nccl
 from standin_graph import CaptureError
 from test_gpu_step_counts import SCALAR_WRITES, batch, config
 
@@ -55,7 +57,8 @@ def allow_stand_in_convolutions(monkeypatch: pytest.MonkeyPatch, cupy: Any) -> N
 
 
 def run(monkeypatch: pytest.MonkeyPatch, graph: str, batches: list, extra: list[str] = (),
-        network: str = "cosmoflow", sites: tuple = CAPTURED_SITES) -> dict[str, Any]:
+        network: str = "cosmoflow", sites: tuple = CAPTURED_SITES, comm: Any = None
+        ) -> dict[str, Any]:
     """``len(batches)`` steps on the stand-in GPU with ``device.cuda_graph: graph``, a
     learning rate that changes every step: each step's ledger, output and loss, and
     the parameters at the end."""
@@ -63,11 +66,14 @@ def run(monkeypatch: pytest.MonkeyPatch, graph: str, batches: list, extra: list[
                            f"device.cuda_graph_warmup={WARMUP}", *extra])
     from mpi4py import MPI
 
+    comm = comm or MPI.COMM_SELF
     with installed(monkeypatch) as cupy:
         allow_stand_in_convolutions(monkeypatch, cupy)
         cupy.graphs.blas_sites.intersection_update(sites)
-        grid = ProcessGrid(MPI.COMM_SELF, resolve_parallel(cfg, 1))
-        device = Device("gpu", 0, cfg.device.precision, "staging", "gemm")
+        if cfg.device.communication == "nccl":
+            installed_nccl(monkeypatch, cupy.ledger)
+        grid = ProcessGrid(comm, resolve_parallel(cfg, comm.Get_size()))
+        device = Device("gpu", 0, cfg.device.precision, cfg.device.communication, "gemm")
         step = hybrid_step_from_config(cfg, grid, job_runtime(cfg, grid, device))
         ledgers, losses, outs = [], [], []
         for it, (x, targets) in enumerate(batches):
@@ -217,3 +223,25 @@ def test_what_keeps_a_step_out_of_the_graph_is_named_before_the_run(
     off = config("cosmoflow", ["device.cuda_graph=false"])
     assert cuda_graph.graph_for(off, _Step(True), set()) is None
     assert cuda_graph.graph_for(cfg, _Step(False), set()) is None
+
+
+@pytest.mark.parallel(nprocs=[2])
+@abort_on_error
+def test_a_graph_over_nccl_on_a_spatial_layout_trains_as_the_eager_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """D2 over the NCCL transport: halo exchanges, gradient reductions and the loss
+    vector are NCCL calls, which a graph captures; its replays (the calls posted again
+    on both ranks) give the eager step's losses and parameters bit for bit."""
+    from mpi4py import MPI
+
+    full = batch("cosmoflow")
+    common = ["parallel.depth=2", "parallel.sample=1", "device.communication=nccl"]
+    eager = run(monkeypatch, "false", [full] * 5, common, comm=MPI.COMM_WORLD)
+    graphed = run(monkeypatch, "true", [full] * 5, common, comm=MPI.COMM_WORLD)
+    assert graphed["captures"] == 1
+    assert_same_training(eager, graphed)
+    replayed = graphed["ledgers"][-1]
+    assert replayed.syncs == [] and len(replayed.graphs) == 1
+    start, count = replayed.graphs[0]
+    assert any(launch.kernel == "nccl.send" for launch in
+               replayed.launches[start:start + count])

@@ -40,6 +40,7 @@ LOG = logging.getLogger("cosmotrain.kernels.cuda")
 ALGORITHMS = ("cudnn", "gemm", "auto")
 MATH_MODES = ("fp32", "tf32")
 LAYOUTS = ("ndhwc", "ncdhw")
+DENSE = ("cublas", "kernels")
 DEFAULT_GEMM_BUDGET = 256 << 20
 DEFAULT_GRAPH_CACHE_SIZE = 256
 
@@ -60,6 +61,11 @@ class ConvSettings:
     ``cudnn_autotune``: ``device.cudnn_autotune``, under the same name down to the
     kernel: every cuDNN plan timed at a graph's first call and the fastest kept (False:
     cuDNN's first heuristic plan).
+    ``dense``: how linear layers compute on a device: ``cublas`` (cupy's matmul, under
+    ``math``) or ``kernels`` (our own, ``kernels/cuda/src/linear.cu``: strict float32
+    arithmetic whatever ``math`` says, bf16 read as stored).  ``kernels`` is what a
+    CUDA graph can capture (cupy refuses cuBLAS during capture); ``cublas`` stays the
+    default until the kernels are timed on a device (``gpu_check.sh bench-dense``).
     ``gemm_budget_bytes``: bound on one GEMM's column matrix and output (bytes).
     ``graph_cache_size``: built cuDNN graphs kept (least recently used evicted).
     """
@@ -68,12 +74,13 @@ class ConvSettings:
     math: str = "fp32"
     cudnn_layout: str = "ncdhw"
     cudnn_autotune: bool = False
+    dense: str = "cublas"
     gemm_budget_bytes: int = DEFAULT_GEMM_BUDGET
     graph_cache_size: int = DEFAULT_GRAPH_CACHE_SIZE
 
     def __post_init__(self) -> None:
         for name, allowed in (("algorithm", ALGORITHMS), ("math", MATH_MODES),
-                              ("cudnn_layout", LAYOUTS)):
+                              ("cudnn_layout", LAYOUTS), ("dense", DENSE)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ConvSettings.{name} must be one of {', '.join(allowed)}, "
                                  f"got {getattr(self, name)!r}")
