@@ -26,15 +26,24 @@
 // Threads a block may have: the shared-memory tree holds two sums per thread.
 #define BN_MAX_THREADS 1024
 
-// Sum of every thread's (s, q) into thread 0's, through shared memory: a pairwise tree
-// over any block size (the host shim runs blocks of 4 threads, the device 256).
+// Sum of every thread's (s, q) into thread 0's, through shared memory, for any block
+// size (the host shim runs blocks of 1 to 4 threads, the device 256): the threads past
+// the largest power of two p <= n fold onto the first ones, then a tree halves p with
+// consecutive threads on consecutive words (no bank conflicts, whole warps idle).
 __device__ __forceinline__ void block_sums(double& s, double& q, double* shared) {
     const unsigned t = threadIdx.x, n = blockDim.x;
+    unsigned p = 1;
+    while (2 * p <= n) p *= 2;
     shared[t] = s;
     shared[n + t] = q;
     __syncthreads();
-    for (unsigned stride = 1; stride < n; stride *= 2) {
-        if (t % (2 * stride) == 0 && t + stride < n) {
+    if (t + p < n) {
+        shared[t] += shared[t + p];
+        shared[n + t] += shared[n + t + p];
+    }
+    __syncthreads();
+    for (unsigned stride = p / 2; stride > 0; stride /= 2) {
+        if (t < stride) {
             shared[t] += shared[t + stride];
             shared[n + t] += shared[n + t + stride];
         }
