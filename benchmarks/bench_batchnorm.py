@@ -66,7 +66,7 @@ def cupy_forward(x: Any, gamma: Any, beta: Any) -> tuple[Any, Any, Any, Any]:
     return y, xhat, inv_std, stacked
 
 
-def cupy_backward(dy: Any, xhat: Any, gamma: Any, inv_std: Any, count: float) -> Any:
+def cupy_backward(dy: Any, xhat: Any, gamma: Any, inv_std: Any, count: Any) -> Any:
     """The device route's backward before batchnorm.cu: ``dx``."""
     wide_dy, wide_xhat = widen(dy), widen(xhat)
     sum_dy = wide_dy.sum(axis=fused.AXES, dtype=np.float64)
@@ -84,7 +84,7 @@ def ours_forward(x: Any, gamma: Any, beta: Any) -> tuple[Any, Any, Any, Any]:
     return y, xhat, inv_std, sums
 
 
-def ours_backward(dy: Any, xhat: Any, gamma: Any, inv_std: Any, count: float) -> Any:
+def ours_backward(dy: Any, xhat: Any, gamma: Any, inv_std: Any, count: Any) -> Any:
     """``kernels/batchnorm.py``'s backward on the device: ``dx``."""
     sums = bn.bn_backward_local_sums(dy, xhat)
     return bn.bn_backward_apply(dy, xhat, gamma, inv_std, sums, count)
@@ -108,7 +108,7 @@ def rows(cupy: Any, width: int, batch: int, base: int, precisions: list[str], re
             dy = cupy.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
             gamma = cupy.asarray(rng.standard_normal(shape[1], dtype=np.float32))
             beta = cupy.asarray(rng.standard_normal(shape[1], dtype=np.float32))
-            count = float(np.prod(shape)) / shape[1]
+            count = cupy.asarray(np.float64(np.prod(shape) // shape[1]))  # as bn_count
             item, size = dtype.itemsize, int(np.prod(shape))
             results = {}
             for route, forward, backward in (("ours", ours_forward, ours_backward),

@@ -139,7 +139,7 @@ def bn_backward_local_sums(dy: Any, xhat: Any) -> Any:
     return xp.stack([sum_dy, sum_dy_xhat])
 
 
-def bn_backward_apply(dy: Any, xhat: Any, gamma: Any, inv_std: Any, sums: Any, count: float
+def bn_backward_apply(dy: Any, xhat: Any, gamma: Any, inv_std: Any, sums: Any, count: Any
                       ) -> Any:
     """dx = gamma * inv_std * (dy - mean(dy) - xhat * mean(dy * xhat)), global means.
 
@@ -147,7 +147,7 @@ def bn_backward_apply(dy: Any, xhat: Any, gamma: Any, inv_std: Any, sums: Any, c
     by 1: no element."""
     where = route(dy)
     xp = array_module(dy)
-    count = xp.maximum(count, 1.0) if where.device else max(count, 1.0)
+    count = xp.maximum(xp.asarray(count), 1.0) if where.device else max(count, 1.0)
     if where.device and _ours(dy, xhat):
         return raw_bn.bn_backward_apply(dy, xhat, *((sums[k] / count).astype(np.float32)
                                                     for k in (0, 1)), gamma * inv_std)
