@@ -144,6 +144,45 @@ def test_normalize_and_backward_apply_are_the_cpus_bits(name: str, shape: tuple,
         _same(run.get(got_y), narrow(wide))
 
 
+def _cpu_running(running: np.ndarray, value: np.ndarray, momentum: float) -> np.ndarray:
+    """nn.layers.BatchNorm3d's rule on a float32 buffer."""
+    return ((1 - momentum) * running + momentum * value).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_train_forward_is_the_cpus_statistics_running_update_and_normalisation(
+        name: str, shape: tuple, where: type[Host]) -> None:
+    """``bn_train_forward`` against the CPU's three steps: ``bn_statistics``, the running
+    statistics' rule (the unbiased variance, momentum 0.1) and ``bn_normalize``, bit for
+    bit; with ``guard`` a count of 0 (no sample) leaves the running statistics, without
+    it they take the rule (mean and variance 0)."""
+    run, channels = where(), shape[1]
+    rng = np.random.default_rng(6)
+    x = _values(name, shape, 7, shift=0.75)
+    gamma = rng.normal(size=channels).astype(np.float32)
+    beta = rng.normal(size=channels).astype(np.float32)
+    sums = batchnorm.bn_local_sums(x)
+    mean, var = batchnorm.bn_statistics(sums)
+    y, xhat, inv_std = batchnorm.bn_normalize(x, mean, var, gamma, beta, 1e-5)
+    count = batchnorm.bn_count(sums)
+    for guard in (True, False):
+        running = [rng.normal(size=channels).astype(np.float32),
+                   rng.uniform(0.5, 2, size=channels).astype(np.float32)]
+        if count > 0 or not guard:
+            want = [_cpu_running(running[0], mean, 0.1),
+                    _cpu_running(running[1], var * batchnorm.bn_unbiased_factor(count), 0.1)]
+        else:
+            want = [a.copy() for a in running]
+        device = [run.put(a.copy()) for a in running]
+        got = raw_bn.bn_train_forward(run.put(x), run.put(sums), run.put(gamma), run.put(beta),
+                                      *device, 1e-5, 0.1, guard, launch=run.launch())
+        for g, w in zip(got, (y, xhat, inv_std)):
+            _same(run.get(g), w)
+        for g, w in zip(device, want):
+            _same(run.get(g), w)
+
+
 def test_slices_fill_the_device_and_keep_work_per_thread() -> None:
     # the paper ResNet's stem at W = 128, batch 8: 16 channels, 64 blocks each
     assert raw_bn.slices_for(8, 16, 128 ** 3) == raw_bn.TARGET_BLOCKS // 16

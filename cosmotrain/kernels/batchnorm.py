@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from cosmotrain.device.xp import array_module
+from cosmotrain.device.xp import array_module, is_device_array
 from cosmotrain.kernels.cuda import fused, raw_bn
 from cosmotrain.kernels.route import route
 from cosmotrain.precision import narrow, widen
@@ -119,6 +119,25 @@ def bn_normalize(x: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float,
     y = xhat * _per_channel(gamma, x.ndim)
     y += _per_channel(beta, x.ndim)
     return y, xhat, inv_std
+
+
+def bn_train_forward(x: Any, sums: Any, gamma: Any, beta: Any, buffers: dict[str, Any],
+                     eps: float, momentum: float, guard: bool) -> tuple[Any, Any, Any] | None:
+    """A training forward from reduced :func:`bn_local_sums` in one device launch:
+    :func:`bn_statistics`, the running statistics' update (``buffers``, in place; with
+    ``guard`` only where the count is not 0) and :func:`bn_normalize`, the CPU's
+    operations in its order.  ``(y, xhat, inv_std)``, or None where it does not apply
+    (the CPU, strided or float64 arrays, more channels than the kernel holds): then
+    those three steps, one by one."""
+    running = (buffers["running_mean"], buffers["running_var"])
+    if not (route(x).device and _ours(x) and x.shape[1] <= raw_bn.MAX_CHANNELS
+            and all(is_device_array(r) and r.dtype == np.float32 and r.flags.c_contiguous
+                    for r in running)):
+        return None
+    xp = array_module(x)
+    return raw_bn.bn_train_forward(x, xp.ascontiguousarray(sums),
+                                   *(xp.asarray(v, dtype=np.float32) for v in (gamma, beta)),
+                                   *running, eps, momentum, guard)
 
 
 def bn_backward_local_sums(dy: Any, xhat: Any) -> Any:

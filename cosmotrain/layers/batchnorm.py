@@ -34,6 +34,7 @@ class DistBatchNorm3d(BatchNorm3d):
     timers: PhaseTimers = field(default_factory=PhaseTimers)
     shard: Shard | None = None  # my channels, when channels are split (params and buffers)
     transport: Transport = field(default_factory=make_transport)  # device sums
+    _GUARDS_EMPTY_GROUPS = True  # see _update_running
 
     def reduce_sums(self, sums: Any) -> Any:
         if self.comm is not None and self.comm.Get_size() > 1:

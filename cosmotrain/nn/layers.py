@@ -25,7 +25,7 @@ from cosmotrain.kernels.geometry import Padding, Triple, output_size
 from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
 from cosmotrain.kernels.batchnorm import (bn_backward_apply, bn_backward_local_sums, bn_count,
                                           bn_local_sums, bn_normalize, bn_statistics,
-                                          bn_unbiased_factor)
+                                          bn_train_forward, bn_unbiased_factor)
 from cosmotrain.kernels.cuda.settings import ConvSettings
 from cosmotrain.kernels.dropout import dropout_backward, dropout_forward, dropout_mask
 from cosmotrain.kernels.linear import (linear_backward_data, linear_backward_weight,
@@ -215,6 +215,8 @@ class BatchNorm3d(Layer):
     channels: int = 1
     eps: float = 1e-5
     momentum: float = 0.1
+    # Whether a count of 0 keeps the running statistics (the distributed layer's rule).
+    _GUARDS_EMPTY_GROUPS = False
 
     def reduce_sums(self, sums: Any) -> Any:
         return sums
@@ -226,8 +228,15 @@ class BatchNorm3d(Layer):
                                    self.params["bias"].data, self.eps, keep_xhat=False)
             return y
         sums = self.reduce_sums(bn_local_sums(x))
-        mean, var = bn_statistics(sums)
         self._count = bn_count(sums)
+        trained = bn_train_forward(x, sums, self.params["weight"].data,
+                                   self.params["bias"].data, self.buffers, self.eps,
+                                   self.momentum, self._GUARDS_EMPTY_GROUPS)
+        if trained is not None:  # on a device, in one launch
+            self.buffers["num_batches_tracked"] = self.buffers["num_batches_tracked"] + 1
+            y, self._xhat, self._inv_std = trained
+            return y
+        mean, var = bn_statistics(sums)
         self._update_running(mean, var)
         y, self._xhat, self._inv_std = bn_normalize(x, mean, var, self.params["weight"].data,
                                                     self.params["bias"].data, self.eps)

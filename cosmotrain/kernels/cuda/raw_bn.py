@@ -71,6 +71,28 @@ def bn_forward(x: Any, mean: Any, inv_std: Any, gamma: Any, beta: Any,
     return y, xhat
 
 
+MAX_CHANNELS = 1024  # batchnorm.cu's BN_MAX_CHANNELS: bn_train_forward's shared tables
+
+
+def bn_train_forward(x: Any, sums: Any, gamma: Any, beta: Any, running_mean: Any,
+                     running_var: Any, eps: float, momentum: float, guard: bool,
+                     launch: Launch | None = None) -> tuple[Any, Any, Any]:
+    """``(y, xhat, inv_std)`` of a training forward from the reduced ``sums`` (float64,
+    (3, C)), in one launch that also updates the float32 running statistics in place
+    (only where the count is not 0 with ``guard``); C at most ``MAX_CHANNELS``."""
+    xp = array_module(x)
+    samples, channels, spatial = _split(x.shape)
+    if channels > MAX_CHANNELS:
+        raise ValueError(f"bn_train_forward takes up to {MAX_CHANNELS} channels, not {channels}")
+    y, xhat = xp.empty_like(x), xp.empty_like(x)
+    inv_std = xp.empty(channels, dtype=np.float32)
+    _launch(launch)(f"bn_train_forward_{raw.suffix(x.dtype)}", x.size,
+                    (x, y, xhat, sums, gamma, beta, running_mean, running_var, inv_std,
+                     float(eps), float(momentum), float(np.float32(1 - momentum)), int(guard),
+                     samples, channels, spatial))
+    return y, xhat, inv_std
+
+
 def bn_backward_apply(dy: Any, xhat: Any, mean_dy: Any, mean_dy_xhat: Any, scale: Any,
                       launch: Launch | None = None) -> Any:
     """``dx = (dy - (xhat * mean_dy_xhat + mean_dy)) * scale`` per channel, in ``dy``'s

@@ -106,6 +106,67 @@ COSMO_BOTH(bn_forward,
             const float* gamma, const float* beta, i64 samples, int channels, i64 spatial),
            <T>(x, y, xhat, mean, inv_std, gamma, beta, samples, channels, spatial))
 
+// Channels bn_train_forward keeps per-channel statistics for in shared memory.
+#define BN_MAX_CHANNELS 1024
+
+// Training forward from the reduced sums (out of channel_sums, then summed over the
+// ranks): every block works the statistics of every channel out into shared memory
+// (kernels/batchnorm.py's bn_statistics in float64, in its order: the count raised to 1,
+// mean = sum / count, var = max(squares / count - mean^2, 0), inv_std = float32 of
+// 1 / sqrt(var + eps)), then normalises as bn_forward.  Block 0 also writes inv_std
+// (the backward's) and the running statistics in place, nn.layers.BatchNorm3d's rule:
+// running = float32((float32(1 - m) * running) + m * mean), the variance unbiased by
+// count / max(count - 1, 1) with channel 0's count; with `guard` only where that count is
+// not 0 (layers.batchnorm.DistBatchNorm3d: an empty sample group keeps its statistics).
+template <class T>
+__device__ void bn_train_forward_body(const T* __restrict__ x, T* __restrict__ y,
+                                      T* __restrict__ xhat, const double* __restrict__ sums,
+                                      const float* __restrict__ gamma,
+                                      const float* __restrict__ beta, float* running_mean,
+                                      float* running_var, float* inv_std_out, double eps,
+                                      double momentum, float keep, int guard, i64 samples,
+                                      int channels, i64 spatial) {
+    __shared__ double mean_of[BN_MAX_CHANNELS];
+    __shared__ float inv_std_of[BN_MAX_CHANNELS];
+    const double seen = sums[2 * channels];
+    for (int c = threadIdx.x; c < channels; c += blockDim.x) {
+        const double raw_count = sums[2 * channels + c];
+        const double count = raw_count < 1.0 ? 1.0 : raw_count;
+        const double mean = __ddiv_rn(sums[c], count);
+        double var = __dsub_rn(__ddiv_rn(sums[channels + c], count), __dmul_rn(mean, mean));
+        var = var < 0.0 ? 0.0 : var;  // clip(min=0): NaN stays NaN, as numpy's
+        const float inv_std = (float)__ddiv_rn(1.0, __dsqrt_rn(__dadd_rn(var, eps)));
+        mean_of[c] = mean;
+        inv_std_of[c] = inv_std;
+        if (blockIdx.x == 0) {
+            inv_std_out[c] = inv_std;
+            if (!guard || seen > 0.0) {
+                const double less = __dsub_rn(seen, 1.0);
+                const double unbiased = __dmul_rn(var, __ddiv_rn(seen, less < 1.0 ? 1.0 : less));
+                running_mean[c] = (float)__dadd_rn((double)__fmul_rn(keep, running_mean[c]),
+                                                   __dmul_rn(momentum, mean));
+                running_var[c] = (float)__dadd_rn((double)__fmul_rn(keep, running_var[c]),
+                                                  __dmul_rn(momentum, unbiased));
+            }
+        }
+    }
+    __syncthreads();
+    GRID_STRIDE(i, samples * channels * spatial) {
+        const int c = (int)((i / spatial) % channels);
+        const float h = __fmul_rn(__fsub_rn(load_f(x, i), (float)mean_of[c]), inv_std_of[c]);
+        if (xhat) store_f(xhat, i, h);
+        store_f(y, i, __fadd_rn(__fmul_rn(h, gamma[c]), beta[c]));
+    }
+}
+
+COSMO_BOTH(bn_train_forward,
+           (const T* x, T* y, T* xhat, const double* sums, const float* gamma,
+            const float* beta, float* running_mean, float* running_var, float* inv_std_out,
+            double eps, double momentum, float keep, int guard, i64 samples, int channels,
+            i64 spatial),
+           <T>(x, y, xhat, sums, gamma, beta, running_mean, running_var, inv_std_out, eps,
+               momentum, keep, guard, samples, channels, spatial))
+
 template <class T>
 __device__ void bn_backward_apply_body(const T* __restrict__ dy, const T* __restrict__ xhat,
                                        T* __restrict__ dx, const float* __restrict__ mean_dy,
