@@ -164,36 +164,51 @@ def test_batch_norm_front_doors_on_the_device_route(dtype: str,
         np.testing.assert_array_equal(widen(got), widen(want), strict=True)
 
 
-def test_running_statistics_of_an_empty_group_stay_on_the_device(
+def test_running_statistics_on_the_device_are_the_cpus(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """``bn_statistics: local`` can leave a sample group empty (count 0): its running
-    statistics must stay as they were.  On a device the count is a device scalar, so the
-    layer selects instead of branching: the CPU's running statistics in both cases,
-    and no host read."""
+    """The distributed layer's training forward on the stand-in device, in one launch
+    (``bn_train_forward``) and on the step-by-step route it keeps for strided inputs,
+    against the CPU layer: the output and the running statistics bit for bit, after a
+    batch and after an empty one (``bn_statistics: local`` can leave a sample group
+    without a sample: count 0, the running statistics kept), with no host read."""
     from cosmotrain.layers.batchnorm import dist_batchnorm
     from cosmotrain.nn.factory import batchnorm as serial_batchnorm
     from cosmotrain.runtime.timers import PhaseTimers
 
-    mean = np.asarray([0.5, -1.0, 2.0])
-    var = np.asarray([1.5, 0.25, 3.0])
-    want = {}
-    for count in (0.0, 7.0):
-        layer = dist_batchnorm(serial_batchnorm("bn", 3), None, PhaseTimers(), False)
-        layer._count = count
-        layer._update_running(mean, var)
-        want[count] = {k: np.array(v) for k, v in layer.buffers.items()}
+    rng = np.random.default_rng(8)
+    batches = [(rng.normal(size=(2, 3, 4, 3, 5)) * 1.5 + 0.5).astype(np.float32),
+               np.zeros((0, 3, 4, 3, 5), np.float32)]
+
+    def layer() -> Any:
+        made = dist_batchnorm(serial_batchnorm("bn", 3), None, PhaseTimers(), False)
+        made.params["weight"].data[:] = [0.5, 1.5, -1.0]
+        return made
+
+    cpu = layer()
+    want = []
+    for x in batches:
+        y = cpu.forward(x, Context())
+        want.append((y, {k: np.array(v) for k, v in cpu.buffers.items()}))
     with installed(monkeypatch) as cupy:
-        for count, expected in want.items():
-            layer = dist_batchnorm(serial_batchnorm("bn", 3), None, PhaseTimers(), False)
-            layer.buffers = {k: cupy.asarray(v) for k, v in layer.buffers.items()}
-            layer._count = cupy.asarray(np.asarray(count))
-            cupy.ledger.take()
-            layer._update_running(cupy.asarray(mean), cupy.asarray(var))
-            assert not cupy.ledger.take().syncs
-            with cupy.ledger.paused():
-                for key, value in expected.items():
-                    np.testing.assert_array_equal(to_host(layer.buffers[key]), value,
-                                                  err_msg=f"{key} at count {count}")
+        for strided in (False, True):
+            device = layer()
+            device.buffers = {k: cupy.asarray(v) for k, v in device.buffers.items()}
+            device.params = {k: type(p)(cupy.asarray(p.data)) for k, p in device.params.items()}
+            for x, (y, buffers) in zip(batches, want):
+                block = cupy.asarray(np.repeat(x, 2, axis=2))[:, :, ::2] if strided \
+                    else cupy.asarray(x)
+                cupy.ledger.take()
+                got = device.forward(block, Context())
+                ledger = cupy.ledger.take()
+                assert not ledger.syncs
+                fused = any(launch.kernel == "bn_train_forward_f32"
+                            for launch in ledger.launches)
+                assert fused == (not strided or x.size == 0)  # an empty view is contiguous
+                with cupy.ledger.paused():
+                    np.testing.assert_array_equal(to_host(got), y, strict=True)
+                    for key, value in buffers.items():
+                        np.testing.assert_array_equal(to_host(device.buffers[key]), value,
+                                                      err_msg=f"{key}, strided {strided}")
 
 
 def test_resnet_step_captures_as_one_graph_with_our_batch_norm(
