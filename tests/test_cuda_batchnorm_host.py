@@ -135,10 +135,13 @@ def test_normalize_and_backward_apply_are_the_cpus_bits(name: str, shape: tuple,
     sums = batchnorm.bn_backward_local_sums(dy, xhat)
     count = batchnorm.bn_count(batchnorm.bn_local_sums(x))
     want = batchnorm.bn_backward_apply(dy, xhat, gamma, inv_std, sums, count)
-    mean_dy, mean_dy_xhat = ((sums[k] / count).astype(np.float32) for k in (0, 1))
-    got = raw_bn.bn_backward_apply(put(dy), put(xhat), put(mean_dy), put(mean_dy_xhat),
-                                   put(gamma * inv_std), launch=run.launch())
+    got = raw_bn.bn_backward_apply(put(dy), put(xhat), put(sums), put(np.asarray(count, np.float64)),
+                                   put(gamma), put(inv_std), launch=run.launch())
     _same(run.get(got), want)
+    empty = batchnorm.bn_backward_apply(dy, xhat, gamma, inv_std, sums, 0.0)  # n = 1
+    got = raw_bn.bn_backward_apply(put(dy), put(xhat), put(sums), put(np.asarray(0.0)),
+                                   put(gamma), put(inv_std), launch=run.launch())
+    _same(run.get(got), empty)
     if name == "bfloat16":  # the one rounding: of the float32 result, as stored
         wide = batchnorm.bn_normalize(widen(x), mean, var, gamma, beta, 1e-5)[0]
         _same(run.get(got_y), narrow(wide))

@@ -166,10 +166,12 @@ def bn_backward_apply(dy: Any, xhat: Any, gamma: Any, inv_std: Any, sums: Any, c
     by 1: no element."""
     where = route(dy)
     xp = array_module(dy)
+    if where.device and _ours(dy, xhat) and dy.shape[1] <= raw_bn.MAX_CHANNELS:
+        return raw_bn.bn_backward_apply(dy, xhat, xp.ascontiguousarray(sums),
+                                        xp.asarray(count, dtype=np.float64),
+                                        *(xp.asarray(v, dtype=np.float32) for v in (gamma,
+                                                                                    inv_std)))
     count = xp.maximum(xp.asarray(count), 1.0) if where.device else max(count, 1.0)
-    if where.device and _ours(dy, xhat):
-        return raw_bn.bn_backward_apply(dy, xhat, *((sums[k] / count).astype(np.float32)
-                                                    for k in (0, 1)), gamma * inv_std)
     if where.bf16:
         return narrow(bn_backward_apply(widen(dy), widen(xhat), gamma, inv_std, sums, count))
     mean_dy = (sums[0] / count).astype(dy.dtype)

@@ -64,7 +64,7 @@ KERNELS: dict[str, tuple[str, str]] = {
     **_both("batchnorm.cu", "channel_sums", "ppplilii"),
     **_both("batchnorm.cu", "bn_forward", "ppppppplil"),
     **_both("batchnorm.cu", "bn_train_forward", "pppppppppddfilil"),
-    **_both("batchnorm.cu", "bn_backward_apply", "pppppplil"),
+    **_both("batchnorm.cu", "bn_backward_apply", "ppppppplil"),
     "sgd_momentum_multi": ("optim.cu", "ppipp"),
     "adam_multi": ("optim.cu", "ppipp"),
     "nonfinite_flag": ("optim.cu", "plp"),

@@ -93,11 +93,17 @@ def bn_train_forward(x: Any, sums: Any, gamma: Any, beta: Any, running_mean: Any
     return y, xhat, inv_std
 
 
-def bn_backward_apply(dy: Any, xhat: Any, mean_dy: Any, mean_dy_xhat: Any, scale: Any,
+def bn_backward_apply(dy: Any, xhat: Any, sums: Any, count: Any, gamma: Any, inv_std: Any,
                       launch: Launch | None = None) -> Any:
     """``dx = (dy - (xhat * mean_dy_xhat + mean_dy)) * scale`` per channel, in ``dy``'s
-    storage dtype."""
+    storage dtype, the factors from the reduced backward ``sums`` (float64, (2, C)) and
+    ``count`` (a float64 device scalar, raised to 1): ``mean_dy = sums[0] / count``,
+    ``mean_dy_xhat = sums[1] / count`` (rounded to float32), ``scale = gamma * inv_std``;
+    C at most ``MAX_CHANNELS``."""
+    samples, channels, spatial = _split(dy.shape)
+    if channels > MAX_CHANNELS:
+        raise ValueError(f"bn_backward_apply takes up to {MAX_CHANNELS} channels, not {channels}")
     dx = array_module(dy).empty_like(dy)
     _launch(launch)(f"bn_backward_apply_{raw.suffix(dy.dtype)}", dy.size,
-                    (dy, xhat, dx, mean_dy, mean_dy_xhat, scale, *_split(dy.shape)))
+                    (dy, xhat, dx, sums, count, gamma, inv_std, samples, channels, spatial))
     return dx

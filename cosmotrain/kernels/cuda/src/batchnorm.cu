@@ -16,8 +16,12 @@
 // float32 operations in its order (mean float64, rounded to float32 as the CPU rounds
 // it); xhat is written only when asked (training keeps it for the backward).
 //
+// bn_train_forward: the statistics, the running statistics and bn_forward in one launch,
+// from the reduced sums (below).
+//
 // bn_backward_apply: dx = (dy - (xhat * mean_dy_xhat[c] + mean_dy[c])) * scale[c]
-// (scale = gamma * inv_std), kernels/batchnorm.py's bn_backward_apply in its order.
+// (scale = gamma * inv_std), kernels/batchnorm.py's bn_backward_apply in its order, the
+// per-channel factors worked out from the reduced sums in each block.
 //
 // bf16: float32 arithmetic on the widened values and one rounding of what is stored,
 // the CPU bf16 path's bits.
@@ -167,21 +171,34 @@ COSMO_BOTH(bn_train_forward,
            <T>(x, y, xhat, sums, gamma, beta, running_mean, running_var, inv_std_out, eps,
                momentum, keep, guard, samples, channels, spatial))
 
+// The input gradient: every block first works the per-channel factors out into shared
+// memory, kernels/batchnorm.py's: mean_dy = float32(sum_dy / n), mean_dy_xhat =
+// float32(sum_dy_xhat / n) with n = max(*count, 1), scale = gamma * inv_std (float32).
 template <class T>
 __device__ void bn_backward_apply_body(const T* __restrict__ dy, const T* __restrict__ xhat,
-                                       T* __restrict__ dx, const float* __restrict__ mean_dy,
-                                       const float* __restrict__ mean_dy_xhat,
-                                       const float* __restrict__ scale, i64 samples,
+                                       T* __restrict__ dx, const double* __restrict__ sums,
+                                       const double* __restrict__ count,
+                                       const float* __restrict__ gamma,
+                                       const float* __restrict__ inv_std, i64 samples,
                                        int channels, i64 spatial) {
+    __shared__ float factors[3 * BN_MAX_CHANNELS];  // mean_dy, mean_dy_xhat, scale
+    const double n = *count < 1.0 ? 1.0 : *count;   // numpy's maximum: NaN stays NaN
+    for (int c = threadIdx.x; c < channels; c += blockDim.x) {
+        factors[c] = (float)__ddiv_rn(sums[c], n);
+        factors[channels + c] = (float)__ddiv_rn(sums[channels + c], n);
+        factors[2 * channels + c] = __fmul_rn(gamma[c], inv_std[c]);
+    }
+    __syncthreads();
     GRID_STRIDE(i, samples * channels * spatial) {
         const int c = (int)((i / spatial) % channels);
-        const float shift = __fadd_rn(__fmul_rn(load_f(xhat, i), mean_dy_xhat[c]), mean_dy[c]);
-        store_f(dx, i, __fmul_rn(__fsub_rn(load_f(dy, i), shift), scale[c]));
+        const float shift = __fadd_rn(__fmul_rn(load_f(xhat, i), factors[channels + c]),
+                                      factors[c]);
+        store_f(dx, i, __fmul_rn(__fsub_rn(load_f(dy, i), shift), factors[2 * channels + c]));
     }
 }
 
 COSMO_BOTH(bn_backward_apply,
-           (const T* dy, const T* xhat, T* dx, const float* mean_dy,
-            const float* mean_dy_xhat, const float* scale, i64 samples, int channels,
+           (const T* dy, const T* xhat, T* dx, const double* sums, const double* count,
+            const float* gamma, const float* inv_std, i64 samples, int channels,
             i64 spatial),
-           <T>(dy, xhat, dx, mean_dy, mean_dy_xhat, scale, samples, channels, spatial))
+           <T>(dy, xhat, dx, sums, count, gamma, inv_std, samples, channels, spatial))
