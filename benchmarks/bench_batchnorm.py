@@ -4,8 +4,8 @@ path they replace, at the 3D ResNet's shapes.
     python benchmarks/bench_batchnorm.py [--width 128] [--batch 8] [--base 16]
         [--precisions fp32 bf16] [--repeats 20] [--out results.json]
 
-What is timed: one batch-norm layer's forward (the per-channel sums, the statistics, the
-normalisation keeping xhat) and backward (the two sums, the input gradient) at the
+What is timed: one batch-norm layer's training forward (the per-channel sums, the
+statistics, the running statistics' update, the normalisation keeping xhat) and backward (the two sums, the input gradient) at the
 ResNet's four stages (``base`` x 2^s channels at W / 2^s, batch ``--batch``), each the
 median of ``--repeats`` runs timed by CUDA events after one warm-up (which compiles).
 "ours" is ``kernels/batchnorm.py``'s device route as it is now; "cupy" the route it
@@ -39,6 +39,7 @@ from cosmotrain.kernels.cuda import fused
 from cosmotrain.precision import bfloat16, is_bf16, narrow, widen
 
 EPS = 1e-5
+MOMENTUM = 0.1
 Timer = Callable[[Any, Callable[[], Any], int], float]
 
 
@@ -51,13 +52,21 @@ def _per_channel(v: Any) -> Any:
     return v.reshape(1, -1, 1, 1, 1)
 
 
-def cupy_forward(x: Any, gamma: Any, beta: Any) -> tuple[Any, Any, Any, Any]:
-    """The device route before batchnorm.cu: ``(y, xhat, inv_std, sums)``."""
+def cupy_forward(x: Any, gamma: Any, beta: Any, running: dict[str, Any]
+                 ) -> tuple[Any, Any, Any, Any]:
+    """The device route before batchnorm.cu, as a layer ran it: ``(y, xhat, inv_std,
+    sums)``, the running statistics' rule applied (new arrays, as the layer bound)."""
     wide, xp = widen(x), array_module(x)
     sums = wide.sum(axis=fused.AXES, dtype=np.float64)
     stacked = xp.stack([sums, fused.channel_sum_squares(wide),
                         xp.full_like(sums, wide.size // wide.shape[1])])
     mean, var = bn.bn_statistics(stacked)
+    count = stacked[2][0]
+    unbiased = var * (count / xp.maximum(count - 1.0, 1.0))
+    running["running_mean"] = ((1 - MOMENTUM) * running["running_mean"]
+                               + MOMENTUM * mean).astype(np.float32)
+    running["running_var"] = ((1 - MOMENTUM) * running["running_var"]
+                              + MOMENTUM * unbiased).astype(np.float32)
     inv_std = (1.0 / xp.sqrt(var + EPS)).astype(np.float32)
     xhat, y = fused.bn_forward(wide, *(_per_channel(v.astype(np.float32))
                                        for v in (mean, inv_std, gamma, beta)))
@@ -77,10 +86,13 @@ def cupy_backward(dy: Any, xhat: Any, gamma: Any, inv_std: Any, count: Any) -> A
     return narrow(dx) if is_bf16(dy) else dx
 
 
-def ours_forward(x: Any, gamma: Any, beta: Any) -> tuple[Any, Any, Any, Any]:
-    """``kernels/batchnorm.py``'s forward on the device: ``(y, xhat, inv_std, sums)``."""
+def ours_forward(x: Any, gamma: Any, beta: Any, running: dict[str, Any]
+                 ) -> tuple[Any, Any, Any, Any]:
+    """``kernels/batchnorm.py``'s training forward on the device, as the layer runs it:
+    ``(y, xhat, inv_std, sums)``, the running statistics updated in place."""
     sums = bn.bn_local_sums(x)
-    y, xhat, inv_std = bn.bn_normalize(x, *bn.bn_statistics(sums), gamma, beta, EPS)
+    y, xhat, inv_std = bn.bn_train_forward(x, sums, gamma, beta, running, EPS, MOMENTUM,
+                                           guard=False)
     return y, xhat, inv_std, sums
 
 
@@ -113,11 +125,14 @@ def rows(cupy: Any, width: int, batch: int, base: int, precisions: list[str], re
             results = {}
             for route, forward, backward in (("ours", ours_forward, ours_backward),
                                              ("cupy", cupy_forward, cupy_backward)):
-                y, xhat, inv_std, _ = forward(x, gamma, beta)
+                running = {"running_mean": cupy.zeros(shape[1], dtype=np.float32),
+                           "running_var": cupy.ones(shape[1], dtype=np.float32)}
+                y, xhat, inv_std, _ = forward(x, gamma, beta, running)
                 dx = backward(dy, xhat, gamma, inv_std, count)
-                results[route] = (y, dx)
+                results[route] = (y, dx, running["running_var"])
                 for name, run, moved in (
-                        ("forward", partial(forward, x, gamma, beta), 4 * size * item),
+                        ("forward", partial(forward, x, gamma, beta, running),
+                         4 * size * item),
                         ("backward", partial(backward, dy, xhat, gamma, inv_std, count),
                          5 * size * item)):
                     ms = timer(cupy, run, repeats)
@@ -125,8 +140,8 @@ def rows(cupy: Any, width: int, batch: int, base: int, precisions: list[str], re
                                 "route": route, "ms": ms, "bytes": moved,
                                 "gb_per_s": moved / ms / 1e6 if ms > 0 else 0.0})
             gaps = [_gap(a, b) for a, b in zip(results["ours"], results["cupy"])]
-            for row in out[-4:]:
-                row["max_gap"] = gaps[0] if row["pass"] == "forward" else gaps[1]
+            for row in out[-4:]:  # the forward's: y's, and the first running variance's
+                row["max_gap"] = max(gaps[0], gaps[2]) if row["pass"] == "forward" else gaps[1]
     return out
 
 

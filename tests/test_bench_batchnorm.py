@@ -36,7 +36,7 @@ def test_bench_batchnorm_rows_on_the_standin(monkeypatch: pytest.MonkeyPatch) ->
         table = bench_batchnorm.rows(cupy, 8, 2, 2, ["fp32", "bf16"], 1, wall_ms)
         kernels = {launch.kernel for launch in cupy.ledger.launches}
     assert len(table) == 2 * 4 * 2 * 2  # precisions x stages x passes x routes
-    assert {"channel_sums_f32", "bn_forward_bf16", "bn_backward_apply_f32",
+    assert {"channel_sums_f32", "bn_train_forward_bf16", "bn_backward_apply_f32",
             "cosmotrain_bn_forward", "cosmotrain_sum_products"} <= kernels
     pairs = bench_batchnorm.pairs(table)
     assert len(pairs) == len(table) // 2
