@@ -90,6 +90,17 @@ COSMO_BOTH(channel_sums,
             int slices, int with_count),
            <T>(a, b, out, samples, channels, spatial, slices, with_count))
 
+// Element i: xhat = (x - mean) * inv_std (kept when xhat is not null), y = xhat * gamma
+// + beta, each operation rounded as numpy's.
+template <class T>
+__device__ __forceinline__ void normalize_at(const T* __restrict__ x, T* __restrict__ y,
+                                             T* __restrict__ xhat, i64 i, float mean,
+                                             float inv_std, float gamma, float beta) {
+    const float h = __fmul_rn(__fsub_rn(load_f(x, i), mean), inv_std);
+    if (xhat) store_f(xhat, i, h);
+    store_f(y, i, __fadd_rn(__fmul_rn(h, gamma), beta));
+}
+
 template <class T>
 __device__ void bn_forward_body(const T* __restrict__ x, T* __restrict__ y,
                                 T* __restrict__ xhat, const double* __restrict__ mean,
@@ -99,9 +110,7 @@ __device__ void bn_forward_body(const T* __restrict__ x, T* __restrict__ y,
                                 i64 spatial) {
     GRID_STRIDE(i, samples * channels * spatial) {
         const int c = (int)((i / spatial) % channels);
-        const float h = __fmul_rn(__fsub_rn(load_f(x, i), (float)mean[c]), inv_std[c]);
-        if (xhat) store_f(xhat, i, h);
-        store_f(y, i, __fadd_rn(__fmul_rn(h, gamma[c]), beta[c]));
+        normalize_at(x, y, xhat, i, (float)mean[c], inv_std[c], gamma[c], beta[c]);
     }
 }
 
@@ -157,9 +166,7 @@ __device__ void bn_train_forward_body(const T* __restrict__ x, T* __restrict__ y
     __syncthreads();
     GRID_STRIDE(i, samples * channels * spatial) {
         const int c = (int)((i / spatial) % channels);
-        const float h = __fmul_rn(__fsub_rn(load_f(x, i), (float)mean_of[c]), inv_std_of[c]);
-        if (xhat) store_f(xhat, i, h);
-        store_f(y, i, __fadd_rn(__fmul_rn(h, gamma[c]), beta[c]));
+        normalize_at(x, y, xhat, i, (float)mean_of[c], inv_std_of[c], gamma[c], beta[c]);
     }
 }
 
