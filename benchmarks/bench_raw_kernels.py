@@ -34,8 +34,8 @@ from bench_gpu import gpu_median_ms  # this folder: the CUDA-event timer
 from cosmotrain.precision import bfloat16
 
 
-def _device() -> Any:
-    """cupy with a usable device, or exit 2 saying why not."""
+def require_device(script: str = "bench_raw_kernels") -> Any:
+    """cupy with a usable device, or exit 2 saying why not (as ``script``)."""
     try:
         import cupy
         if cupy.cuda.runtime.getDeviceCount() > 0:
@@ -43,7 +43,7 @@ def _device() -> Any:
         reason = "no CUDA device"
     except Exception as error:  # noqa: BLE001 - no cupy, no driver: the same answer
         reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-    print(f"bench_raw_kernels: needs cupy and a CUDA device ({reason})", file=sys.stderr)
+    print(f"{script}: needs cupy and a CUDA device ({reason})", file=sys.stderr)
     sys.exit(2)
 
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the device's memory bandwidth, GB/s (H200: 4800)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    cupy = _device()
+    cupy = require_device()
     rows = []
     print("| kernel | precision | ms | MB moved | GB/s | of peak |\n|---|---|---|---|---|---|")
     for precision in args.precisions:

@@ -69,14 +69,34 @@ from cosmotrain.engine.step import HybridStep  # noqa: E402
 PRECISIONS = ("fp32", "tf32", "bf16")
 
 
-def overrides(args: argparse.Namespace, batch: int, precision: str, algorithm: str
-              ) -> List[str]:
-    """The config of one row: the model, batch and device keys, then the user's ``--set``."""
+def overrides(args: argparse.Namespace, batch: int, precision: str, algorithm: str,
+              graph: bool = False) -> List[str]:
+    """The config of one row: the model, batch and device keys, then the user's ``--set``.
+    ``graph``: the step captured as a CUDA graph within the warm-up steps (the capture
+    is never timed), else never captured."""
     keys = [f"model.width={args.width}", f"train.batch_size={batch}",
             f"device.backend={args.backend}", f"device.precision={precision}"]
     if args.backend == "gpu":
         keys.append(f"device.conv_algorithm={algorithm}")
+        keys.append(f"device.cuda_graph={'true' if graph else 'false'}")
+        if graph:
+            keys.append(f"device.cuda_graph_warmup={graph_warmup(args)}")
     return keys + list(args.overrides)
+
+
+def graph_warmup(args: argparse.Namespace) -> int:
+    """Eager steps before the capture: the capture is the last warm-up step."""
+    return max(2, args.warmup - 1)
+
+
+def row_variants(args: argparse.Namespace) -> List[tuple[str, bool]]:
+    """``(algorithm, graph)`` of each cosmotrain row: a graph needs cuDNN's convolutions
+    (gemm's cuBLAS cannot be captured) and a warm-up long enough to capture in."""
+    if args.backend != "gpu":
+        return [("numpy", False)]
+    graphs = [mode == "on" for mode in args.graph]
+    return [(algorithm, graph) for algorithm in args.algorithms for graph in graphs
+            if not graph or (algorithm == "cudnn" and args.warmup > graph_warmup(args))]
 
 
 def synchronizer(step: HybridStep) -> Callable[[], None]:
@@ -143,12 +163,14 @@ def devices_used(step: HybridStep, world: Any) -> int:
 
 
 def cosmotrain_row(world: Any, args: argparse.Namespace, batch: int, precision: str,
-                   algorithm: str, threads: KernelThreads) -> Dict[str, Any]:
+                   algorithm: str, threads: KernelThreads, graph: bool = False
+                   ) -> Dict[str, Any]:
     """One timed configuration; 'out of memory' when it does not fit."""
-    row: Dict[str, Any] = {"impl": f"cosmotrain {algorithm}" if args.backend == "gpu"
-                           else "cosmotrain numpy", "batch": batch, "precision": precision}
+    impl = f"cosmotrain {algorithm}{' graph' if graph else ''}"
+    row: Dict[str, Any] = {"impl": impl if args.backend == "gpu" else "cosmotrain numpy",
+                           "batch": batch, "precision": precision}
     try:
-        cfg = load_config(None, overrides(args, batch, precision, algorithm))
+        cfg = load_config(None, overrides(args, batch, precision, algorithm, graph))
         step, x = build_step(world, cfg, threads)
         x, transform = stored_input(x) if args.input == "stored" else (x, None)
         seconds = time_steps(step, x, targets(batch, cfg.model.outputs), args.steps,
@@ -156,6 +178,10 @@ def cosmotrain_row(world: Any, args: argparse.Namespace, batch: int, precision: 
                              transform=transform)
     except MemoryError:
         return {**row, "status": "out of memory"}
+    except UserError as err:
+        if not graph:
+            raise
+        return {**row, "status": f"not captured: {err}"}  # e.g. a layout over staging MPI
     except Exception as err:  # noqa: BLE001 - cupy's OutOfMemoryError without importing it
         if type(err).__name__ != "OutOfMemoryError":
             raise
@@ -268,14 +294,13 @@ def measure(world: Any, args: argparse.Namespace) -> List[Dict[str, Any]]:
     rows = []
     model = None
     threads = job_threads(world)  # applied with the heap setting by each step's job runtime
-    algorithms = args.algorithms if args.backend == "gpu" else ["numpy"]
     for batch in args.batch:
         for precision in args.precisions:
             if precision == "tf32" and args.backend == "cpu":
                 continue  # TF32 is a tensor-core mode: the CPU refuses it
-            for algorithm in algorithms:
+            for algorithm, graph in row_variants(args):
                 rows.append(cosmotrain_row(world, args, batch, precision, algorithm,
-                                           threads))
+                                           threads, graph))
                 report(world, rows[-1])
             if not args.no_torch and world.Get_size() == 1:
                 model = model if model is not None else torch_model(args)
@@ -338,6 +363,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     parser.add_argument("--algorithms", nargs="+", default=["cudnn", "gemm"],
                         choices=["cudnn", "gemm"], help="GPU convolutions")
+    parser.add_argument("--graph", nargs="+", choices=["off", "on"], default=["off", "on"],
+                        help="GPU: rows without and with the step captured as a CUDA "
+                             "graph (device.cuda_graph; cudnn rows only)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (median shown)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--set", dest="overrides", action="append", default=[],

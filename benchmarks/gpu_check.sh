@@ -10,6 +10,7 @@
 #   TESTS_LIMIT=230 bash benchmarks/gpu_check.sh info bench-quick tests
 #   STEPS=5 WARMUP=2 BENCH_LIMIT=190 bash benchmarks/gpu_check.sh tests bench-paper bench-mlperf
 #   STEPS=4 WARMUP=1 BENCH_LIMIT=45 bash benchmarks/gpu_check.sh test-ir bench-b32-bf16 memory
+# Issue 35 item 5 (conv1), a minute or two: bash benchmarks/gpu_check.sh bench-conv1
 # Environment: STEPS, WARMUP, INPUT (host|stored|device), AUTOTUNE (true|false: cuDNN plans),
 # TESTS_LIMIT, BENCH_LIMIT, OUT.
 #
@@ -68,7 +69,7 @@ run_stage() {
         stage tests "${TESTS_LIMIT:-300}" python3 -m pytest -p no:cacheprovider -q -rfEs \
             --timeout=150 tests/test_gpu_engine.py tests/test_gpu_conv.py \
             tests/test_gpu_raw_kernels.py tests/test_gpu_dense_device.py \
-            tests/test_cuda_batchnorm_host.py ;;
+            tests/test_gpu_graph_device.py tests/test_cuda_batchnorm_host.py ;;
     bench-quick)
         stage bench-quick 120 python3 benchmarks/bench_step.py --width 128 --batch 8 \
             --precisions fp32 bf16 --steps 5 --warmup 2 --out "$OUT/step_quick.json" ;;
@@ -93,6 +94,12 @@ run_stage() {
             --precisions fp32 bf16 --algorithms cudnn --steps 5 --warmup 2 --input device \
             --layers --torch-layouts ncdhw --set device.cudnn_autotune="${AUTOTUNE:-false}" \
             --out "$OUT/profile_w128_b8.json" ;;
+    bench-graph)  # issue 35 item 4: the step with and without its CUDA graph, where
+        # launches weigh most (batch 1) and at batch 8, both networks, bf16, no torch
+        stage bench-graph 150 bash -c 'for model in cosmoflow cosmoflow-mlperf; do
+            python3 benchmarks/bench_step.py --width 128 --batch 1 8 --precisions bf16 \
+                --algorithms cudnn --graph off on --steps 5 --warmup 3 --no-torch \
+                --set model.name=$model --out "$OUT/step_graph_${model}_w128.json"; done' ;;
     bench-raw)  # our own CUDA kernels (kernels/cuda/src): ms and GB/s against the peak
         stage bench-raw 90 python3 benchmarks/bench_raw_kernels.py --width 128 --batch 8 \
             --out "$OUT/raw_kernels_w128_b8.json" ;;
@@ -100,6 +107,10 @@ run_stage() {
         # can capture) against cuBLAS, both heads, W = 128, batch 1 8 32, fp32 and bf16
         stage bench-dense 90 python3 benchmarks/bench_dense.py --width 128 --batch 1 8 32 \
             --out "$OUT/dense_w128.json" ;;
+    bench-conv1)  # issue 35 item 5: conv1 under cuDNN (4 channels, padded to 8), our direct
+        # kernel (conv_direct.cu) and PyTorch eager, forward and weight gradient, W = 128
+        stage bench-conv1 180 python3 benchmarks/bench_conv1.py --width 128 --batch 1 8 \
+            --precisions fp32 tf32 bf16 --repeats 10 --out "$OUT/conv1_w128.json" ;;
     bench-bn)  # issue 35 item 3: batch norm on batchnorm.cu against the cupy path it
         # replaced, the 3D ResNet's four stages at W = 128, batch 8, fp32 and bf16
         stage bench-bn 90 python3 benchmarks/bench_batchnorm.py --width 128 --batch 8 \
@@ -109,11 +120,11 @@ run_stage() {
             --precisions bf16 --out "$OUT/layers_w128.json" ;;
     memory)
         stage memory-w256 150 mpiexec -n 4 python3 benchmarks/bench_step.py --width 256 \
-            --batch 1 --precisions bf16 --algorithms cudnn --steps 3 --warmup 1 \
+            --batch 1 --precisions bf16 --algorithms cudnn --graph off --steps 3 --warmup 1 \
             --set parallel.depth=2 --set parallel.height=2 --set parallel.sample=1 \
             --out "$OUT/step_w256_d2h2.json"
         stage memory-w512 200 mpiexec -n 8 python3 benchmarks/bench_step.py --width 512 \
-            --batch 1 --precisions bf16 --algorithms cudnn --steps 3 --warmup 1 \
+            --batch 1 --precisions bf16 --algorithms cudnn --graph off --steps 3 --warmup 1 \
             --set parallel.depth=2 --set parallel.height=2 --set parallel.width=2 \
             --set parallel.sample=1 --out "$OUT/step_w512_d2h2w2.json" ;;
     *)

@@ -340,7 +340,6 @@ def installed(monkeypatch: Any) -> Iterator[StandIn]:
     module.ledger.clear()
     module.cuda.streams.reset()
     module.graphs.entries, module.graphs.allocator, module.graphs.captures = None, None, 0
-    module.graphs.blas_sites.clear()
     host = HostLauncher()
 
     def raw_launch(kernel: str, size: int, args: Any) -> None:

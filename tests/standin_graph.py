@@ -19,7 +19,7 @@ What a real capture does, and how the stand-in does the same on the CPU:
   * a copy from pageable host memory (``asarray`` of a host array, ``set`` from memory
     that is not pinned);
   * cuBLAS (``matmul``, ``dot``, ``tensordot``, ``einsum``), except at the call sites
-    a test names in ``Recorder.blas_sites``;
+    a test names in ``Recorder.blas_sites`` (through its monkeypatch: none by default);
   * capturing without a private memory pool (``cupy.cuda.using_allocator``), whose
     blocks would go back to the shared pool while the graph still uses them.
 

@@ -81,3 +81,21 @@ def test_stored_int16_input(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     (row,) = json.loads(out.read_text())["results"]
     assert row["status"] == "ok" and row["samples_per_s"] > 0
+
+
+def test_graph_rows_capture_inside_the_warm_up_and_only_with_cudnn() -> None:
+    """``--graph on``: a cudnn row per graph mode, none for gemm (cuBLAS cannot be
+    captured); the capture is the last warm-up step, never a timed one."""
+    spec = importlib.util.spec_from_file_location("bench_step", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = module.parse_args(["--algorithms", "cudnn", "gemm", "--warmup", "3"])
+    assert module.row_variants(args) == [("cudnn", False), ("cudnn", True), ("gemm", False)]
+    keys = module.overrides(args, 8, "bf16", "cudnn", graph=True)
+    assert "device.cuda_graph=true" in keys and "device.cuda_graph_warmup=2" in keys
+    assert "device.cuda_graph=false" in module.overrides(args, 8, "bf16", "gemm")
+    short = module.parse_args(["--warmup", "2"])  # no warm-up step left to capture in
+    assert all(not graph for _, graph in module.row_variants(short))
+    cpu = module.parse_args(["--backend", "cpu"])
+    assert module.row_variants(cpu) == [("numpy", False)]
+    assert not any("cuda_graph" in key for key in module.overrides(cpu, 2, "fp32", "numpy"))

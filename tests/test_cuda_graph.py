@@ -17,7 +17,9 @@ What these tests pin (docs/GPU.md, "CUDA graph"):
 
 The stand-in's convolutions are gemm (cuDNN does not import on the CPU), whose cuBLAS
 products a capture refuses; these tests let the gemm module's products stand in for
-cuDNN's convolutions (``blas_sites``), and nothing else.
+cuDNN's convolutions (``blas_sites``), and nothing else: the dense head runs our own
+kernels, which a job that captures chooses (``cuda_graph.graph_runtime``).  The eager
+steps compared are the same job's before its capture (a warm-up longer than the run).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import abort_on_error
-from standin import installed
+from standin import installed, shared
 from standin_nccl import installed_nccl
 from standin_graph import CaptureError
 from test_gpu_step_counts import SCALAR_WRITES, batch, config
@@ -41,11 +43,11 @@ from cosmotrain.errors import ConfigError
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
 
-# Stand-ins for what a device job captures through: the gemm products stand in for
-# cuDNN's convolutions; the dense head multiplies with cuBLAS until it has its kernels.
-CAPTURED_SITES = ("kernels/cuda/conv_gemm.py", "kernels/linear.py")
-STAND_IN_REASONS = ("gemm convolutions", "dense layers")
+# The gemm products stand in for cuDNN's convolutions, which a device job captures.
+CAPTURED_SITES = ("kernels/cuda/conv_gemm.py",)
+STAND_IN_REASONS = ("gemm convolutions",)
 WARMUP = 2
+NEVER = 10**6  # a warm-up no run reaches: the same job, every step eager
 STEPS = 6
 
 
@@ -53,17 +55,19 @@ def allow_stand_in_convolutions(monkeypatch: pytest.MonkeyPatch, cupy: Any) -> N
     real = cuda_graph.capture_blockers
     monkeypatch.setattr(cuda_graph, "capture_blockers", lambda *a: [
         r for r in real(*a) if not r.startswith(STAND_IN_REASONS)])
-    cupy.graphs.blas_sites.update(CAPTURED_SITES)
+    monkeypatch.setattr(cupy.graphs, "blas_sites", set(CAPTURED_SITES))
 
 
 def run(monkeypatch: pytest.MonkeyPatch, graph: str, batches: list, extra: list[str] = (),
-        network: str = "cosmoflow", sites: tuple = CAPTURED_SITES, comm: Any = None
-        ) -> dict[str, Any]:
-    """``len(batches)`` steps on the stand-in GPU with ``device.cuda_graph: graph``, a
-    learning rate that changes every step: each step's ledger, output and loss, and
-    the parameters at the end."""
-    cfg = config(network, [f"device.cuda_graph={graph}",
-                           f"device.cuda_graph_warmup={WARMUP}", *extra])
+        network: str = "cosmoflow", sites: tuple = CAPTURED_SITES, comm: Any = None,
+        read_late: bool = False) -> dict[str, Any]:
+    """``len(batches)`` steps on the stand-in GPU with ``device.cuda_graph: graph``
+    (``eager``: true, but never captured), a learning rate that changes every step:
+    each step's ledger, output and loss (read after each step, or ``read_late`` after
+    the last), and the parameters at the end."""
+    warmup = NEVER if graph == "eager" else WARMUP
+    cfg = config(network, [f"device.cuda_graph={'true' if graph == 'eager' else graph}",
+                           f"device.cuda_graph_warmup={warmup}", *extra])
     from mpi4py import MPI
 
     comm = comm or MPI.COMM_SELF
@@ -83,7 +87,9 @@ def run(monkeypatch: pytest.MonkeyPatch, graph: str, batches: list, extra: list[
                        Context(step=it, seed=cfg.train.seed), lr=0.002 * (1 + 0.5 * it))
             ledgers.append(cupy.ledger.take())
             outs.append(out)
-            losses.append(out.loss)
+            if not read_late:
+                losses.append(out.loss)
+        losses = [out.loss for out in outs] if read_late else losses
         params = {n: np.array(p.data.view(np.ndarray)) for n, p in
                   step.model.named_parameters()}
         grid.free()
@@ -93,6 +99,11 @@ def run(monkeypatch: pytest.MonkeyPatch, graph: str, batches: list, extra: list[
 
 def short(pair: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return pair[0][:1].copy(), pair[1][:1].copy()
+
+
+def varied(pair: tuple[np.ndarray, np.ndarray], count: int) -> list[tuple]:
+    """``count`` batches, each its own data and targets (a replay must see each)."""
+    return [(pair[0] * (1 + 0.25 * it), pair[1] + 0.5 * it) for it in range(count)]
 
 
 def assert_same_training(eager: dict, graphed: dict) -> None:
@@ -108,9 +119,9 @@ def test_a_replayed_graph_trains_as_the_eager_step(network: str, extra: list[str
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Warm-up, capture, replays and a short batch in between (eager: another shape),
     against the eager step: the same losses and parameters, bit for bit."""
-    full = batch(network)
-    batches = [full] * 4 + [short(full)] + [full] * (STEPS - 5)
-    eager = run(monkeypatch, "false", batches, extra, network)
+    batches = varied(batch(network), STEPS)
+    batches[4] = short(batches[4])
+    eager = run(monkeypatch, "eager", batches, extra, network)
     graphed = run(monkeypatch, "true", batches, extra, network)
     assert eager["captures"] == 0 and graphed["captures"] == 1
     assert_same_training(eager, graphed)
@@ -146,7 +157,7 @@ def test_a_graph_that_baked_the_step_values_in_would_be_seen(
     the learning rate (what a graph with its scalars baked in computes) train
     differently from the eager step."""
     full = batch("cosmoflow")
-    eager = run(monkeypatch, "false", [full] * STEPS)
+    eager = run(monkeypatch, "eager", [full] * STEPS)
     monkeypatch.setattr(cuda_graph.StepGraph, "_prepare", lambda *args: None)
     baked = run(monkeypatch, "true", [full] * STEPS)
     assert baked["losses"][:WARMUP] == eager["losses"][:WARMUP]
@@ -174,55 +185,72 @@ def test_a_non_finite_step_is_never_applied_by_a_replay(
 
 def test_a_capture_that_fails_is_logged_and_the_run_goes_on_eagerly(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """The stand-in refuses the dense head's cuBLAS call inside the capture: under
-    ``auto`` the reason is logged and the steps run eagerly, as without the graph;
-    under ``true`` the run stops naming it."""
+    """A dense head left on cuBLAS, which the blockers did not see: the stand-in
+    refuses its call inside the capture.  Under ``auto`` the reason is logged and the
+    steps run eagerly, as without the graph; under ``true`` the run stops naming it."""
+    from cosmotrain.engine import step as step_module
+
     full = batch("cosmoflow")
-    only_convolutions = CAPTURED_SITES[:1]
     eager = run(monkeypatch, "false", [full] * 4)
+    monkeypatch.setattr(step_module, "graph_runtime", lambda cfg, runtime, *a: runtime)
+    monkeypatch.setattr(cuda_graph, "capture_blockers", lambda *a: [])
     with caplog.at_level("WARNING", logger="cosmotrain.engine.cuda_graph"):
-        fallback = run(monkeypatch, "auto", [full] * 4, sites=only_convolutions)
+        fallback = run(monkeypatch, "auto", [full] * 4)
     assert "matmul (cuBLAS)" in caplog.text and "without the graph" in caplog.text
     assert fallback["captures"] == 0
     assert_same_training(eager, fallback)
     with pytest.raises(cuda_graph.CaptureFailed, match="cuBLAS"):
-        run(monkeypatch, "true", [full] * 4, sites=only_convolutions)
+        run(monkeypatch, "true", [full] * 4)
     assert issubclass(CaptureError, RuntimeError)
 
 
-class _Step:
-    """What :func:`cuda_graph.capture_blockers` looks at."""
+def _device(gpu: bool = True, conv: str = "cudnn", communication: str = "staging") -> Any:
+    """What :func:`cuda_graph.capture_blockers` reads of a device."""
+    from types import SimpleNamespace
 
-    def __init__(self, gpu: bool, conv: str = "cudnn", ranks: int = 1,
-                 communication: str = "staging", momentum: float = 0.9) -> None:
-        from cosmotrain.engine.optim import SGD
-        from types import SimpleNamespace
-
-        self.device = SimpleNamespace(is_gpu=gpu, conv_algorithm=conv,
-                                      communication=communication)
-        self.grid = SimpleNamespace(layout=SimpleNamespace(size=ranks))
-        self.optimizer = SGD(lr=0.1, momentum=momentum)
-        self.runtime = SimpleNamespace(conv=SimpleNamespace(dense="kernels"))
+    return SimpleNamespace(is_gpu=gpu, conv_algorithm=conv, communication=communication)
 
 
 def test_what_keeps_a_step_out_of_the_graph_is_named_before_the_run(
         caplog: pytest.LogCaptureFixture) -> None:
     cfg = config("cosmoflow")
-    assert cuda_graph.capture_blockers(cfg, _Step(gpu=True), {"Conv3d"}) == []
-    reasons = cuda_graph.capture_blockers(cfg, _Step(True, "gemm", 2, momentum=0.0),
-                                          {"Conv3d", "BatchNorm3d"})
-    assert [r.split(" ")[0] for r in reasons] == ["gemm", "staging", "SGD", "batch"]
-    assert cuda_graph.capture_blockers(cfg, _Step(True, ranks=2, communication="nccl"),
-                                       set()) == []
-    strict = config("cosmoflow", ["device.cuda_graph=true"])
-    with pytest.raises(ConfigError, match="device.cuda_graph.*gemm convolutions"):
-        cuda_graph.graph_for(strict, _Step(True, "gemm"), set())
-    with caplog.at_level("INFO", logger="cosmotrain.engine.cuda_graph"):
-        assert cuda_graph.graph_for(cfg, _Step(True, "gemm"), set()) is None
-    assert "runs eagerly: gemm convolutions" in caplog.text
-    off = config("cosmoflow", ["device.cuda_graph=false"])
-    assert cuda_graph.graph_for(off, _Step(True), set()) is None
-    assert cuda_graph.graph_for(cfg, _Step(False), set()) is None
+    blockers = cuda_graph.capture_blockers
+    assert blockers(cfg, _device(), 1, {"Conv3d", "Linear"}, "kernels") == []
+    sgd_plain = config("cosmoflow", ["optimizer.momentum=0"])
+    reasons = blockers(sgd_plain, _device(conv="gemm"), 2, {"Linear", "BatchNorm3d"},
+                       "cublas")
+    assert [r.split(" ")[0] for r in reasons] == ["gemm", "staging", "SGD", "dense", "batch"]
+    assert blockers(cfg, _device(communication="nccl"), 2, set()) == []
+    assert blockers(cfg, _device(gpu=False), 1, set()) == ["the step runs on the CPU"]
+
+
+def test_true_refuses_at_start_up_and_auto_runs_eagerly_naming_why(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """On the stand-in (gemm convolutions) ``true`` stops the job before its first
+    step with a config error naming the reason; ``auto`` logs it and builds no runner;
+    a capturable job's dense head is switched to our kernels, an eager one's is not."""
+    from mpi4py import MPI
+
+    def build(graph: str) -> Any:
+        cfg = config("cosmoflow", [f"device.cuda_graph={graph}"])
+        grid = ProcessGrid(MPI.COMM_SELF, resolve_parallel(cfg, 1))
+        try:
+            device = Device("gpu", 0, cfg.device.precision, "staging", "gemm")
+            return hybrid_step_from_config(cfg, grid, job_runtime(cfg, grid, device))
+        finally:
+            grid.free()
+
+    with installed(monkeypatch):
+        with pytest.raises(ConfigError, match="device.cuda_graph.*gemm convolutions"):
+            build("true")
+        with caplog.at_level("INFO", logger="cosmotrain.engine.cuda_graph"):
+            eager = build("auto")
+        assert eager.graph is None and eager.runtime.conv.dense == "cublas"
+        assert "runs eagerly: gemm convolutions" in caplog.text
+        allow_stand_in_convolutions(monkeypatch, shared())
+        graphed = build("auto")
+        assert graphed.graph is not None and graphed.runtime.conv.dense == "kernels"
+        assert build("false").graph is None
 
 
 @pytest.mark.parallel(nprocs=[2])
@@ -236,7 +264,7 @@ def test_a_graph_over_nccl_on_a_spatial_layout_trains_as_the_eager_step(
 
     full = batch("cosmoflow")
     common = ["parallel.depth=2", "parallel.sample=1", "device.communication=nccl"]
-    eager = run(monkeypatch, "false", [full] * 5, common, comm=MPI.COMM_WORLD)
+    eager = run(monkeypatch, "eager", [full] * 5, common, comm=MPI.COMM_WORLD)
     graphed = run(monkeypatch, "true", [full] * 5, common, comm=MPI.COMM_WORLD)
     assert graphed["captures"] == 1
     assert_same_training(eager, graphed)
@@ -245,3 +273,21 @@ def test_a_graph_over_nccl_on_a_spatial_layout_trains_as_the_eager_step(
     start, count = replayed.graphs[0]
     assert any(launch.kernel == "nccl.send" for launch in
                replayed.launches[start:start + count])
+
+
+def test_losses_read_long_after_their_steps_are_their_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graph's sums go through two buffers in turn; a step whose values nobody read
+    before its buffer comes round again is read then, so every loss read later is its
+    own step's (the trainer reads each at the next step, and never waits for this)."""
+    full = batch("cosmoflow")
+    eager = run(monkeypatch, "eager", [full] * STEPS)
+    from cosmotrain.engine.device_verdict import DeferredSums
+
+    real_read = DeferredSums.read
+    calls: list[int] = []
+    monkeypatch.setattr(DeferredSums, "read",
+                        lambda self: calls.append(1) or real_read(self))
+    late = run(monkeypatch, "true", [full] * STEPS, read_late=True)
+    assert late["losses"] == eager["losses"]
+    assert calls  # the runner read the steps nobody had read before their buffer's reuse

@@ -51,12 +51,33 @@ def test_cudnn_autotune_reaches_the_convolution_settings() -> None:
     assert settings_for(plain).cudnn_layout == "ncdhw"  # measured faster (settings.py)
 
 
+def test_conv1_settings_reach_the_convolution_settings() -> None:
+    from cosmotrain.kernels.cuda.settings import ConvSettings, settings_for
+
+    assert (load_config(None).device.conv1_channels_pad,
+            load_config(None).device.conv1_algorithm) == (0, "default")
+    cfg = load_config(None, ["backend=gpu", "device.conv1_channels_pad=8",
+                             "device.conv1_algorithm=direct"]).device
+    chosen = decide(cfg, gpu_node("a", 1, 1), 0)
+    assert "conv1 channels padded to a multiple of 8, direct kernel" in chosen.describe()
+    settings = settings_for(chosen)
+    assert (settings.conv1_channels_pad, settings.conv1_algorithm) == (8, "direct")
+    assert "conv1" not in decide(DeviceConfig(backend="gpu"), gpu_node("a", 1, 1),
+                                 0).describe()
+    for bad in ({"conv1_channels_pad": -1}, {"conv1_channels_pad": True},
+                {"conv1_algorithm": "cudnn"}):
+        with pytest.raises(ValueError, match="ConvSettings.conv1_"):
+            ConvSettings(**bad)
+
+
 def test_device_section_rejects_bad_values_naming_the_key() -> None:
     cases = {
         "device.precision=fp16": "device.precision",
         "device.communication=mpi": "device.communication",
         "device.gpus_per_node=0": "device.gpus_per_node",
         "device.backend=cuda": "device.backend",
+        "device.conv1_channels_pad=-8": "device.conv1_channels_pad",
+        "device.conv1_algorithm=winograd": "device.conv1_algorithm",
     }
     for override, key in cases.items():
         with pytest.raises(ConfigError, match=f"'{key}'"):
@@ -70,6 +91,8 @@ def test_device_section_rejects_bad_values_naming_the_key() -> None:
     ("device.conv_algorithm=cudnn", "device.conv_algorithm"),
     ("device.communication=nccl", "device.communication"),
     ("device.cudnn_autotune=true", "device.cudnn_autotune"),
+    ("device.conv1_channels_pad=8", "device.conv1_channels_pad"),
+    ("device.conv1_algorithm=direct", "device.conv1_algorithm"),
 ])
 def test_gpu_only_settings_on_an_explicit_cpu_backend(override: str, key: str) -> None:
     with pytest.raises(ConfigError, match=f"'{key}'.*backend is cpu"):

@@ -740,3 +740,23 @@ def test_gpu_cudnn_graphs_are_cached_and_follow_the_stream(cupy) -> None:
     stream.synchronize()
     assert conv.default_runner().cache.builds == builds
     cupy.testing.assert_array_equal(first, again)
+
+
+def test_gpu_conv1_padded_to_8_channels_matches_unpadded(cupy) -> None:
+    """``conv1_channels_pad: 8`` (kernels/cuda/conv1.py) on cuDNN: conv1's forward and
+    weight gradient on 4 channels padded to 8 give the unpadded results."""
+    usable, why = conv.cudnn_status()
+    if not usable:
+        pytest.skip(why)
+    rng = np.random.default_rng(5)
+    for storage, mode, tol in _device_dtypes():
+        x, w, dy = (cupy.asarray(rng.normal(size=shape).astype(np.float32).astype(storage))
+                    for shape in ((2, 4, 12, 12, 12), (16, 4, 3, 3, 3), (2, 16, 12, 12, 12)))
+        plain = ConvSettings(algorithm="cudnn", math=mode)
+        padded = ConvSettings(algorithm="cudnn", math=mode, conv1_channels_pad=8)
+        for op, args in (("conv3d_forward", (x, w, 1, 1)),
+                         ("conv3d_backward_filter", (x, dy, w.shape, 1, 1))):
+            want = cupy.asnumpy(getattr(conv, op)(*args, settings=plain))
+            got = cupy.asnumpy(getattr(conv, op)(*args, settings=padded))
+            assert got.shape == want.shape
+            assert rel_error(got, want.astype(np.float64)) < tol, (op, storage.name, mode)

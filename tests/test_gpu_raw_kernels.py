@@ -105,3 +105,26 @@ def test_gpu_adam_multi_gives_the_cpu_bits_and_skips_on_the_flag() -> None:
         0.9, 0.999, 1e-8, 0.01, 3)), skip)
     for got, want in zip(ours, data):
         _same(got, want)
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_gpu_direct_conv_gives_the_host_builds_bits(name: str) -> None:
+    """conv_direct.cu on the device (its barrier real, its fmaf the hardware's) gives the
+    bits of its host build (tests/test_conv1_device.py checks those against the CPU
+    convolution), forward and weight gradient, for both conv1s: 16 filters with the
+    LeakyReLU, 32 with a bias."""
+    from cuda_host import HostLauncher, need_compiler
+
+    need_compiler()
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(2, 4, 9, 10, 11)).astype(_dtype(name))
+    for filters, bias, slope in ((16, None, 0.01), (32, rng.normal(size=32), None)):
+        w = rng.normal(size=(filters, 4, 3, 3, 3)).astype(_dtype(name))
+        bias = None if bias is None else bias.astype(np.float32)
+        want = raw_ops.conv_direct_forward(x, w, 1, bias, slope, launch=HostLauncher())
+        got = raw_ops.conv_direct_forward(cupy.asarray(x), cupy.asarray(w), 1,
+                                          None if bias is None else cupy.asarray(bias), slope)
+        _same(got, want)
+        dy = rng.normal(size=want.shape).astype(_dtype(name))
+        _same(raw_ops.conv_direct_weight_grad(cupy.asarray(x), cupy.asarray(dy), w.shape, 1),
+              raw_ops.conv_direct_weight_grad(x, dy, w.shape, 1, launch=HostLauncher()))

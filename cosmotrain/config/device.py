@@ -23,6 +23,10 @@ def check_cpu_settings(cfg: DeviceConfig, why: str = "") -> None:
                  "cudnn_autotune times GPU convolutions", "leave it false"),
                 ("device.cuda_graph", cfg.cuda_graph is True,
                  "cuda_graph captures GPU steps", "leave it auto"),
+                ("device.conv1_channels_pad", cfg.conv1_channels_pad != 0,
+                 "conv1_channels_pad pads GPU convolutions", "leave it 0"),
+                ("device.conv1_algorithm", cfg.conv1_algorithm != "default",
+                 f"{cfg.conv1_algorithm} selects a GPU convolution", "leave it default"),
                 ("device.communication", cfg.communication != "staging",
                  f"{cfg.communication} moves GPU buffers", "leave it staging"))
     for key, wrong, problem, fix in gpu_only:

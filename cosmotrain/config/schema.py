@@ -242,6 +242,7 @@ class OutputConfig:
 BACKENDS = (AUTO, "cpu", "gpu")
 PRECISIONS = ("fp32", "tf32", "bf16")
 CONV_ALGORITHMS = (AUTO, "cudnn", "gemm")
+CONV1_ALGORITHMS = ("default", "direct")
 COMMUNICATIONS = ("staging", "cuda-aware", "nccl")
 
 
@@ -262,6 +263,16 @@ class DeviceConfig:
     cudnn_autotune: bool = spec(False, "GPU: time every cuDNN plan of each convolution "
                                 "at its first call and keep the fastest (PyTorch's "
                                 "cudnn.benchmark); false: cuDNN's heuristic choice")
+    conv1_channels_pad: int = spec(0, "GPU: pad the input channels of a convolution whose "
+                                   "count is not a multiple of this with zero channels up "
+                                   "to one (8: conv1's 4 channels for cuDNN's tensor-core "
+                                   "engines; the same function); 0: never",
+                                   minimum=0, maximum=64)
+    conv1_algorithm: str = spec("default", "GPU: conv1 (at most 8 input channels, "
+                                "stride 1): direct (our kernels: the forward with its "
+                                "bias and LeakyReLU fused, the weight gradient) or "
+                                "default (as device.conv_algorithm)",
+                                choices=CONV1_ALGORITHMS)
     communication: str = spec("staging", "how GPU buffers cross MPI: staging (through "
                               "pinned host memory; any MPI), cuda-aware (device pointers "
                               "to an MPI built with CUDA support) or nccl (NCCL "

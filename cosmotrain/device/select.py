@@ -55,6 +55,8 @@ class Device:
     conv_algorithm: str = AUTO
     shared_by: int = 1  # ranks of this node bound to the same GPU
     cudnn_autotune: bool = False
+    conv1_channels_pad: int = 0
+    conv1_algorithm: str = "default"
 
     @property
     def is_gpu(self) -> bool:
@@ -88,6 +90,13 @@ class Device:
         if self.is_gpu:
             self.xp.cuda.Device(self.index).use()
 
+    def _conv1(self) -> str:
+        """conv1's own settings for :meth:`describe` ('' when both are the defaults)."""
+        parts = ([f"channels padded to a multiple of {self.conv1_channels_pad}"]
+                 if self.conv1_channels_pad else [])
+        parts += ["direct kernel"] if self.conv1_algorithm == "direct" else []
+        return f"conv1 {', '.join(parts)}, " if parts else ""
+
     def describe(self) -> str:
         """One line for logs and ``--dry-run``: device, precision, communication."""
         if not self.is_gpu:
@@ -96,6 +105,7 @@ class Device:
         return (f"gpu {self.index}{shared} (cupy), precision {self.precision}, "
                 f"convolutions {self.conv_algorithm}"
                 f"{' (cuDNN plans autotuned)' if self.cudnn_autotune else ''}, "
+                f"{self._conv1()}"
                 f"communication {self.communication}")
 
 
@@ -112,7 +122,8 @@ def decide(cfg: DeviceConfig, probes: Sequence[Probe], rank: int) -> Device:
     if cfg.communication == "nccl":
         _check_nccl(probes, gpus)
     return Device("gpu", indices[rank], cfg.precision, cfg.communication,
-                  cfg.conv_algorithm, shared, cfg.cudnn_autotune)
+                  cfg.conv_algorithm, shared, cfg.cudnn_autotune, cfg.conv1_channels_pad,
+                  cfg.conv1_algorithm)
 
 
 def _first_without_gpu(probes: Sequence[Probe]) -> tuple[int, Probe] | None:

@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from cosmotrain.config.schema import Config
 from cosmotrain.engine.device_verdict import DeferredSums
-from cosmotrain.engine.optim import SGD
 from cosmotrain.engine.step_scalars import PinnedRing, pinned_allocator
 from cosmotrain.errors import ConfigError
 from cosmotrain.tensor.dist_tensor import DistTensor
@@ -53,39 +52,42 @@ class CaptureFailed(RuntimeError):
     """``device.cuda_graph: true`` and the step could not be captured."""
 
 
-def capture_blockers(cfg: Config, step: Any, kinds: set[str]) -> list[str]:
-    """What in this job keeps its step out of a CUDA graph (empty: nothing); ``kinds``:
-    the network's layer classes.  The same on every rank: it reads the config and the
+def capture_blockers(cfg: Config, device: Any, ranks: int, kinds: set[str],
+                     dense: str = "kernels") -> list[str]:
+    """What in this job keeps its step out of a CUDA graph (empty: nothing): ``device``
+    the job's, ``ranks`` its size, ``kinds`` the network's layer classes, ``dense`` how
+    its linear layers compute.  The same on every rank: it reads the config and the
     job's device, not the machine."""
-    device = step.device
     if not device.is_gpu:
         return ["the step runs on the CPU"]
     reasons = []
     if device.conv_algorithm == "gemm":
         reasons.append("gemm convolutions multiply with cuBLAS, which cupy cannot "
                        "capture (device.conv_algorithm: cudnn)")
-    if step.grid.layout.size > 1 and device.communication != "nccl":
+    if ranks > 1 and device.communication != "nccl":
         reasons.append(f"{device.communication} MPI makes the host wait for every message "
                        "(device.communication: nccl)")
     if cfg.parallel.shard_optimizer:
         reasons.append("the sharded optimizer's update takes the learning rate as a kernel "
                        "argument (parallel.shard_optimizer: false)")
-    if isinstance(step.optimizer, SGD) and not step.optimizer.momentum:
+    if cfg.optimizer.name == "sgd" and not cfg.optimizer.momentum:
         reasons.append("SGD without momentum updates outside the multi-tensor kernel "
                        "(optimizer.momentum > 0)")
-    reasons += [f"{kind} layers {why}" for kind, why in _layer_blockers(step, kinds)]
+    if "Linear" in kinds and dense == "cublas":
+        reasons.append("dense layers multiply with cuBLAS, which cupy cannot capture")
+    if "BatchNorm3d" in kinds:
+        reasons.append("batch norm layers sum with cuBLAS (einsum), which cupy cannot "
+                       "capture")
     return reasons
 
 
-def _layer_blockers(step: Any, kinds: set[str]) -> list[tuple[str, str]]:
-    """Layers whose device kernels call cuBLAS (``kernels/linear.py``, batch norm's
-    ``einsum``)."""
-    found = []
-    if "Linear" in kinds and getattr(step.runtime.conv, "dense", "cublas") == "cublas":
-        found.append(("dense", "multiply with cuBLAS, which cupy cannot capture"))
-    if "BatchNorm3d" in kinds:
-        found.append(("batch norm", "sum with cuBLAS (einsum), which cupy cannot capture"))
-    return found
+def graph_runtime(cfg: Config, runtime: Any, ranks: int, kinds: set[str]) -> Any:
+    """``runtime`` with the dense layers on our kernels when the step will be captured
+    (cuBLAS cannot be), else as it is: cuBLAS stays the dense layers' eager default
+    until the two are timed on a device (``gpu_check.sh bench-dense``)."""
+    if cfg.device.cuda_graph is False or capture_blockers(cfg, runtime.device, ranks, kinds):
+        return runtime
+    return replace(runtime, conv=replace(runtime.conv, dense="kernels"))
 
 
 def graph_for(cfg: Config, step: Any, kinds: set[str]) -> StepGraph | None:
@@ -94,7 +96,8 @@ def graph_for(cfg: Config, step: Any, kinds: set[str]) -> StepGraph | None:
     mode = cfg.device.cuda_graph
     if mode is False:
         return None
-    reasons = capture_blockers(cfg, step, kinds)
+    reasons = capture_blockers(cfg, step.device, step.grid.layout.size, kinds,
+                               step.runtime.conv.dense)
     if reasons and mode is True:
         raise ConfigError("device.cuda_graph", "the step cannot be captured: "
                           + "; ".join(reasons), "fix those, or set device.cuda_graph: auto")
@@ -121,6 +124,7 @@ class StepGraph:
     targets: Any = None  # the graph's targets
     captured: Any = None  # the captured step's output (prediction, sums)
     sums: list = field(default_factory=list)  # two buffers, used in turn
+    issued: list = field(default_factory=lambda: [None, None])  # their DeferredSums
     ring: PinnedRing | None = None  # the targets' way in
     blocks: PinnedRing | None = None  # an input block's, when it needs no transform
     kept: tuple = ()  # what the graph's copies read (the update's address table)
@@ -210,12 +214,17 @@ class StepGraph:
 
     def _output(self, out: Any) -> Any:
         """The step's output, its sums copied out of the graph's buffer into the one of
-        two that the next step's replay does not write."""
+        two that the next step's replay does not write.  The step two before used that
+        buffer: its values are read first if nobody has (the trainer reads each step at
+        the next, so this never waits there)."""
         if not self.sums:
             self.sums = [self.xp.zeros_like(out.sums.values) for _ in range(2)]
-        slot = self.sums[self.calls % 2]
-        slot[...] = out.sums.values
-        sums = DeferredSums(slot, out.sums.global_count, out.sums.votes)
+        turn = self.calls % 2
+        if self.issued[turn] is not None:
+            self.issued[turn].read()
+        self.sums[turn][...] = out.sums.values
+        sums = DeferredSums(self.sums[turn], out.sums.global_count, out.sums.votes)
+        self.issued[turn] = sums
         return type(out)(out.pred, out.rows, sums)
 
     def _give_up(self, out: Any, why: str) -> Any:

@@ -29,7 +29,7 @@ from cosmotrain.layers.loss import loss_and_sums, loss_sums_on_device
 from cosmotrain.models import build_model
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
-from cosmotrain.engine.cuda_graph import graph_for
+from cosmotrain.engine.cuda_graph import graph_for, graph_runtime
 from cosmotrain.engine.device_verdict import (DeferredSums, apply_flag, gradients_nonfinite,
                                               guarded_update, vote_vector)
 from cosmotrain.engine.grad_sync import GradientReducer
@@ -117,15 +117,19 @@ class HybridStep:
         a batch, cast to bf16 under ``precision: bf16`` (other dtypes are kept: float64
         in the tests).  The block itself when nothing changes (the CPU in float32).
         With ``transform`` the block holds int16 counts, staged and transformed on the
-        device (:mod:`cosmotrain.engine.input_stage`)."""
+        device (:mod:`cosmotrain.engine.input_stage`).  ``out``: a device array the
+        block is written into (a captured graph's input)."""
         dtype = self.device.storage_dtype if self.device.precision == "bf16" else None
         if transform is not None and self.device.is_gpu:
             self.stage = self.stage or device_stage(self.device.xp)
-            data = self.stage(x.data, transform, dtype or np.float32)
+            data = self.stage(x.data, transform, dtype or np.float32, out=out)
             return DistTensor(data, x.dist, x.coord)
         if transform is not None:  # on the host, as the reader would have done it
             x = DistTensor(host_transform(x.data, transform), x.dist, x.coord)
         data = self.device.to_device(x.data, dtype)
+        if out is not None:
+            self.device.xp.copyto(out, data)
+            return DistTensor(out, x.dist, x.coord)
         return x if data is x.data else DistTensor(data, x.dist, x.coord)
 
     def gradients(self, x: DistTensor, targets: Any, ctx: Context,
@@ -312,8 +316,10 @@ def hybrid_step_from_config(cfg: Config, grid: ProcessGrid,
     convolution and linear layers its GPU kernel settings.
     """
     runtime = runtime if runtime is not None else job_runtime(cfg, grid)
-    device = runtime.device
     model = build_model(cfg.model, cfg.train.seed)
+    kinds = {type(layer).__name__ for layer in model.layers()}
+    runtime = graph_runtime(cfg, runtime, grid.layout.size, kinds)
+    device = runtime.device
     width = cfg.model.width
     shape = (cfg.train.batch_size, cfg.model.channels, width, width, width)
     par = cfg.parallel
@@ -324,7 +330,7 @@ def hybrid_step_from_config(cfg: Config, grid: ProcessGrid,
     shards = OptimizerShards(hybrid, reducer) if par.shard_optimizer else None
     step = HybridStep(hybrid, build_optimizer(cfg.optimizer), reducer, device=device,
                       shards=shards)
-    step.graph = graph_for(cfg, step, {type(layer).__name__ for layer in model.layers()})
+    step.graph = graph_for(cfg, step, kinds)
     return step
 
 

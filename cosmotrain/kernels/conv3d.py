@@ -12,6 +12,8 @@ the same names (:mod:`.cuda.conv`, which imports cupy on first use), with the ca
 ``settings`` (the :class:`~.cuda.settings.ConvSettings` the layer was built with; None:
 the defaults; the CPU ignores them); bfloat16 numpy arrays are widened to float32,
 convolved on the CPU and the result rounded back to bfloat16 (:mod:`cosmotrain.precision`);
+under ``settings.conv1_algorithm: direct`` a cupy forward of few input channels goes to
+our direct kernel with the bias and activation fused (:mod:`.cuda.conv1`);
 float32 and float64 numpy arrays go to the compiled loops where :mod:`.compiled.choice`
 picks them (float32, unit stride: Winograd or direct) and otherwise to the GEMM lowerings
 of :mod:`.cpu.conv_gemm`, whose docstring has the algorithms and the measurements behind
@@ -30,7 +32,7 @@ from cosmotrain.kernels.activation import (bias_leaky_relu, leaky_relu_backward,
 from cosmotrain.kernels.compiled import choice as compiled_choice, direct, winograd
 from cosmotrain.kernels.cpu import conv_gemm
 from cosmotrain.kernels.cpu.channel_sums import channel_sums
-from cosmotrain.kernels.cuda import conv as cuda_conv
+from cosmotrain.kernels.cuda import conv as cuda_conv, conv1 as cuda_conv1
 from cosmotrain.kernels.cuda.settings import ConvSettings
 from cosmotrain.kernels.geometry import ConvGeometry, PaddingLike
 from cosmotrain.kernels.route import require_cpu_out, route
@@ -95,6 +97,8 @@ def conv3d_forward(x: np.ndarray, w: np.ndarray, stride: "int | Sequence[int]" =
     where = route(x, w)
     if not where.cpu_float:
         require_cpu_out(out, where)
+        if where.device and cuda_conv1.takes_direct(x, w.shape, stride, settings):
+            return cuda_conv1.direct_forward(x, w, padding, bias, activation)  # fused
         if where.device:
             y = cuda_conv.conv3d_forward(x, w, stride, padding, settings=settings)
         else:

@@ -35,7 +35,7 @@ import numpy as np
 from cosmotrain.device.xp import array_module
 from cosmotrain.kernels.geometry import PaddingLike
 
-from cosmotrain.kernels.cuda import conv_cudnn, conv_gemm
+from cosmotrain.kernels.cuda import conv1, conv_cudnn, conv_gemm
 from cosmotrain.kernels.cuda.settings import ConvSettings, resolve_settings
 
 LOG = logging.getLogger("cosmotrain.kernels.cuda")
@@ -121,8 +121,20 @@ def _dispatch(op: str, operands: Tuple[Any, Any], *args: Any,
               settings: Optional[ConvSettings]) -> Any:
     """Run ``op`` (a function name both backends share) on cuDNN when ``settings`` select
     it for these operands, else, or when cuDNN has no engine for the call, on the gemm
-    path."""
+    path; on operands padded with zero channels where ``settings.conv1_channels_pad``
+    says so, conv1's weight gradient on our direct kernel where
+    ``settings.conv1_algorithm`` does (:mod:`.conv1`)."""
     settings = resolve_settings(settings)
+    if op == "conv3d_backward_filter" and conv1.takes_direct_wgrad(operands[0], args[0],
+                                                                   args[1], settings):
+        return conv1.direct_weight_grad(*operands, args[0], args[2])
+    padded = conv1.run_padded(op, operands, args, settings,
+                              lambda o, oa, a: _run(o, oa, *a, settings=settings))
+    return _run(op, operands, *args, settings=settings) if padded is None else padded
+
+
+def _run(op: str, operands: Tuple[Any, Any], *args: Any, settings: ConvSettings) -> Any:
+    """:func:`_dispatch` on operands as given."""
     if _uses_cudnn(settings, *operands):
         try:
             return getattr(conv_cudnn, op)(*operands, *args, runner=default_runner(),

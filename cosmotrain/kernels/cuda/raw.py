@@ -10,9 +10,11 @@ NVRTC without a GPU in CI (:func:`nvrtc_compile`, tests/test_cuda_sources.py) an
 the host C++ compiler behind ``src/host_shim.h``, which runs them on the CPU against
 the numpy kernels (tests/cuda_host.py).  See docs/GPU_KERNELS.md, "Our own kernels".
 
-Every kernel is a grid-stride loop, without block-level synchronisation but for
-batchnorm.cu's per-channel sums (a shared-memory reduction per block): any grid gives
-the same results, so a launcher picks the grid freely (:func:`grid_for`).
+Every kernel is a grid-stride loop whose results do not depend on the grid, so a
+launcher picks the grid freely (:func:`grid_for`); the few with a block-level barrier
+(shared memory staged once per block) are listed in :data:`PHASES`, but for
+batchnorm.cu's, whose barriers the host shim keeps as real ones (its per-channel sums
+reduce in shared memory, a barrier at each level of the tree).
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ KERNELS: dict[str, tuple[str, str]] = {
     **_both("linear.cu", "linear_partial", "ppppplllllll"),
     **_both("linear.cu", "linear_reduce", "ppplll"),
     **_both("linear.cu", "linear_wgrad", "pppplll"),
+    **_both("conv_direct.cu", "conv_direct_forward", "pppp" + "i" * 15 + "f"),
+    **_both("conv_direct.cu", "conv_direct_wgrad", "ppp" + "i" * 16 + "l"),
+    **_both("conv_direct.cu", "conv_direct_wgrad_reduce", "pplll"),
     **_both("batchnorm.cu", "channel_sums", "ppplilii"),
     **_both("batchnorm.cu", "bn_forward", "ppppppplil"),
     **_both("batchnorm.cu", "bn_train_forward", "pppppppppddfilil"),
@@ -71,6 +76,11 @@ KERNELS: dict[str, tuple[str, str]] = {
     "put_f64x8": ("scalars.cu", "pidddddddd"),
     "put_f32x8": ("scalars.cu", "piffffffff"),
 }
+
+
+# Kernels with block-level barriers (common.cuh's COSMO_PHASE / COSMO_SYNC): how many
+# phases the host build runs one after the other over a block's threads.
+PHASES: dict[str, int] = {"conv_direct_forward_f32": 2, "conv_direct_forward_bf16": 2}
 
 
 def sources() -> list[Path]:

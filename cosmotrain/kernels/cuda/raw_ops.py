@@ -19,6 +19,7 @@ import numpy as np
 from cosmotrain.device.xp import array_module
 
 from cosmotrain.kernels.cuda import pool_tables, raw
+from cosmotrain.kernels.geometry import ConvGeometry
 from cosmotrain.kernels.leaky_factors import backward_factors
 
 Launch = Callable[[str, int, Sequence[Any]], None]
@@ -200,6 +201,74 @@ def mse(pred: Any, target: Any, total_count: int, total: Any, nonfinite: Any,
                     (pred, target, grad, pred.size, float(np.float32(2.0 / total_count)),
                      total, nonfinite))
     return grad
+
+
+def conv_direct_forward(x: Any, w: Any, padding: Any, bias: Any = None,
+                        slope: Optional[float] = None, launch: Optional[Launch] = None) -> Any:
+    """``conv3d(x, w)`` at stride 1 (``padding`` as :class:`ConvGeometry` takes it), then
+    ``+ bias`` (float32 or None) and LeakyReLU with ``slope`` (None: none), in one launch
+    of ``conv_direct.cu``; x and w C-contiguous in one storage dtype, the weights within
+    :data:`DIRECT_MAX_WEIGHTS` once padded to groups of 16 filters."""
+    geo = ConvGeometry.create(x.shape, w.shape, 1, padding)
+    if direct_weights(w.shape) > DIRECT_MAX_WEIGHTS:
+        raise ValueError(f"conv_direct.cu holds at most {DIRECT_MAX_WEIGHTS} weights, "
+                         f"not those of {tuple(w.shape)}")
+    y = array_module(x).empty(geo.y_shape, dtype=x.dtype)
+    groups = -(-geo.filters // FILTER_GROUP)
+    _launch(launch)(f"conv_direct_forward_{raw.suffix(x.dtype)}",  # voxel pairs along W
+                    geo.y_shape[0] * groups * geo.out[0] * geo.out[1] * -(-geo.out[2] // 2),
+                    (x, w, bias, y, *geo.x_shape[:2], geo.filters, *geo.x_shape[2:],
+                     *geo.y_shape[2:], *geo.kernel, *(lo for lo, _ in geo.padding),
+                     float(np.float32(1.0 if slope is None else slope))))
+    return y
+
+
+def conv_direct_weight_grad(x: Any, dy: Any, w_shape: Sequence[int], padding: Any,
+                            launch: Optional[Launch] = None) -> Any:
+    """``dL/dw`` (shape ``w_shape``, x's storage dtype) of :func:`conv_direct_forward`
+    from x and dy (C-contiguous, one storage dtype), in launches of ``conv_direct.cu``:
+    float32 partial sums per chunk of output rows, sized for about
+    :data:`WGRAD_THREADS` threads, then their sums in chunk order, :data:`REDUCE_FAN`
+    chunks a thread, until one is left (two launches up to that many chunks)."""
+    geo = ConvGeometry.create(x.shape, w_shape, 1, padding)
+    geo.check("dy", dy.shape, geo.y_shape)
+    if geo.kernel[2] > WGRAD_MAX_KW:
+        raise ValueError(f"conv_direct.cu's weight gradient takes kernels up to "
+                         f"{WGRAD_MAX_KW} wide, not {geo.kernel[2]}")
+    xp = array_module(x)
+    taps = geo.channels * geo.kernel[0] * geo.kernel[1] * -(-geo.filters // FILTER_GROUP)
+    rows = geo.batch * geo.out[0] * geo.out[1]
+    per_chunk = max(1, -(-rows * taps // WGRAD_THREADS))
+    chunks = -(-rows // per_chunk)
+    partial = xp.empty((chunks, *geo.w_shape), dtype=np.float32)
+    dw = xp.empty(geo.w_shape, dtype=x.dtype)
+    suffix = raw.suffix(x.dtype)
+    _launch(launch)(f"conv_direct_wgrad_{suffix}", chunks * taps,
+                    (x, dy, partial, *geo.x_shape[:2], geo.filters, *geo.x_shape[2:],
+                     *geo.out, *geo.kernel, *(lo for lo, _ in geo.padding), per_chunk,
+                     chunks))
+    while chunks > REDUCE_FAN:  # float32 sums of REDUCE_FAN chunks each
+        groups = -(-chunks // REDUCE_FAN)
+        fewer = xp.empty((groups, *geo.w_shape), dtype=np.float32)
+        _launch(launch)("conv_direct_wgrad_reduce_f32", fewer.size,
+                        (partial, fewer, chunks, REDUCE_FAN, dw.size))
+        partial, chunks = fewer, groups
+    _launch(launch)(f"conv_direct_wgrad_reduce_{suffix}", dw.size,
+                    (partial, dw, chunks, chunks, dw.size))
+    return dw
+
+
+FILTER_GROUP = 16  # conv_direct.cu's filters per thread
+DIRECT_MAX_WEIGHTS = 6912  # its shared-memory array: 8 channels x 27 taps x 32 filters
+WGRAD_MAX_KW = 3  # its weight gradient's widest kernel
+WGRAD_THREADS = 1 << 18  # threads its weight gradient's first launch aims at
+REDUCE_FAN = 64  # partial sums one thread of its reduction adds
+
+
+def direct_weights(w_shape: Sequence[int]) -> int:
+    """The floats ``conv_direct.cu`` stages for weights of ``w_shape`` (filters rounded
+    up to whole groups)."""
+    return -(-int(w_shape[0]) // FILTER_GROUP) * FILTER_GROUP * math.prod(w_shape[1:])
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import numpy as np
 
+from cosmotrain.config.schema import CONV1_ALGORITHMS
 
 if TYPE_CHECKING:
     from cosmotrain.device.select import Device
@@ -68,6 +69,14 @@ class ConvSettings:
     default until the kernels are timed on a device (``gpu_check.sh bench-dense``).
     ``gemm_budget_bytes``: bound on one GEMM's column matrix and output (bytes).
     ``graph_cache_size``: built cuDNN graphs kept (least recently used evicted).
+    ``conv1_channels_pad``: ``device.conv1_channels_pad``: a forward or weight gradient
+    whose input channels are not a multiple of it runs on operands padded with zero
+    channels up to one (0: never), for cuDNN's tensor-core engines (:mod:`.conv1`).
+    ``conv1_algorithm``: ``device.conv1_algorithm``: ``direct`` sends the forward (with
+    its bias + LeakyReLU epilogue fused) and the weight gradient of a convolution with
+    at most 8 input channels at stride 1 (conv1) to our kernels
+    (``src/conv_direct.cu``); ``default``: the ``algorithm`` above, as every other
+    convolution.
     """
 
     algorithm: str = "auto"
@@ -77,10 +86,13 @@ class ConvSettings:
     dense: str = "cublas"
     gemm_budget_bytes: int = DEFAULT_GEMM_BUDGET
     graph_cache_size: int = DEFAULT_GRAPH_CACHE_SIZE
+    conv1_channels_pad: int = 0
+    conv1_algorithm: str = "default"
 
     def __post_init__(self) -> None:
         for name, allowed in (("algorithm", ALGORITHMS), ("math", MATH_MODES),
-                              ("cudnn_layout", LAYOUTS), ("dense", DENSE)):
+                              ("cudnn_layout", LAYOUTS), ("dense", DENSE),
+                              ("conv1_algorithm", CONV1_ALGORITHMS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ConvSettings.{name} must be one of {', '.join(allowed)}, "
                                  f"got {getattr(self, name)!r}")
@@ -91,16 +103,23 @@ class ConvSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ConvSettings.{name} must be a positive int, got {value!r}")
+        pad = self.conv1_channels_pad
+        if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
+            raise ValueError(f"ConvSettings.conv1_channels_pad must be an int >= 0, "
+                             f"got {pad!r}")
 
 
 def settings_for(device: Device) -> ConvSettings:
     """The convolution settings of a job on ``device``: its ``device.conv_algorithm``,
     TF32 math under ``precision: tf32`` (strict fp32 otherwise; bf16 storage always
     multiplies on tensor cores), and cuDNN plan autotuning under
-    ``device.cudnn_autotune``."""
+    ``device.cudnn_autotune``; conv1's ``device.conv1_channels_pad`` and
+    ``device.conv1_algorithm`` under the same names."""
     return ConvSettings(algorithm=device.conv_algorithm,
                         math="tf32" if device.precision == "tf32" else "fp32",
-                        cudnn_autotune=device.cudnn_autotune)
+                        cudnn_autotune=device.cudnn_autotune,
+                        conv1_channels_pad=device.conv1_channels_pad,
+                        conv1_algorithm=device.conv1_algorithm)
 
 
 DEFAULT_SETTINGS = ConvSettings()

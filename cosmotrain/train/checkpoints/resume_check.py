@@ -192,10 +192,14 @@ RULES: dict[str, Rule] = {
     "device.precision": _allow("the device's arithmetic"),
     "device.conv_algorithm": _allow("the device"),
     "device.cudnn_autotune": _allow("the device"),
+    "device.conv1_channels_pad": _allow("the device"),
+    "device.conv1_algorithm": _allow("the device"),
     "device.communication": _allow("the device"),
     "device.gpus_per_node": _allow("the device"),
     "device.reuse_freed_memory": _allow("the host allocator"),
     "device.plan_step_memory": _allow("the host allocator"),
+    "device.cuda_graph": _allow("how the same step is launched"),
+    "device.cuda_graph_warmup": _allow("how the same step is launched"),
 }
 
 #: Keys found in no rule (a key the schema no longer declares) are refused.

@@ -9,7 +9,8 @@
 // The same file compiles with NVRTC (cuda_bf16.h from the nvidia wheels) and with the
 // host C++ compiler behind host_shim.h (COSMO_HOST_SHIM), which runs a kernel on the
 // CPU over its whole grid (tests/cuda_host.py).  Every kernel is a grid-stride loop
-// without block-level synchronisation, so any grid computes the same results.
+// whose results do not depend on the grid; one that stages shared memory splits at its
+// barrier into phases (COSMO_PHASE below).
 #pragma once
 
 #ifndef COSMO_HOST_SHIM
@@ -41,3 +42,13 @@ __device__ __forceinline__ void store_f(bf16* p, i64 i, float v) { p[i] = __floa
     using T = bf16;                                                                 \
     extern "C" __global__ void NAME##_bf16 PARAMS { NAME##_body ARGS; }             \
     }
+
+// Block-level phases: a kernel that stages data in __shared__ memory writes each part
+// between two barriers as COSMO_PHASE(k) { ... } separated by COSMO_SYNC().  On the device
+// every phase runs and COSMO_SYNC is __syncthreads; the host shim defines them so that
+// tests/cuda_host.py runs phase k for every thread of a block before phase k + 1 (a
+// value carried across a barrier must live in __shared__ memory, as on the device).
+#ifndef COSMO_HOST_SHIM
+#define COSMO_PHASE(k) if (true)
+#define COSMO_SYNC() __syncthreads()
+#endif

@@ -8,11 +8,12 @@
 // under one lock; the _rn intrinsics are the plain IEEE operations (compile with
 // -ffp-contract=off).
 //
-// Block-level synchronisation (batchnorm.cu's reductions): the caller runs the threads
-// of one block at a time concurrently, each on its own OS thread; __syncthreads is a
-// barrier over blockDim.x of them (it aborts after a minute, so a kernel whose threads
-// miss a barrier fails instead of hanging); __shared__ is static storage, which the
-// block running owns.
+// Block-level synchronisation, two ways: a kernel split into phases (COSMO_PHASE, below)
+// runs phase by phase over a block's threads; one with real barriers (batchnorm.cu's
+// reductions) runs the threads of one block at a time concurrently, each on its own OS
+// thread, and __syncthreads is a barrier over blockDim.x of them (it aborts after a
+// minute, so a kernel whose threads miss a barrier fails instead of hanging).  Either
+// way __shared__ is static storage, which the block running owns.
 #pragma once
 #define COSMO_HOST_SHIM 1
 
@@ -104,3 +105,13 @@ inline int atomicOr(int* p, int v) {
 }
 using std::isfinite;
 using std::isnan;
+
+// Phases (common.cuh): the launcher sets cosmo_phase and calls every thread of a block
+// once per phase; __shared__ memory is one static array per kernel, which the block's
+// threads share because the host runs one block at a time.
+extern "C" {
+int cosmo_phase = 0;
+}
+#define COSMO_PHASE(k) if (cosmo_phase == (k))
+#define COSMO_SYNC()
+using std::fmaf;
