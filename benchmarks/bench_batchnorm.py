@@ -164,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     from bench_gpu import gpu_median_ms  # this folder: the CUDA-event timer
-    from bench_raw_kernels import _device  # cupy with a device, or exit 2
+    from bench_raw_kernels import require_device  # cupy with a device, or exit 2
 
-    cupy = _device()
+    cupy = require_device("bench_batchnorm")
     table = rows(cupy, args.width, args.batch, args.base, args.precisions, args.repeats,
                  lambda xp, run, repeats: gpu_median_ms(xp, run, repeats, warmup=1))
     print("| shape | precision | pass | ours ms | cupy ms | speed-up | ours GB/s | gap |\n"
