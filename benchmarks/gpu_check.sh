@@ -69,7 +69,7 @@ run_stage() {
         stage tests "${TESTS_LIMIT:-300}" python3 -m pytest -p no:cacheprovider -q -rfEs \
             --timeout=150 tests/test_gpu_engine.py tests/test_gpu_conv.py \
             tests/test_gpu_raw_kernels.py tests/test_gpu_dense_device.py \
-            tests/test_gpu_graph_device.py ;;
+            tests/test_gpu_graph_device.py tests/test_cuda_batchnorm_host.py ;;
     bench-quick)
         stage bench-quick 120 python3 benchmarks/bench_step.py --width 128 --batch 8 \
             --precisions fp32 bf16 --steps 5 --warmup 2 --out "$OUT/step_quick.json" ;;
@@ -111,6 +111,10 @@ run_stage() {
         # kernel (conv_direct.cu) and PyTorch eager, forward and weight gradient, W = 128
         stage bench-conv1 180 python3 benchmarks/bench_conv1.py --width 128 --batch 1 8 \
             --precisions fp32 tf32 bf16 --repeats 10 --out "$OUT/conv1_w128.json" ;;
+    bench-bn)  # issue 35 item 3: batch norm on batchnorm.cu against the cupy path it
+        # replaced, the 3D ResNet's four stages at W = 128, batch 8, fp32 and bf16
+        stage bench-bn 90 python3 benchmarks/bench_batchnorm.py --width 128 --batch 8 \
+            --repeats 10 --out "$OUT/batchnorm_w128_b8.json" ;;
     bench-layers)
         stage bench-layers 180 python3 benchmarks/bench_gpu.py --width 128 --batch 8 \
             --precisions bf16 --out "$OUT/layers_w128.json" ;;

@@ -6,7 +6,10 @@ Python faces (:mod:`cosmotrain.kernels.cuda.raw_ops`) run on numpy arrays throug
 same grids' arithmetic, same argument packing.  The grid is shrunk to a few blocks of a
 few threads (every kernel is a grid-stride loop, so any grid gives the same results;
 several threads still exercise the stride), each thread one ctypes call; a kernel with
-a barrier (``raw.PHASES``) runs phase by phase over each block's threads.
+a barrier (``raw.PHASES``) runs phase by phase over each block's threads, and one with
+real barriers (``__syncthreads`` in its source: batchnorm.cu's reductions, a barrier
+at each level of a tree) runs the threads of each block concurrently, one OS thread
+each (ctypes releases the GIL), so that the shim's barrier holds them together.
 
 Builds are cached under the temp folder, keyed by the hash of the source, the headers
 and the compiler command, so the suite compiles each source once per change.
@@ -20,6 +23,7 @@ import hashlib
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -85,20 +89,34 @@ class HostLauncher:
         function.restype = None
         values = [int(v) if c in "pilu" else float(v)
                   for c, v in zip(codes, raw.pack(kernel, args, _address))]
-        dims = {name: (ctypes.c_uint * 3).in_dll(lib, name)
-                for name in ("blockIdx", "threadIdx", "blockDim", "gridDim")}
-        dims["gridDim"][:] = [self.grid, 1, 1]
-        dims["blockDim"][:] = [self.block, 1, 1]
+        (ctypes.c_uint * 3).in_dll(lib, "gridDim")[:] = [self.grid, 1, 1]
+        (ctypes.c_uint * 3).in_dll(lib, "blockDim")[:] = [self.block, 1, 1]
         phases = raw.PHASES.get(kernel, 1)
+
+        def thread(b: int, t: int) -> None:
+            lib.cosmo_thread(b, t)  # thread-local: set on the thread that runs the kernel
+            function(*values)
         for b in range(self.grid):
+            if phases == 1 and synchronising(source):
+                threads = [threading.Thread(target=thread, args=(b, t))
+                           for t in range(self.block)]
+                for running in threads:
+                    running.start()
+                for running in threads:
+                    running.join()
+                continue
             for phase in range(phases):  # a barrier: every thread of the block, in turn
                 if phases > 1:
                     ctypes.c_int.in_dll(lib, "cosmo_phase").value = phase
                 for t in range(self.block):
-                    dims["blockIdx"][:] = [b, 0, 0]
-                    dims["threadIdx"][:] = [t, 0, 0]
-                    function(*values)
+                    thread(b, t)
         self.launches.append((kernel, size))
+
+
+@functools.cache
+def synchronising(source: str) -> bool:
+    """Whether ``src/<source>`` synchronises the threads of a block."""
+    return "__syncthreads" in (raw.SOURCE_DIR / source).read_text()
 
 
 def run(kernel: str, *args: Any, launcher: Optional[HostLauncher] = None) -> None:

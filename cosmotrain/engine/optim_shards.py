@@ -22,7 +22,7 @@ restore, under any group size.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,7 @@ from cosmotrain.layers.hybrid import HybridModel
 from cosmotrain.nn.module import Parameter
 from cosmotrain.engine.grad_sync import Bucket, GradientReducer
 from cosmotrain.engine.optim import Optimizer
+from cosmotrain.engine.optim_shards_device import ShardUpdate
 
 State = dict[str, dict[str, Any]]
 
@@ -43,13 +44,19 @@ class OptimizerShards:
 
     model: HybridModel
     reducer: GradientReducer
+    _device: ShardUpdate = field(default_factory=ShardUpdate, repr=False)  # device_step's
 
     def __post_init__(self) -> None:
         if not self.reducer.shard:
             raise ValueError("OptimizerShards needs a GradientReducer built with shard=True")
         self._names = {id(p): name for name, p in self.model.named_parameters()}
 
-    def _buckets(self) -> list[Bucket]:
+    def name_of(self, param: Parameter) -> str:
+        """``param``'s name in the model (and in the optimizer's state)."""
+        return self._names[id(param)]
+
+    def buckets(self) -> list[Bucket]:
+        """The reducer's buckets (built on first use)."""
         self.reducer.build(self.model.reduction_groups())
         return self.reducer.buckets
 
@@ -64,19 +71,28 @@ class OptimizerShards:
         rate = optimizer.lr if lr is None else lr
         if not skip:
             optimizer.step([(n, p) for n, p in params if not self.reducer.owns(p)], rate)
-        for bucket in self._buckets():
-            grad, values = bucket.shard, self._values(bucket)
+        for bucket in self.buckets():
+            grad, values = bucket.shard, self.current_values(bucket)
             for piece in bucket.pieces() if not skip else []:
-                optimizer.apply(self._names[id(piece.param)], values[piece.span],
+                optimizer.apply(self.name_of(piece.param), values[piece.span],
                                 grad[piece.span], rate)
             self.reducer.start_gather(bucket, values)
         self.reducer.finish_gather()
 
+    def device_step(self, optimizer: Optimizer, params: Iterable[tuple[str, Parameter]],
+                    lr: float | None, skip: Any, hyper: Any, prepared: bool = False) -> bool:
+        """:meth:`step` on a device, applied or skipped on the device flag ``skip`` in one
+        multi-tensor launch reading its hyperparameters from the device buffer ``hyper``
+        (``engine/optim_shards_device.py``); False, nothing updated or sent, where those
+        kernels do not fit (then the guarded update)."""
+        return self._device(self, optimizer, list(params), lr, skip, hyper, prepared)
+
     @staticmethod
-    def _values(bucket: Bucket) -> Any:
-        """The current values of this rank's range of ``bucket``'s parameters (a copy)."""
+    def current_values(bucket: Bucket, out: Any = None) -> Any:
+        """The current values of this rank's range of ``bucket``'s parameters (a copy;
+        into ``out`` when given, an array of the range's size)."""
         a, b = bucket.span
-        values = bucket.xp.empty(b - a, dtype=bucket.dtype)
+        values = bucket.xp.empty(b - a, dtype=bucket.dtype) if out is None else out
         for piece in bucket.pieces():
             values[piece.span] = piece.param.data.reshape(-1)[piece.lo:piece.hi]
         return values
@@ -85,9 +101,9 @@ class OptimizerShards:
         """``state`` with every sharded parameter's slots as whole blocks (host arrays, the
         parameter's shape) on rank 0 of its group, left out on the others (collective over
         every bucket's group, i.e. over every rank); unsharded entries as they are."""
-        sharded = {self._names[id(p)] for b in self._buckets() for p in b.params}
+        sharded = {self._names[id(p)] for b in self.buckets() for p in b.params}
         out = {name: slots for name, slots in state.items() if name not in sharded}
-        for bucket in self._buckets():
+        for bucket in self.buckets():
             out.update(self._gather_bucket(bucket, state))
         return out
 
@@ -118,9 +134,9 @@ class OptimizerShards:
         """``state`` (whole blocks, as :meth:`gather` makes them) with every sharded
         parameter's array slots cut to this rank's piece (flat copies)."""
         out = dict(state)
-        for bucket in self._buckets():
+        for bucket in self.buckets():
             for piece in bucket.pieces():
-                name = self._names[id(piece.param)]
+                name = self.name_of(piece.param)
                 if name in state:
                     out[name] = {key: value.reshape(-1)[piece.lo:piece.hi].copy()
                                  if np.ndim(value) else value

@@ -34,6 +34,7 @@ class DistBatchNorm3d(BatchNorm3d):
     timers: PhaseTimers = field(default_factory=PhaseTimers)
     shard: Shard | None = None  # my channels, when channels are split (params and buffers)
     transport: Transport = field(default_factory=make_transport)  # device sums
+    _GUARDS_EMPTY_GROUPS = True  # see _update_running
 
     def reduce_sums(self, sums: Any) -> Any:
         if self.comm is not None and self.comm.Get_size() > 1:
@@ -47,8 +48,13 @@ class DistBatchNorm3d(BatchNorm3d):
 
         Only ``bn_statistics: local`` meets it, on a sample group left empty by a short
         batch (fewer samples than groups); the global statistics always count a sample.
+        On a device the count is a device scalar (``bn_count``): the new statistics are
+        stored only where it is not 0, without the host reading it.
         """
-        if self._count > 0:
+        if not isinstance(self._count, float):
+            self._store_running(self._running_values(mean, var), where=self._count > 0)
+            self.buffers["num_batches_tracked"] = self.buffers["num_batches_tracked"] + 1
+        elif self._count > 0:
             super()._update_running(mean, var)
         else:
             self.buffers["num_batches_tracked"] = self.buffers["num_batches_tracked"] + 1

@@ -19,12 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cosmotrain.device.xp import array_module
+from cosmotrain.device.xp import array_module, is_device_array
 from cosmotrain.kernels import conv3d, pool3d
 from cosmotrain.kernels.geometry import Padding, Triple, output_size
 from cosmotrain.kernels.activation import leaky_relu_backward, leaky_relu_forward
-from cosmotrain.kernels.batchnorm import (bn_backward_apply, bn_backward_local_sums,
-                                          bn_local_sums, bn_normalize, bn_statistics)
+from cosmotrain.kernels.batchnorm import (bn_backward_apply, bn_backward_local_sums, bn_count,
+                                          bn_local_sums, bn_normalize, bn_statistics,
+                                          bn_train_forward, bn_unbiased_factor)
 from cosmotrain.kernels.cuda.settings import ConvSettings
 from cosmotrain.kernels.dropout import dropout_backward, dropout_forward, dropout_mask
 from cosmotrain.kernels.linear import (linear_backward_data, linear_backward_weight,
@@ -214,6 +215,8 @@ class BatchNorm3d(Layer):
     channels: int = 1
     eps: float = 1e-5
     momentum: float = 0.1
+    # Whether a count of 0 keeps the running statistics (the distributed layer's rule).
+    _GUARDS_EMPTY_GROUPS = False
 
     def reduce_sums(self, sums: Any) -> Any:
         return sums
@@ -222,11 +225,18 @@ class BatchNorm3d(Layer):
         if not ctx.training:
             y, _, _ = bn_normalize(x, self.buffers["running_mean"],
                                    self.buffers["running_var"], self.params["weight"].data,
-                                   self.params["bias"].data, self.eps)
+                                   self.params["bias"].data, self.eps, keep_xhat=False)
             return y
         sums = self.reduce_sums(bn_local_sums(x))
+        self._count = bn_count(sums)
+        trained = bn_train_forward(x, sums, self.params["weight"].data,
+                                   self.params["bias"].data, self.buffers, self.eps,
+                                   self.momentum, self._GUARDS_EMPTY_GROUPS)
+        if trained is not None:  # on a device, in one launch
+            self.buffers["num_batches_tracked"] = self.buffers["num_batches_tracked"] + 1
+            y, self._xhat, self._inv_std = trained
+            return y
         mean, var = bn_statistics(sums)
-        self._count = float(sums[2][0])
         self._update_running(mean, var)
         y, self._xhat, self._inv_std = bn_normalize(x, mean, var, self.params["weight"].data,
                                                     self.params["bias"].data, self.eps)
@@ -234,14 +244,28 @@ class BatchNorm3d(Layer):
 
     def _update_running(self, mean: Any, var: Any) -> None:
         """PyTorch's rule: unbiased variance, exponential average with ``momentum``."""
-        unbiased = var * (self._count / max(self._count - 1.0, 1.0))
+        self._store_running(self._running_values(mean, var))
+        self.buffers["num_batches_tracked"] = self.buffers["num_batches_tracked"] + 1
+
+    def _running_values(self, mean: Any, var: Any) -> dict[str, Any]:
+        """The running statistics after this batch (not yet stored)."""
+        unbiased = var * bn_unbiased_factor(self._count)
         m = self.momentum
         dtype = self.buffers["running_mean"].dtype
-        self.buffers["running_mean"] = ((1 - m) * self.buffers["running_mean"]
-                                        + m * mean).astype(dtype)
-        self.buffers["running_var"] = ((1 - m) * self.buffers["running_var"]
-                                       + m * unbiased).astype(dtype)
-        self.buffers["num_batches_tracked"] = self.buffers["num_batches_tracked"] + 1
+        return {"running_mean": ((1 - m) * self.buffers["running_mean"] + m * mean).astype(dtype),
+                "running_var": ((1 - m) * self.buffers["running_var"] + m * unbiased
+                                ).astype(dtype)}
+
+    def _store_running(self, values: dict[str, Any], where: Any = True) -> None:
+        """Store :meth:`_running_values`: on the CPU as new arrays; on a device into the
+        buffers in place (a captured CUDA graph replays into the buffers it captured),
+        only where the device flag ``where`` is set."""
+        for key, value in values.items():
+            held = self.buffers[key]
+            if is_device_array(held):
+                array_module(held).copyto(held, value, where=where)
+            else:
+                self.buffers[key] = value
 
     def backward(self, dy: Any, ctx: Context) -> Any:
         xhat, self._xhat = self._xhat, None

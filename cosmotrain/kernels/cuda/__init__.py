@@ -10,7 +10,10 @@ element-wise kernels.
 * :mod:`.conv_cudnn`: cuDNN Frontend graphs, cached per shape;
 * :mod:`.conv_gemm`: the im2col + ``xp.matmul`` fallback, also runnable (and tested) on numpy;
 * :mod:`.fused`: cupy ``ElementwiseKernel`` / ``ReductionKernel`` for LeakyReLU and batch
-  norm (:mod:`cosmotrain.kernels.activation`, :mod:`cosmotrain.kernels.batchnorm`).
+  norm (:mod:`cosmotrain.kernels.activation`, :mod:`cosmotrain.kernels.batchnorm`) on
+  strided views;
+* :mod:`.raw` / :mod:`.raw_ops` / :mod:`.raw_bn`: our own CUDA sources (``src/*.cu``) and
+  their Python faces (``raw_bn``: batch norm's).
 
 Imports :mod:`cosmotrain.device.xp` (the array module) and :mod:`cosmotrain.kernels.geometry`;
 importing this package imports neither cupy nor cudnn; both are imported on first use.

@@ -12,7 +12,9 @@ the numpy kernels (tests/cuda_host.py).  See docs/GPU_KERNELS.md, "Our own kerne
 
 Every kernel is a grid-stride loop whose results do not depend on the grid, so a
 launcher picks the grid freely (:func:`grid_for`); the few with a block-level barrier
-(shared memory staged once per block) are listed in :data:`PHASES`.
+(shared memory staged once per block) are listed in :data:`PHASES`, but for
+batchnorm.cu's, whose barriers the host shim keeps as real ones (its per-channel sums
+reduce in shared memory, a barrier at each level of the tree).
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ KERNELS: dict[str, tuple[str, str]] = {
     **_both("conv_direct.cu", "conv_direct_forward", "pppp" + "i" * 15 + "f"),
     **_both("conv_direct.cu", "conv_direct_wgrad", "ppp" + "i" * 16 + "l"),
     **_both("conv_direct.cu", "conv_direct_wgrad_reduce", "pplll"),
+    **_both("batchnorm.cu", "channel_sums", "ppplilii"),
+    **_both("batchnorm.cu", "bn_forward", "ppppppplil"),
+    **_both("batchnorm.cu", "bn_train_forward", "pppppppppddfilil"),
+    **_both("batchnorm.cu", "bn_backward_apply", "ppppppplil"),
     "sgd_momentum_multi": ("optim.cu", "ppipp"),
     "adam_multi": ("optim.cu", "ppipp"),
     "nonfinite_flag": ("optim.cu", "plp"),
