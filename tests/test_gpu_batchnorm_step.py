@@ -215,17 +215,11 @@ def test_resnet_step_captures_as_one_graph_with_our_batch_norm(
         resnet: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The ResNet's step, batch norm on our kernels, captured as one CUDA graph on the
     stand-in (tests/test_cuda_graph.py's runner; its capture refuses host waits,
-    pageable copies and cuBLAS) trains as the same job run eagerly, bit for bit.  The blocker
-    engine/cuda_graph.py still names for batch norm (cuBLAS's einsum, which the device
-    route no longer takes) is lifted here as the stand-in's convolutions' are."""
+    pageable copies and cuBLAS) trains as the same job run eagerly, bit for bit, each
+    step its own batch; its running statistics, updated in place, too."""
     import test_cuda_graph as graphs
 
-    from cosmotrain.engine import cuda_graph
-
-    real = cuda_graph.capture_blockers
-    monkeypatch.setattr(cuda_graph, "capture_blockers", lambda *a: [
-        r for r in real(*a) if not r.startswith("batch norm")])
-    batches = [counts.batch(resnet)] * graphs.STEPS
+    batches = graphs.varied(counts.batch(resnet), graphs.STEPS)
     eager = graphs.run(monkeypatch, "eager", batches, network=resnet)
     graphed = graphs.run(monkeypatch, "true", batches, network=resnet)
     assert eager["captures"] == 0 and graphed["captures"] == 1

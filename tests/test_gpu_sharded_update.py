@@ -17,7 +17,6 @@ as they were.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import numpy as np
@@ -27,8 +26,6 @@ from conftest import abort_on_error
 
 from cosmotrain.comm.grid import ProcessGrid
 from cosmotrain.config.layout import resolve_parallel
-from cosmotrain.engine import step as engine_step
-from cosmotrain.engine.device_verdict import guarded_update
 from cosmotrain.engine.step import HybridStep, hybrid_step_from_config
 from cosmotrain.nn.module import Context
 from cosmotrain.tensor.dist_tensor import DistTensor
@@ -36,26 +33,6 @@ from cosmotrain.tensor.dist_tensor import DistTensor
 N2 = ["parallel.sample=2"]
 SGD: list[str] = []  # the table's SGD with momentum
 ADAM = ["optimizer.name=adam", "optimizer.lr=0.001"]
-
-
-def _update(self: HybridStep, lr: float | None = None, prepared: bool = False) -> None:
-    """``HybridStep.update`` with the sharded device update wired in: the call the lead
-    adds to engine/step.py (used only until step.py has it, see :func:`wired`)."""
-    params = list(self.model.named_parameters())
-    skip = self._device_skip()
-    if skip is None:
-        self._apply(params, lr, bool(self.gradients_bad))
-    elif not (self.shards.device_step(self.optimizer, params, lr, skip, self.scalars.hyper,
-                                      prepared)
-              if self.shards is not None else self._multi_apply(params, lr, skip, prepared)):
-        guarded_update(lambda: self._updated_arrays(params), skip,
-                       lambda: self._apply(params, lr, False))
-    self.optimizer.zero_grad(params)
-
-
-def wired(monkeypatch: pytest.MonkeyPatch) -> None:
-    if "device_step" not in inspect.getsource(engine_step.HybridStep.update):
-        monkeypatch.setattr(HybridStep, "update", _update)
 
 
 def state(step: Any) -> dict[str, np.ndarray]:
@@ -96,7 +73,6 @@ def test_sharded_update_is_one_launch_that_skips_on_the_flag(
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    wired(monkeypatch)
     good = counts.batch("cosmoflow")
     for optimizer, kernel in ((SGD, "sgd_momentum_multi"), (ADAM, "adam_multi")):
         sharded, unsharded = [*counts.N2_SHARDED, *optimizer], [*N2, *optimizer]

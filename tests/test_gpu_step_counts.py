@@ -172,8 +172,8 @@ def test_steady_state_step_on_one_rank(network: str, precision: str,
 @pytest.mark.parallel(nprocs=[2])
 @abort_on_error
 def test_steady_state_step_on_two_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """D2 for both networks, and N2 with the optimizer state sharded (its update takes
-    the guarded path), staging transport: no host read in the step but the transport's
+    """D2 for both networks, and N2 with the optimizer state sharded (one update launch
+    over the shard pieces, engine/optim_shards_device.py), staging transport: no host read in the step but the transport's
     stream synchronisations (MPI reads pinned host copies), the same number every step,
     and one deferred read."""
     from mpi4py import MPI

@@ -67,17 +67,11 @@ def capture_blockers(cfg: Config, device: Any, ranks: int, kinds: set[str],
     if ranks > 1 and device.communication != "nccl":
         reasons.append(f"{device.communication} MPI makes the host wait for every message "
                        "(device.communication: nccl)")
-    if cfg.parallel.shard_optimizer:
-        reasons.append("the sharded optimizer's update takes the learning rate as a kernel "
-                       "argument (parallel.shard_optimizer: false)")
     if cfg.optimizer.name == "sgd" and not cfg.optimizer.momentum:
         reasons.append("SGD without momentum updates outside the multi-tensor kernel "
                        "(optimizer.momentum > 0)")
     if "Linear" in kinds and dense == "cublas":
         reasons.append("dense layers multiply with cuBLAS, which cupy cannot capture")
-    if "BatchNorm3d" in kinds:
-        reasons.append("batch norm layers sum with cuBLAS (einsum), which cupy cannot "
-                       "capture")
     return reasons
 
 
@@ -175,11 +169,11 @@ class StepGraph:
     def _prepare(self, step: Any, ctx: Any, lr: Any, votes: Any) -> None:
         """The host's share of a captured step: its values into device memory."""
         step.write_scalars(ctx, votes)
-        step.multi.advance(step.optimizer, lr, step.scalars.hyper)
+        step.device_update.advance(step.optimizer, lr, step.scalars.hyper)
 
     def _capture(self, step: Any, x: DistTensor, targets: Any, ctx: Any, lr: Any,
                  votes: Any, transform: Any) -> Any:
-        if not step.multi.names:
+        if not step.device_update.names:
             return self._give_up(step.eager(x, targets, ctx, lr, votes, transform),
                                  "the warm-up's update did not fit the multi-tensor kernels")
         placed = self._place(step, x, targets, transform)
@@ -200,7 +194,8 @@ class StepGraph:
         moved = [name for name, ident in state_ids(step).items() if before.get(name) != ident]
         if moved:
             return self._give_up(out, "the captured step rebinds " + ", ".join(moved[:3]))
-        self.graph, self.captured, self.kept = graph, out, (step.multi.table,)
+        self.graph, self.captured = graph, out
+        self.kept = (step.device_update.table,)
         LOG.info("device.cuda_graph: captured the training step after %d eager steps",
                  self.calls)
         return self._output(out)

@@ -87,6 +87,11 @@ class OptimizerShards:
         kernels do not fit (then the guarded update)."""
         return self._device(self, optimizer, list(params), lr, skip, hyper, prepared)
 
+    @property
+    def device_update(self) -> Any:
+        """The multi-tensor update :meth:`device_step` launches (its table, its names)."""
+        return self._device.multi
+
     @staticmethod
     def current_values(bucket: Bucket, out: Any = None) -> Any:
         """The current values of this rank's range of ``bucket``'s parameters (a copy;

@@ -224,14 +224,24 @@ class HybridStep:
         skip = self._device_skip()
         if skip is None:
             self._apply(params, lr, bool(self.gradients_bad))
-        elif self.shards is not None or not self._multi_apply(params, lr, skip, prepared):
+        elif not self._multi_apply(params, lr, skip, prepared):
             guarded_update(lambda: self._updated_arrays(params), skip,
                            lambda: self._apply(params, lr, False))
         self.optimizer.zero_grad(params)
 
     def _multi_apply(self, params: list, lr: float | None, skip: Any, prepared: bool) -> bool:
+        """The one-launch update (sharded: over this rank's shard pieces, then the
+        all-gathers); False where the kernels do not fit."""
+        if self.shards is not None:
+            return self.shards.device_step(self.optimizer, params, lr, skip,
+                                           self.scalars.hyper, prepared)
         self.multi.upload = self.multi.upload or pinned_upload
         return self.multi.apply(self.optimizer, params, lr, skip, self.scalars.hyper, prepared)
+
+    @property
+    def device_update(self) -> MultiUpdate:
+        """The multi-tensor update in use (the shards' own when sharded)."""
+        return self.shards.device_update if self.shards is not None else self.multi
 
     def _apply(self, params: list, lr: float | None, skip: bool) -> None:
         if self.shards is not None:
