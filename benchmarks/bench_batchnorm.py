@@ -24,7 +24,6 @@ on the stand-in cupy (tests/standin.py) at tiny sizes.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -164,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     from bench_gpu import gpu_median_ms  # this folder: the CUDA-event timer
-    from bench_raw_kernels import require_device  # cupy with a device, or exit 2
+    from bench_raw_kernels import require_device, write_rows  # cupy with a device, or exit 2
 
     cupy = require_device("bench_batchnorm")
     table = rows(cupy, args.width, args.batch, args.base, args.precisions, args.repeats,
@@ -175,11 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {'x'.join(map(str, ours['shape']))} | {ours['precision']} | {ours['pass']} "
               f"| {ours['ms']:.3f} | {theirs['ms']:.3f} | {theirs['ms'] / ours['ms']:.2f}x "
               f"| {ours['gb_per_s']:.0f} | {ours['max_gap']:.2g} |")
-    if args.out:
-        with open(args.out, "w") as file:
-            json.dump({"width": args.width, "batch": args.batch, "rows": table,
-                       "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()},
-                      file, indent=1)
+    write_rows(args.out, cupy, args.width, args.batch, table)
     return 0
 
 

@@ -47,6 +47,16 @@ def require_device(script: str = "bench_raw_kernels") -> Any:
     sys.exit(2)
 
 
+def write_rows(out: Any, cupy: Any, width: int, batch: int, rows: list) -> None:
+    """The rows as JSON in ``out`` (nothing when None), with the sizes and the device."""
+    if not out:
+        return
+    with open(out, "w") as file:
+        json.dump({"width": width, "batch": batch, "rows": rows,
+                   "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()},
+                  file, indent=1)
+
+
 def cases(cupy: Any, width: int, batch: int, dtype: Any) -> list[tuple[str, Callable, int]]:
     """``(name, launch, compulsory bytes)`` of every timed kernel."""
     item = np.dtype(dtype).itemsize
@@ -111,11 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                          "gb_per_s": rate, "of_peak": rate / args.peak_gbs})
             print(f"| {name} | {precision} | {ms:.3f} | {moved / 1e6:.0f} | {rate:.0f} | "
                   f"{rate / args.peak_gbs:.0%} |")
-    if args.out:
-        with open(args.out, "w") as file:
-            json.dump({"width": args.width, "batch": args.batch, "rows": rows,
-                       "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()},
-                      file, indent=1)
+    write_rows(args.out, cupy, args.width, args.batch, rows)
     return 0
 
 

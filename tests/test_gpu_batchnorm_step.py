@@ -29,14 +29,10 @@ import pytest
 import test_gpu_step_counts as counts
 from standin import installed
 
-from cosmotrain.comm.grid import ProcessGrid
-from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.device.xp import to_host
-from cosmotrain.engine.step import hybrid_step_from_config
 from cosmotrain.kernels import batchnorm as bn
 from cosmotrain.nn.module import Context
 from cosmotrain.precision import bfloat16, widen
-from cosmotrain.tensor.dist_tensor import DistTensor
 
 # A ResNet-10 with batch norm after every convolution, at the smallest width it takes.
 RESNET = ["model.name=resnet3d", "model.depth=10", "model.width=16", "model.base_channels=4",
@@ -61,20 +57,6 @@ def _serial_model(cfg: Any) -> Any:
     from cosmotrain.models import build_model
 
     return build_model(cfg.model, seed=0)
-
-
-def cpu_losses(network: str, extra: list[str]) -> list[float]:
-    from mpi4py import MPI
-
-    cfg = counts.config(network, extra)
-    grid = ProcessGrid(MPI.COMM_SELF, resolve_parallel(cfg, 1))
-    step = hybrid_step_from_config(cfg, grid)
-    x, targets = counts.batch(network)
-    dist, coord = step.model.input_distribution(x.shape)
-    losses = [step(DistTensor.scatter(x, dist, coord), targets,
-                   Context(step=it, seed=cfg.train.seed)).loss for it in range(counts.STEPS)]
-    grid.free()
-    return losses
 
 
 @pytest.mark.parametrize("precision, rtol", [("fp32", 1e-5), ("bf16", 1e-2)])
@@ -104,7 +86,7 @@ def test_resnet_step_runs_batch_norm_on_our_kernels_without_a_host_read(
     assert not [(shape, dtype, out) for (shape, dtype), out in casts
                 if len(shape) == 5 and shape[0] == batch_shape[0] and dtype != out
                 and shape != batch_shape and shape[2:] != (1, 1, 1)]
-    np.testing.assert_allclose(losses, cpu_losses(resnet, extra), rtol=rtol)
+    np.testing.assert_allclose(losses, counts.cpu_losses(resnet, extra), rtol=rtol)
     print(precision, counts.trace_report(ledgers))
 
 

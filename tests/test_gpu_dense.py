@@ -18,15 +18,10 @@ import test_gpu_step_counts as counts
 from standin import installed
 from test_dense_kernels import U32, operands, references, terms
 
-from cosmotrain.comm.grid import ProcessGrid
-from cosmotrain.config.layout import resolve_parallel
 from cosmotrain.device.xp import to_host
-from cosmotrain.engine.step import hybrid_step_from_config
 from cosmotrain.kernels import linear
 from cosmotrain.kernels.cuda.settings import ConvSettings
-from cosmotrain.nn.module import Context
 from cosmotrain.precision import widen
-from cosmotrain.tensor.dist_tensor import DistTensor
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 KERNELS = ConvSettings(dense="kernels")
@@ -107,20 +102,6 @@ def dense_training(monkeypatch: pytest.MonkeyPatch, network: str, precision: str
     return step, ledgers, [out.loss for out in outs]
 
 
-def cpu_losses(network: str) -> list[float]:
-    from mpi4py import MPI
-
-    cfg = counts.config(network)
-    grid = ProcessGrid(MPI.COMM_SELF, resolve_parallel(cfg, 1))
-    step = hybrid_step_from_config(cfg, grid)
-    x, targets = counts.batch(network)
-    dist, coord = step.model.input_distribution(x.shape)
-    losses = [step(DistTensor.scatter(x, dist, coord), targets,
-                   Context(step=it, seed=cfg.train.seed)).loss for it in range(counts.STEPS)]
-    grid.free()
-    return losses
-
-
 def matmuls(ledger: Any) -> Counter:
     return Counter(launch.signature for launch in ledger.launches
                    if launch.kernel == "matmul")
@@ -161,6 +142,6 @@ def test_a_training_step_runs_its_dense_layers_without_matmul(
     if (network, precision) == ("cosmoflow", "fp32"):
         # the paper network's cuBLAS step is the CPU's bit for bit on the stand-in; the
         # MLPerf network's is not (3.8e-5 at step 3, max pooling's path, not the head's)
-        np.testing.assert_allclose(losses, cpu_losses(network), rtol=1e-5)
+        np.testing.assert_allclose(losses, counts.cpu_losses(network), rtol=1e-5)
     print(network, precision, "dense kernels", counts.trace_report(ledgers),
           "cublas", counts.trace_report(cublas_ledgers))

@@ -17,16 +17,10 @@ import numpy as np
 import pytest
 
 cupy = pytest.importorskip("cupy")
+from conftest import cuda_devices  # noqa: E402
 
 
-def _visible_devices() -> int:
-    try:
-        return int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:  # noqa: BLE001 - no driver or no device: nothing to test
-        return 0
-
-
-pytestmark = pytest.mark.skipif(_visible_devices() == 0, reason="no CUDA device visible")
+pytestmark = pytest.mark.skipif(cuda_devices() == 0, reason="no CUDA device visible")
 
 from cosmotrain.comm.grid import ProcessGrid  # noqa: E402
 from cosmotrain.config.layout import resolve_parallel  # noqa: E402

@@ -99,6 +99,21 @@ def batch(network: str) -> tuple[np.ndarray, np.ndarray]:
     return x, rng.normal(size=(size, cfg.model.outputs)).astype(np.float32)
 
 
+def cpu_losses(network: str, extra: list[str] = ()) -> list[float]:
+    """``STEPS`` steps of one batch on the CPU path: the losses a device step is held to."""
+    from mpi4py import MPI
+
+    cfg = config(network, extra)
+    grid = ProcessGrid(MPI.COMM_SELF, resolve_parallel(cfg, 1))
+    step = hybrid_step_from_config(cfg, grid)
+    x, targets = batch(network)
+    dist, coord = step.model.input_distribution(x.shape)
+    losses = [step(DistTensor.scatter(x, dist, coord), targets,
+                   Context(step=it, seed=cfg.train.seed)).loss for it in range(STEPS)]
+    grid.free()
+    return losses
+
+
 def counted_steps(comm: Any, monkeypatch: pytest.MonkeyPatch, network: str,
                   extra: list[str] = (), communication: str = "staging"
                   ) -> tuple[list[Ledger], list[list[str]], list[float]]:
@@ -214,16 +229,8 @@ def test_the_standin_computes_what_the_cpu_computes(monkeypatch: pytest.MonkeyPa
     gives the CPU path's losses to float32 rounding: the counts are of a real step."""
     from mpi4py import MPI
 
-    cfg = config("cosmoflow")
     _, _, device_losses = counted_steps(MPI.COMM_SELF, monkeypatch, "cosmoflow")
-    grid = ProcessGrid(MPI.COMM_SELF, resolve_parallel(cfg, 1))
-    step = hybrid_step_from_config(cfg, grid)
-    x, targets = batch("cosmoflow")
-    dist, coord = step.model.input_distribution(x.shape)
-    host_losses = [step(DistTensor.scatter(x, dist, coord), targets,
-                        Context(step=it, seed=cfg.train.seed)).loss for it in range(STEPS)]
-    grid.free()
-    np.testing.assert_allclose(device_losses, host_losses, rtol=1e-5)
+    np.testing.assert_allclose(device_losses, cpu_losses("cosmoflow"), rtol=1e-5)
 
 
 def test_a_non_finite_step_is_never_applied_on_the_device(
