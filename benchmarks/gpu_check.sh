@@ -11,7 +11,14 @@
 #   STEPS=5 WARMUP=2 BENCH_LIMIT=190 bash benchmarks/gpu_check.sh tests bench-paper bench-mlperf
 #   STEPS=4 WARMUP=1 BENCH_LIMIT=45 bash benchmarks/gpu_check.sh test-ir bench-b32-bf16 memory
 # Issue 35 item 5 (conv1), a minute or two: bash benchmarks/gpu_check.sh bench-conv1
+# Issue 35's device run, prepared 2026-11-29 and not yet run (no device was lent), in
+# calls that each fit one 10-minute command, most telling first:
+#   TESTS_LIMIT=240 bash benchmarks/gpu_check.sh info tests bench-graph
+#   STEPS=5 WARMUP=3 ALGORITHMS=cudnn BENCH_LIMIT=200 bash benchmarks/gpu_check.sh \
+#       bench-paper bench-mlperf
+#   bash benchmarks/gpu_check.sh bench-conv1 bench-dense bench-raw bench-input memory
 # Environment: STEPS, WARMUP, INPUT (host|stored|device), AUTOTUNE (true|false: cuDNN plans),
+# ALGORITHMS (cudnn gemm: the convolution rows; a "graph" row follows each cudnn one),
 # TESTS_LIMIT, BENCH_LIMIT, OUT.
 #
 # Set-up: a machine with no package index gets its missing wheels from .whl/ (the cuDNN
@@ -56,6 +63,7 @@ bench_w128() {  # bench_w128 MODEL BATCH...: the issue's table for one network
     shift
     python3 benchmarks/bench_step.py --width 128 --batch "$@" --steps "${STEPS:-10}" --warmup "${WARMUP:-3}" \
         --input "${INPUT:-host}" --set device.cudnn_autotune="${AUTOTUNE:-false}" \
+        --algorithms ${ALGORITHMS:-cudnn gemm} \
         --set model.name="$model" --out "$OUT/step_${model}_w128_$(date +%H%M%S).json"
 }
 
