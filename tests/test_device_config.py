@@ -93,6 +93,7 @@ def test_device_section_rejects_bad_values_naming_the_key() -> None:
     ("device.cudnn_autotune=true", "device.cudnn_autotune"),
     ("device.conv1_channels_pad=8", "device.conv1_channels_pad"),
     ("device.conv1_algorithm=direct", "device.conv1_algorithm"),
+    ("device.cuda_graph=true", "device.cuda_graph"),
 ])
 def test_gpu_only_settings_on_an_explicit_cpu_backend(override: str, key: str) -> None:
     with pytest.raises(ConfigError, match=f"'{key}'.*backend is cpu"):
