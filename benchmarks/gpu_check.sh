@@ -17,6 +17,8 @@
 #   STEPS=5 WARMUP=3 ALGORITHMS=cudnn BENCH_LIMIT=200 bash benchmarks/gpu_check.sh \
 #       bench-paper bench-mlperf
 #   bash benchmarks/gpu_check.sh bench-conv1 bench-dense bench-raw bench-input memory
+# On the lent machine set OUT to the device tool's $OUT, and keep the logs that come back
+# under docs/perf/gpu-<device>-<date>/ (as docs/perf/gpu-h200-2026-11-27/).
 # Environment: STEPS, WARMUP, INPUT (host|stored|device), AUTOTUNE (true|false: cuDNN plans),
 # ALGORITHMS (cudnn gemm: the convolution rows; a "graph" row follows each cudnn one),
 # TESTS_LIMIT, BENCH_LIMIT, OUT.
