@@ -132,13 +132,13 @@ def test_a_replayed_graph_trains_as_the_eager_step(network: str, extra: list[str
     assert graph_launches == [0, 0, 1, 1, 0, 1], graph_launches  # capture, replay, eager
 
 
+@pytest.mark.parametrize("network", ["cosmoflow", "mlperf"])
 def test_a_replayed_step_waits_for_nothing_and_allocates_nothing(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        network: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The replayed steps' ledgers: no host read, no allocation, no pageable copy, one
     graph launch; outside it only the step's own values go in and its sums come out;
     and the graph's launches are the captured step's, at the same addresses."""
-    full = batch("cosmoflow")
-    graphed = run(monkeypatch, "true", [full] * STEPS)
+    graphed = run(monkeypatch, "true", varied(batch(network), STEPS), network=network)
     replays = graphed["ledgers"][WARMUP + 1:]
     for ledger in replays:
         assert ledger.syncs == [] and ledger.allocations == [], ledger.sync_sites
