@@ -119,10 +119,11 @@ def train(monkeypatch: pytest.MonkeyPatch, out_dir: Path, run: Run, extra: list[
         step = hybrid_step_from_config(cfg, grid, job_runtime(cfg, grid, device))
         reader = Batches(cfg, step.model, bad)
         job = Job(cfg, comm, grid, step, None, {"train": reader}, out_dir)
-        watch(monkeypatch, cupy.ledger, run.timeline, run.params, [])
         signal = Signal(stop)
         try:
-            return Trainer(job, signal, before_step=signal.before_step, bus=bus).run()
+            with monkeypatch.context() as watching:  # this run's own: undone after it
+                watch(watching, cupy.ledger, run.timeline, run.params, [])
+                return Trainer(job, signal, before_step=signal.before_step, bus=bus).run()
         finally:
             run.params.append(snapshot(step))
             run.events[:] = bus.events

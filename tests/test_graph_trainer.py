@@ -52,10 +52,9 @@ def graph_ready(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def trained(monkeypatch: pytest.MonkeyPatch, path: Path, extra: list[str],
             **kwargs: Any) -> tuple[Run, dict]:
-    """Two epochs; the run's own patches (its timeline's) are undone after it."""
+    """Two epochs."""
     run = Run()
-    with monkeypatch.context() as patches:
-        summary = train(patches, path, run, ["train.epochs=2", *extra], **kwargs)
+    summary = train(monkeypatch, path, run, ["train.epochs=2", *extra], **kwargs)
     return run, summary
 
 
