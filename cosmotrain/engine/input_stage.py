@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from cosmotrain.data.readers.transform import DeviceTransform, int16_log1p_table
+from cosmotrain.engine.step_scalars import pinned_allocator
 from cosmotrain.kernels.cuda import raw_ops
 
 
@@ -110,6 +111,4 @@ class InputStage:
 
 def device_stage(xp: Any) -> InputStage:
     """The stage of a job on the device of ``xp`` (cupy), with cupy's pinned host memory."""
-    import cupyx  # type: ignore[import-not-found]  # present wherever cupy is
-
-    return InputStage(xp, cupyx.empty_pinned)
+    return InputStage(xp, pinned_allocator())

@@ -21,7 +21,7 @@ replayed graph issue one trace (tests/test_cuda_graph.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,10 +48,6 @@ class StepScalars:
     def write(self, step: int, votes: Votes) -> None:
         """This step's count and this rank's votes (one launch)."""
         raw_ops.put_values(self.values, [float(step), 0.0, *votes.values()])
-
-    def write_hyper(self, hyper: Sequence[float]) -> None:
-        """The update's hyperparameters for this step (one launch)."""
-        raw_ops.put_values(self.hyper, list(hyper))
 
     @property
     def step(self) -> Any:
